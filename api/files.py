@@ -1,0 +1,80 @@
+"""/v1/files: upload batch input, read file objects and their content (OpenAI shape)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi.responses import StreamingResponse
+
+from api.deps import ServicesDep, TenantDep
+from api.errors import APIError, not_found
+from journal import batches as jb
+
+router = APIRouter(prefix="/v1/files")
+
+UPLOAD_PURPOSES = ("batch",)
+_COPY = 1 << 20
+
+
+def file_object(row: dict[str, Any]) -> dict[str, Any]:
+    return dict(id=row["id"], object="file", bytes=row["bytes"], created_at=row["created_at"],
+                filename=row["filename"], purpose=row["purpose"], status="processed",
+                expires_at=None, status_details=None)
+
+
+@router.post("")
+async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: UploadFile, purpose: str = Form()):
+    limit = svc.settings.max_upload_bytes
+    if purpose not in UPLOAD_PURPOSES:
+        raise APIError(400, f"Invalid purpose {purpose!r}: this deployment accepts {', '.join(UPLOAD_PURPOSES)}.",
+                       param="purpose", code="invalid_value")
+    file_id = "file-" + uuid.uuid4().hex[:24]
+    key = f"files/{file_id}"
+    size = 0
+    # Copy under a temporary name; only a complete upload within the limit becomes an object.
+    with svc.store.writer(key) as out:
+        while chunk := await file.read(_COPY):
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            out.write(chunk)
+    if size == 0:
+        raise APIError(400, "The uploaded file is empty.", param="file", code="empty_file")
+    row = dict(id=file_id, tenant=tenant, purpose=purpose, filename=file.filename or "upload.jsonl",
+               bytes=size, object_key=key, created_at=int(time.time()))
+    async with svc.db.begin() as conn:
+        await jb.create_file(conn, row)
+    return file_object(row)
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"The file exceeds the maximum upload size of {limit} bytes.", param="file", code="file_too_large")
+
+
+@router.get("/{file_id}")
+async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
+    async with svc.db.connect() as conn:
+        row = await jb.get_file(conn, file_id, tenant)
+    if row is None:
+        raise not_found("file", file_id, "file_id")
+    return file_object(row)
+
+
+@router.get("/{file_id}/content")
+async def content(file_id: str, svc: ServicesDep, tenant: TenantDep):
+    async with svc.db.connect() as conn:
+        row = await jb.get_file(conn, file_id, tenant)
+    if row is None:
+        raise not_found("file", file_id, "file_id")
+    f = svc.store.open(row["object_key"])
+
+    def chunks():
+        with f:
+            while data := f.read(_COPY):
+                yield data
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={"Content-Length": str(row["bytes"])})

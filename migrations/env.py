@@ -1,0 +1,18 @@
+"""Alembic environment: online migrations only, against the URL the caller configured."""
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from journal.db import sync_url
+
+
+def run_migrations_online() -> None:
+    url = sync_url(context.config.get_main_option("sqlalchemy.url"))
+    engine = create_engine(url, poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=None)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+run_migrations_online()

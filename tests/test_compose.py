@@ -1,0 +1,412 @@
+"""The compose deployment and the Dockerfile agree with each other and with the code.
+
+No Docker engine is needed: docker-compose.yml is parsed with PyYAML (merge keys and anchors
+resolved), `${VAR:-default}` is read as its default, and every cross-reference is checked:
+service names and ports in the URLs, BALLAST_* variables against `ballast.settings.Settings`,
+commands against the CLI, the GPU reservation and image extras against pyproject.toml, and
+Temporal's persistence and fairness setting. Where a compose CLI exists, it validates the file
+too.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from pydantic import AliasChoices
+
+from ballast.settings import Settings
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+
+REQUIRED_SERVICES = {"postgres", "temporal", "migrate", "api", "control", "engine"}
+BALLAST_COMMANDS = {("migrate",), ("api",), ("worker", "control"), ("worker", "engine")}
+LONG_RUNNING = {("api",), ("worker", "control"), ("worker", "engine")}
+ENV_PREFIX = Settings.model_config.get("env_prefix", "")
+
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$\$")
+
+
+# --- reading the compose file as compose would, without an environment -----------------------
+
+
+def _interpolate(value):
+    """`${VAR:-default}` and `${VAR-default}` become the default, `${VAR}` becomes '', `$$` is `$`.
+
+    The file must work with nothing set in the shell, so defaults are what it means."""
+    if isinstance(value, str):
+
+        def sub(m: re.Match) -> str:
+            if m.group(0) == "$$":
+                return "$"
+            op, default = m.group(2), m.group(3)
+            if op and op.endswith("?"):
+                raise AssertionError(f"required variable ${{{m.group(1)}}} has no default")
+            return default or ""
+
+        return _INTERPOLATION.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    return value
+
+
+def _raw() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _interpolate(_raw())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def _env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _build_args(service: dict) -> dict[str, str]:
+    build = service.get("build")
+    if not isinstance(build, dict):
+        return {}
+    args = build.get("args") or {}
+    if isinstance(args, list):
+        args = dict(item.split("=", 1) for item in args)
+    return {k: str(v) for k, v in args.items()}
+
+
+def _command(service: dict) -> tuple[str, ...]:
+    cmd = service.get("command")
+    if isinstance(cmd, str):
+        return tuple(shlex.split(cmd))
+    return tuple(cmd or ())
+
+
+def _depends(service: dict) -> dict[str, str]:
+    deps = service.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {name: "service_started" for name in deps}
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in deps.items()}
+
+
+def _container_port(entry) -> int:
+    """The container side of a `ports:` entry, short ([ip:][host:]container[/proto]) or long form."""
+    if isinstance(entry, dict):
+        return int(entry["target"])
+    spec = str(entry).split("/", 1)[0]
+    return int(spec.rsplit(":", 1)[-1])
+
+
+def _ports(service: dict) -> set[int]:
+    """Every port the service offers on the compose network: `expose` plus published targets."""
+    exposed = {int(str(p).split("/", 1)[0]) for p in service.get("expose") or []}
+    return exposed | {_container_port(p) for p in service.get("ports") or []}
+
+
+def _mounts(service: dict) -> list[tuple[str, str]]:
+    """(source, target) for each volume entry."""
+    out = []
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, dict):
+            out.append((str(entry.get("source", "")), str(entry["target"])))
+        else:
+            parts = str(entry).split(":")
+            out.append((parts[0], parts[1]) if len(parts) > 1 else ("", parts[0]))
+    return out
+
+
+def _is_bind(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def _ballast_services(services: dict) -> dict[str, dict]:
+    """The services that run the Ballast image: built from this repository's Dockerfile."""
+    return {name: s for name, s in services.items() if "build" in s}
+
+
+def _settings_env_names() -> set[str]:
+    names = set()
+    for field, info in Settings.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names |= {c for c in alias.choices if isinstance(c, str)}
+        elif isinstance(alias, str):
+            names.add(alias)
+        else:
+            names.add(f"{ENV_PREFIX}{field}".upper())
+    return names
+
+
+def _is_settings_var(name: str) -> bool:
+    return name.startswith(ENV_PREFIX) or name == "DATABASE_URL"
+
+
+# --- the tests ------------------------------------------------------------------------------
+
+
+def test_required_services_exist(services):
+    assert REQUIRED_SERVICES <= set(services)
+    assert {"migrate", "api", "control", "engine"} <= set(_ballast_services(services))
+
+
+def test_shared_env_anchor_reaches_every_ballast_service():
+    raw = _raw()
+    shared = raw.get("x-ballast-env")
+    assert isinstance(shared, dict) and shared, "the shared env lives once, in x-ballast-env"
+    for name, service in _ballast_services(raw["services"]).items():
+        env = service.get("environment")
+        assert isinstance(env, dict), name
+        for key, value in shared.items():
+            assert env.get(key) == value, f"{name}: {key} differs from x-ballast-env"
+
+
+def test_ballast_env_vars_are_settings_fields(services):
+    known = _settings_env_names()
+    assert "BALLAST_DATABASE_URL" in known and "DATABASE_URL" in known
+    for name, service in services.items():
+        for key in _env(service):
+            if _is_settings_var(key):
+                assert key in known, f"{name}: {key} is not a field of ballast.settings.Settings"
+
+
+def test_ballast_env_parses_into_settings(services, monkeypatch):
+    """Each Ballast service's environment builds a valid Settings (types included)."""
+    import os
+
+    for name, service in _ballast_services(services).items():
+        with monkeypatch.context() as m:
+            for key in list(os.environ):
+                if _is_settings_var(key):
+                    m.delenv(key)
+            for key, value in _env(service).items():
+                m.setenv(key, value)
+            settings = Settings()
+            assert settings.database_url, name
+            assert settings.temporal_address, name
+
+
+def test_database_url_points_at_postgres(services):
+    pg = services["postgres"]
+    pg_env = _env(pg)
+    pg_ports = _ports(pg)
+    for name, service in _ballast_services(services).items():
+        env = _env(service)
+        url = env.get("BALLAST_DATABASE_URL") or env.get("DATABASE_URL")
+        assert url, f"{name} has no BALLAST_DATABASE_URL"
+        parts = urlsplit(url)
+        assert parts.scheme.split("+")[0] in {"postgresql", "postgres"}, url
+        assert parts.hostname == "postgres", f"{name}: {url} does not name the postgres service"
+        assert (parts.port or 5432) in pg_ports, f"{name}: postgres offers {pg_ports}, not {parts.port}"
+        assert parts.username == pg_env.get("POSTGRES_USER", "postgres")
+        assert parts.password == pg_env["POSTGRES_PASSWORD"]
+        assert parts.path.lstrip("/") == pg_env.get("POSTGRES_DB", parts.username)
+
+
+def test_temporal_address_points_at_temporal(services):
+    temporal_ports = _ports(services["temporal"])
+    for name, service in _ballast_services(services).items():
+        address = _env(service).get("BALLAST_TEMPORAL_ADDRESS")
+        assert address, f"{name} has no BALLAST_TEMPORAL_ADDRESS"
+        host, _, port = address.rpartition(":")
+        assert host == "temporal", f"{name}: {address} does not name the temporal service"
+        assert int(port) in temporal_ports, f"{name}: temporal offers {temporal_ports}, not {port}"
+
+
+def test_processes_share_namespace_queues_and_object_store(services):
+    ballast = _ballast_services(services)
+    for key in ("BALLAST_TEMPORAL_NAMESPACE", "BALLAST_CONTROL_QUEUE", "BALLAST_ENGINE_QUEUE",
+                "BALLAST_OBJECT_STORE"):
+        values = {_env(s).get(key) for s in ballast.values()}
+        assert len(values) == 1 and None not in values, f"{key} differs across services: {values}"
+    ns = _env(services["api"])["BALLAST_TEMPORAL_NAMESPACE"]
+    creators = [s for s in services.values() if _env(s).get("NAMESPACE") == ns]
+    assert creators, f"nothing registers the Temporal namespace {ns!r}"
+
+
+def test_object_store_is_a_shared_volume(compose, services):
+    """Whoever reads or writes batch files sees the same files: one named volume under the URL."""
+    declared = set(compose.get("volumes") or {})
+    for name in ("api", "control", "engine"):
+        url = _env(services[name])["BALLAST_OBJECT_STORE"]
+        parts = urlsplit(url)
+        if parts.scheme != "file":
+            continue  # a real object store (s3://...) needs no volume
+        path = parts.path.rstrip("/")
+        covering = [src for src, dst in _mounts(services[name])
+                    if path == dst.rstrip("/") or path.startswith(dst.rstrip("/") + "/")]
+        assert covering, f"{name}: {path} is not on a volume"
+        assert all(src in declared for src in covering), f"{name}: {covering} not named volumes"
+
+
+def test_named_volumes_are_declared_and_bind_sources_exist(compose, services):
+    declared = set(compose.get("volumes") or {})
+    for name, service in services.items():
+        for source, _target in _mounts(service):
+            if not source:
+                continue
+            if _is_bind(source):
+                assert (ROOT / source).exists(), f"{name}: bind source {source} is missing"
+            else:
+                assert source in declared, f"{name}: volume {source} is not declared"
+
+
+def test_commands_are_ballast_commands(services):
+    for name, service in _ballast_services(services).items():
+        assert "entrypoint" not in service, f"{name} overrides the image's `ballast` entrypoint"
+        assert _command(service) in BALLAST_COMMANDS, f"{name}: {_command(service)}"
+    assert _command(services["migrate"]) == ("migrate",)
+    assert _command(services["api"]) == ("api",)
+    assert _command(services["control"]) == ("worker", "control")
+    assert _command(services["engine"]) == ("worker", "engine")
+    for name, service in _ballast_services(services).items():
+        if _command(service) in LONG_RUNNING:
+            assert service.get("restart") in {"always", "unless-stopped", "on-failure"}, name
+        else:
+            assert service.get("restart", "no") == "no", f"one-shot {name} must not restart"
+
+
+def test_depends_on_references_exist_and_are_acyclic(services):
+    conditions = {"service_started", "service_healthy", "service_completed_successfully"}
+    for name, service in services.items():
+        for dep, condition in _depends(service).items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            assert condition in conditions, f"{name} -> {dep}: {condition}"
+            if condition == "service_healthy":
+                assert services[dep].get("healthcheck"), f"{name} waits on {dep}'s missing healthcheck"
+            if condition == "service_completed_successfully":
+                assert services[dep].get("restart", "no") == "no", f"{dep} is not a one-shot"
+    # Kahn's algorithm: every service can start.
+    pending = {name: set(_depends(s)) for name, s in services.items()}
+    while pending:
+        ready = [n for n, deps in pending.items() if not deps & pending.keys()]
+        assert ready, f"dependency cycle among {sorted(pending)}"
+        for n in ready:
+            del pending[n]
+
+
+def test_startup_order(services):
+    migrate = _depends(services["migrate"])
+    assert migrate.get("postgres") == "service_healthy"
+    assert "pg_isready" in str(services["postgres"]["healthcheck"]["test"])
+    for name in ("api", "control", "engine"):
+        deps = _depends(services[name])
+        assert deps.get("migrate") == "service_completed_successfully", name
+        assert "temporal" in deps, name
+
+
+def test_api_publishes_its_port(services):
+    api = services["api"]
+    env = _env(api)
+    port = int(env.get("BALLAST_API_PORT", Settings.model_fields["api_port"].default))
+    assert env.get("BALLAST_API_HOST") == "0.0.0.0", "inside a container the API must bind 0.0.0.0"
+    assert port in {_container_port(p) for p in api.get("ports") or []}, "api port not published"
+    probe = " ".join(map(str, api["healthcheck"]["test"]))
+    assert f":{port}/healthz" in probe
+
+
+def test_engine_reserves_a_gpu_and_builds_the_gpu_extra(services):
+    engine = services["engine"]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert any(
+        d.get("driver") == "nvidia"
+        and "gpu" in d.get("capabilities", [])
+        and (int(d.get("count", 0)) >= 1 or d.get("device_ids"))
+        for d in devices
+    ), devices
+    assert _build_args(engine).get("EXTRA") == "gpu"
+    env = _env(engine)
+    float(env["BALLAST_KV_CACHE_GIB"]), int(env["BALLAST_MAX_MODEL_LEN"])
+    assert env.get("BALLAST_MODEL")
+
+
+def test_image_extras_exist_in_pyproject(services):
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, service in _ballast_services(services).items():
+        extra = _build_args(service).get("EXTRA", "gpu")
+        assert extra == "none" or extra in extras, f"{name}: unknown extra {extra}"
+    # Images that share a tag are built the same way.
+    by_image: dict[str, set] = {}
+    for service in _ballast_services(services).values():
+        by_image.setdefault(service["image"], set()).add(_build_args(service).get("EXTRA", "gpu"))
+    assert all(len(v) == 1 for v in by_image.values()), by_image
+
+
+def test_temporal_persists_to_postgres(services):
+    temporal = services["temporal"]
+    env = _env(temporal)
+    assert env["DB"].startswith("postgres"), env["DB"]
+    assert env["POSTGRES_SEEDS"] == "postgres"
+    assert int(env.get("DB_PORT", 5432)) in _ports(services["postgres"])
+    assert env["POSTGRES_USER"] == _env(services["postgres"])["POSTGRES_USER"]
+    assert env["POSTGRES_PWD"] == _env(services["postgres"])["POSTGRES_PASSWORD"]
+    # Something creates Temporal's schema before the server starts (or the image does it).
+    if "auto-setup" not in temporal["image"]:
+        schema_jobs = [d for d, c in _depends(temporal).items() if c == "service_completed_successfully"]
+        assert schema_jobs, "temporalio/server needs a schema job before it starts"
+
+
+def test_temporal_dynamic_config_enables_fairness(services):
+    temporal = services["temporal"]
+    rel = _env(temporal)["DYNAMIC_CONFIG_FILE_PATH"]
+    in_container = rel if rel.startswith("/") else f"/etc/temporal/{rel}"
+    host_file = None
+    for source, target in _mounts(temporal):
+        target = target.rstrip("/")
+        if _is_bind(source) and (in_container == target or in_container.startswith(target + "/")):
+            host_file = ROOT / source / in_container[len(target):].lstrip("/")
+    assert host_file is not None, f"{in_container} is not mounted from the repository"
+    assert host_file.is_file(), host_file
+    config = yaml.safe_load(host_file.read_text())
+    fairness = config["matching.enableFairness"]
+    assert any(v["value"] is True and not v.get("constraints") for v in fairness), fairness
+
+
+def test_dockerfile():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"^ARG EXTRA=gpu$", text, re.M)
+    assert re.search(r"""pip install\b[^\n]*["']?\.\[\$\{?EXTRA\}?\]""", text)
+    assert re.search(r'^ENTRYPOINT \["ballast"\]$', text, re.M)
+    cpu_cleanup = re.search(r'"\$EXTRA" = "cpu".*pip uninstall -y ([^;]*)', text)
+    assert cpu_cleanup and {"torchvision", "torchaudio", "torchcodec"} <= set(cpu_cleanup[1].split())
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".git", ".venv"} <= ignored
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_compose_cli_accepts_the_file(tmp_path):
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no docker compose CLI here")
+    proc = subprocess.run(
+        [*cli, "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT), "config", "-q"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr

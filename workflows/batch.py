@@ -1,0 +1,166 @@
+"""A batch job, from validation to its output files. Deterministic orchestration only.
+
+The workflow never sees a prompt or a token: activities read items from the journal and
+write results back, the workflow moves item indices around. Each run handles at most
+`ITEMS_PER_RUN` items and then continues as new, so a 50,000-item batch keeps every
+history small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import replace
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, CancelledError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.inputs import (
+        BatchInput,
+        BatchRef,
+        FinalizeInput,
+        GenerateResult,
+        ItemFailure,
+        ItemRef,
+        PendingInput,
+        StatusInput,
+        ValidateResult,
+    )
+
+ITEMS_PER_RUN = 1000
+CONTROL = dict(
+    start_to_close_timeout=timedelta(minutes=10),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)
+# A generation that keeps killing its worker is failed after this many attempts, not forever.
+GENERATION_ATTEMPTS = 8
+
+
+@workflow.defn(name="Batch")
+class BatchWorkflow:
+    def __init__(self) -> None:
+        self._cancel = False
+
+    @workflow.signal
+    def cancel(self) -> None:
+        self._cancel = True
+
+    @workflow.run
+    async def run(self, inp: BatchInput) -> str:
+        self._cancel = self._cancel or inp.cancel_requested
+        ref = BatchRef(inp.batch_id)
+
+        # 1. Validate the input file once; a bad file fails the batch with line errors.
+        if not inp.validated:
+            checked: ValidateResult = await workflow.execute_activity(
+                "validate_batch", ref, result_type=ValidateResult, **CONTROL
+            )
+            if checked.failed:
+                return "failed"
+            if not self._cancel:
+                await self._status(inp.batch_id, "in_progress")
+
+        # 2. Run pending items, `concurrency` at a time, until done, cancelled or expired.
+        outcome = await self._run_items(inp)
+        if outcome == "continue":
+            workflow.continue_as_new(replace(inp, validated=True, cancel_requested=self._cancel, after_idx=self._after))
+
+        # 3. Write the output and error files; the batch reaches its final status.
+        await workflow.execute_activity(
+            "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), **CONTROL
+        )
+        return outcome
+
+    async def _run_items(self, inp: BatchInput) -> str:
+        self._after = inp.after_idx
+        queue: deque[int] = deque()
+        running: dict[int, workflow.ActivityHandle] = {}
+        started = 0
+        exhausted = False
+        cancelled_sent = False
+
+        def stopping() -> bool:
+            return self._cancel or self._now() >= inp.expires_at
+
+        while True:
+            # Refill the queue a page ahead of the slots, so engines never wait on us.
+            if not exhausted and len(queue) < inp.concurrency and started < ITEMS_PER_RUN and not stopping():
+                page: list[int] = await workflow.execute_activity(
+                    "pending_items",
+                    PendingInput(inp.batch_id, self._after, inp.concurrency * 2),
+                    result_type=list[int],
+                    **CONTROL,
+                )
+                exhausted = not page
+                queue.extend(page)
+                if page:
+                    self._after = page[-1]
+            while queue and len(running) < inp.concurrency and started < ITEMS_PER_RUN and not stopping():
+                idx = queue.popleft()
+                running[idx] = self._generate(inp, idx)
+                started += 1
+            if not running:
+                break
+            try:
+                await workflow.wait_condition(
+                    lambda: (stopping() and not cancelled_sent) or any(h.done() for h in running.values()),
+                    timeout=None if cancelled_sent else max(1.0, inp.expires_at - self._now()),
+                )
+            except asyncio.TimeoutError:
+                pass  # the completion window closed: stopping() now says so
+            if stopping() and not cancelled_sent:
+                cancelled_sent = True
+                for h in running.values():
+                    h.cancel()
+            for idx in [i for i, h in running.items() if h.done()]:
+                await self._settle(inp.batch_id, idx, running.pop(idx))
+
+        if self._cancel:
+            return "cancelled"
+        if self._now() >= inp.expires_at:
+            return "expired"
+        # Items queued but not started are still pending in the journal: the next run
+        # pages from the last one started.
+        if queue:
+            self._after = queue[0] - 1
+        return "continue" if not exhausted or queue else "completed"
+
+    def _generate(self, inp: BatchInput, idx: int) -> workflow.ActivityHandle:
+        return workflow.start_activity(
+            "generate",
+            ItemRef(inp.batch_id, idx),
+            result_type=GenerateResult,
+            task_queue=inp.engine_queue,
+            activity_id=f"item-{idx}",
+            start_to_close_timeout=timedelta(hours=6),
+            heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
+            retry_policy=RetryPolicy(
+                initial_interval=timedelta(seconds=1),
+                maximum_interval=timedelta(seconds=30),
+                maximum_attempts=GENERATION_ATTEMPTS,
+            ),
+            # Wait for the generation to flush its tokens before we move on.
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+
+    async def _settle(self, batch_id: str, idx: int, handle: workflow.ActivityHandle) -> None:
+        try:
+            await handle
+        except ActivityError as err:
+            if isinstance(err.cause, CancelledError):
+                return  # stays pending: it is reported as cancelled or expired
+            # Out of attempts: the item fails, the batch goes on.
+            await workflow.execute_activity(
+                "fail_item",
+                ItemFailure(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
+                **CONTROL,
+            )
+
+    async def _status(self, batch_id: str, status: str) -> None:
+        await workflow.execute_activity("set_batch_status", StatusInput(batch_id, status, self._now()), **CONTROL)
+
+    def _now(self) -> float:
+        return workflow.now().timestamp()

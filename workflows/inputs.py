@@ -1,0 +1,77 @@
+"""The dataclasses that cross Temporal: one input per workflow and per activity.
+
+Fields may be added with defaults (old histories still decode); never repurposed.
+Nothing large travels here: ids and offsets only, payloads stay in the journal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BatchInput:
+    batch_id: str
+    expires_at: float  # unix seconds: completion_window ends here
+    engine_queue: str
+    concurrency: int = 256
+    heartbeat_timeout_s: float = 10.0
+    # Carried across continue-as-new.
+    validated: bool = False
+    after_idx: int = -1
+    cancel_requested: bool = False
+
+
+@dataclass
+class BatchRef:
+    batch_id: str
+
+
+@dataclass
+class ValidateResult:
+    total: int
+    failed: bool  # the file itself is invalid; errors are on the batch
+
+
+@dataclass
+class PendingInput:
+    batch_id: str
+    after_idx: int
+    limit: int
+
+
+@dataclass
+class StatusInput:
+    batch_id: str
+    status: str
+    at: float
+
+
+@dataclass
+class FinalizeInput:
+    batch_id: str
+    status: str  # completed | cancelled | expired
+    at: float
+
+
+@dataclass
+class ItemRef:
+    batch_id: str
+    idx: int
+
+
+@dataclass
+class ItemFailure:
+    batch_id: str
+    idx: int
+    message: str
+    code: str = "internal_error"
+    status_code: int = 500
+
+
+@dataclass
+class GenerateResult:
+    status: str  # completed | failed
+    tokens: int = 0
+    resumed_from: int = 0  # tokens already in the journal when this attempt began
+    extra: dict = field(default_factory=dict)
