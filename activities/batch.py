@@ -95,19 +95,16 @@ class BatchActivities:
             await jb.move_status(conn, inp.batch_id, inp.status, inp.at, **fields)
 
     def _result_line(self, inp: FinalizeInput, item: dict[str, Any], ev) -> tuple[str, bytes]:
+        head = dict(id=jb.stable_id("batch_req_", inp.batch_id, item["idx"]), custom_id=item["custom_id"])
+        if ev is None:  # never ran: the batch was cancelled or expired first
+            error = dict(code=f"batch_{inp.status}", message=f"This request was not executed because the batch was {inp.status}.")
+            return "error", (json.dumps(dict(head, response=None, error=error), ensure_ascii=False) + "\n").encode()
+        status = 200 if ev.type == "item_completed" else ev.payload["status_code"]
         req_id = jb.stable_id("", inp.batch_id, item["idx"], "request")
-        line: dict[str, Any] = dict(id=jb.stable_id("batch_req_", inp.batch_id, item["idx"]), custom_id=item["custom_id"])
-        if ev is not None and ev.type == "item_completed":
-            kind = "output"
-            line["response"] = dict(status_code=200, request_id=req_id, body=ev.payload["body"])
-            line["error"] = None
-        elif ev is not None:
-            kind = "error"
-            line["response"] = dict(status_code=ev.payload["status_code"], request_id=req_id, body=ev.payload["body"])
-            line["error"] = None
-        else:  # never ran: the batch was cancelled or expired first
-            kind = "error"
-            code = f"batch_{inp.status}"
-            line["response"] = None
-            line["error"] = dict(code=code, message=f"This request was not executed because the batch was {inp.status}.")
-        return kind, (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        # The body is spliced in as the JSON text the generation wrote (see body_json).
+        line = (
+            json.dumps(head, ensure_ascii=False)[:-1]
+            + f', "response": {{"status_code": {status}, "request_id": "{req_id}", "body": {ev.payload["body_json"]}}}'
+            + ', "error": null}\n'
+        )
+        return ("output" if status == 200 else "error"), line.encode()

@@ -100,6 +100,8 @@ def _parse_line(n: int, raw: bytes, idx: int, limits: Limits, errors: list[LineE
         return bad("invalid_json_line", f"This line is not parseable as valid JSON: {e.msg if hasattr(e, 'msg') else e}.")
     if not isinstance(obj, dict):
         return bad("invalid_json_line", "Each line must be a JSON object.")
+    if b"\\u0000" in raw:  # Postgres JSONB cannot store NUL characters
+        return bad("unsupported_character", "NUL characters (\\u0000) are not supported in requests.")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return bad("missing_required_parameter", "Each request needs a non-empty string custom_id.", "custom_id")

@@ -87,8 +87,7 @@ class GenerationActivities:
         text, reason = rq.finish(self.engine, tokens, params, reason)
         response = rq.response_body(endpoint, jb.stable_id("", stream), body["model"], text, reason,
                                     len(prompt), len(tokens), created=int(time.time()))
-        done = NewEvent(stream, "item_completed", dict(batch_id=ref.batch_id, idx=ref.idx, body=response),
-                        f"{stream}:completed", tenant)
+        done = jb.item_completed_event(ref.batch_id, ref.idx, tenant, response)
         await self._settle(*([chunk(saved, tokens[saved:])] if len(tokens) > saved else []), done)
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from)
 

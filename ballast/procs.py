@@ -118,6 +118,8 @@ class Child:
         Returns the leader's exit code. Safe to call more than once.
         """
         pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        if self.proc.poll() is not None and not group_members(pgid):
+            return self.proc.returncode  # all gone: signalling now could hit a reused id
         self._signal_group(pgid, signal.SIGTERM)
         if not self._wait_group(pgid, timeout):
             self._signal_group(pgid, signal.SIGKILL)

@@ -13,8 +13,8 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 from ballast import procs

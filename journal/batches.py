@@ -6,6 +6,7 @@ Every write is an event (`journal.events.append`); reads go to the read models.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -58,10 +59,9 @@ async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = N
 async def list_batches(conn: AsyncConnection, tenant: str, after: str | None, limit: int) -> list[dict[str, Any]]:
     q = select(batches).where(batches.c.tenant == tenant)
     if after is not None:
-        cursor = (await conn.execute(select(batches.c.created_at).where(batches.c.id == after))).scalar()
-        if cursor is not None:
-            q = q.where((batches.c.created_at, batches.c.id) < (cursor, after))  # type: ignore[operator]
-    q = q.order_by(batches.c.created_at.desc(), batches.c.id.desc()).limit(limit)
+        cursor = select(batches.c.seq).where(batches.c.id == after).scalar_subquery()
+        q = q.where(batches.c.seq < cursor)
+    q = q.order_by(batches.c.seq.desc()).limit(limit)
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]
 
 
@@ -111,9 +111,21 @@ async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Se
     await append(conn, new)
 
 
+def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any]) -> NewEvent:
+    s = item_stream(batch_id, idx)
+    return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), f"{s}:completed", tenant)
+
+
 def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any]) -> NewEvent:
     s = item_stream(batch_id, idx)
-    return NewEvent(s, "item_failed", dict(batch_id=batch_id, idx=idx, status_code=status_code, body=body), f"{s}:failed", tenant)
+    payload = dict(batch_id=batch_id, idx=idx, status_code=status_code, body_json=body_json(body))
+    return NewEvent(s, "item_failed", payload, f"{s}:failed", tenant)
+
+
+def body_json(body: dict[str, Any]) -> str:
+    """A response body kept as JSON text inside the event: generated text may hold NUL,
+    which a JSONB string cannot, and the text keeps the body's key order."""
+    return json.dumps(body, ensure_ascii=False)
 
 
 async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, Any] | None:

@@ -63,7 +63,7 @@ async def _file_created(conn, evs):
 
 @projects("batch_created")
 async def _batch_created(conn, evs):
-    await conn.execute(insert(batches).on_conflict_do_nothing(), [e.payload for e in evs])
+    await conn.execute(insert(batches).on_conflict_do_nothing(), [dict(e.payload, seq=e.position) for e in evs])
 
 
 # A status change carries its own timestamp (`at`) so replay reproduces it exactly.

@@ -74,8 +74,9 @@ batches = Table(
     Column("expired_at", BigInteger),
     Column("cancelling_at", BigInteger),
     Column("cancelled_at", BigInteger),
-    # Listing is newest first with an id tiebreak; the index matches that query.
-    Index("batches_tenant_created", "tenant", text("created_at DESC"), text("id DESC")),
+    # The position of the batch_created event: listing is newest first by it.
+    Column("seq", BigInteger, nullable=False),
+    Index("batches_tenant_seq", "tenant", text("seq DESC")),
 )
 
 batch_items = Table(

@@ -49,3 +49,32 @@ async def db(db_url):
         yield engine
     finally:
         await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from engine.models import ModelSpec
+    from engine.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("models"), max_model_len=1024)
+    return ModelSpec(str(path), "ballast-tiny", 1024)
+
+
+@pytest.fixture(scope="session")
+async def engine(tiny_model):
+    """One real vLLM engine over the tiny model for the whole session (start ~20 s)."""
+    from engine.vllm_engine import Engine
+
+    eng = await Engine.start(tiny_model, kv_cache_gib=0.5, max_num_seqs=64)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def temporal_address():
+    from ballast.temporal_server import TemporalDevServer
+
+    with TemporalDevServer(None) as server:
+        yield server.address

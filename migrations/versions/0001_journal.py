@@ -81,8 +81,10 @@ def upgrade() -> None:
         sa.Column("error_file_id", sa.Text),
         sa.Column("created_at", sa.BigInteger, nullable=False),
         *ts,
+        # The position of the batch_created event: a total creation order for listing.
+        sa.Column("seq", sa.BigInteger, nullable=False),
     )
-    op.execute("CREATE INDEX batches_tenant_created ON batches (tenant, created_at DESC, id DESC)")
+    op.execute("CREATE INDEX batches_tenant_seq ON batches (tenant, seq DESC)")
     op.create_table(
         "batch_items",
         sa.Column("batch_id", sa.Text, primary_key=True),

@@ -1,0 +1,247 @@
+"""A batch job end to end: the official `openai` client → API → Temporal → vLLM → journal
+→ output file, on real Postgres, a real Temporal dev server and real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from ballast import procs
+from tests.e2e.conftest import UPLOAD_LIMIT
+
+pytestmark = pytest.mark.e2e
+
+TOPICS = ["cats", "the sea", "ballast tanks", "a dragon", "Zürich", "1 + 1 =", "def f(x):", "привет", "haiku", "GPU"]
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int, **extra) -> dict:
+    body = dict(model="ballast-tiny", messages=[dict(role="user", content=content)], max_tokens=max_tokens,
+                temperature=0, **extra)
+    return dict(custom_id=custom_id, method="POST", url="/v1/chat/completions", body=body)
+
+
+def jsonl(lines) -> bytes:
+    return "".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines).encode()
+
+
+def submit(client, lines, endpoint="/v1/chat/completions", **kw):
+    f = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h", **kw)
+
+
+def wait_for(client, batch_id, statuses=("completed", "failed", "cancelled", "expired"), timeout=300, until=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in statuses or (until and until(b)):
+            return b
+        assert time.monotonic() < deadline, f"batch stuck in {b.status}: {b}"
+        time.sleep(0.3)
+
+
+def read_jsonl(client, file_id) -> list[dict]:
+    return [json.loads(ln) for ln in client.files.content(file_id).text.splitlines()]
+
+
+async def greedy(engine, content: str, max_tokens: int) -> str:
+    """vLLM's own greedy output for the prompt, computed here, independently of Ballast."""
+    ids = engine.render_chat([dict(role="user", content=content)])
+    tokens: list[int] = []
+    async for step in engine.generate(f"ref-{uuid.uuid4().hex}", ids, max_tokens=max_tokens, temperature=0.0):
+        tokens += step.token_ids
+    return engine.decode(tokens)
+
+
+async def test_openai_client_runs_a_50_line_batch_to_vllms_greedy_output(client, engine, stack, temporal_address):
+    prompts = [f"Request {i}: tell me about {TOPICS[i % len(TOPICS)]}" for i in range(50)]
+    lines = [chat_line(f"item-{i}", p, 24 + (i % 5) * 8) for i, p in enumerate(prompts)]
+    batch = await asyncio.to_thread(submit, client, lines, metadata={"purpose": "e2e"})
+    assert batch.status == "validating" and batch.metadata == {"purpose": "e2e"}
+
+    done = await asyncio.to_thread(wait_for, client, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (50, 50, 0)
+    assert done.error_file_id is None
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out = await asyncio.to_thread(read_jsonl, client, done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"item-{i}" for i in range(50)]  # input order
+
+    expected = await asyncio.gather(*(greedy(engine, p, ln["body"]["max_tokens"]) for p, ln in zip(prompts, lines)))
+    for o, want, ln in zip(out, expected, lines):
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        assert body["object"] == "chat.completion" and body["model"] == "ballast-tiny"
+        assert body["choices"][0]["message"]["content"] == want, o["custom_id"]
+        assert body["usage"]["completion_tokens"] <= ln["body"]["max_tokens"]
+
+    # The workflow is deterministic: its history replays against today's code.
+    from temporalio.client import Client
+    from temporalio.worker import Replayer
+
+    from workflows.batch import BatchWorkflow
+
+    tc = await Client.connect(temporal_address)
+    history = await tc.get_workflow_handle(f"batch:{batch.id}").fetch_history()
+    await Replayer(workflows=[BatchWorkflow]).replay_workflow(history)
+    assert len(history.events) < 1000  # no per-token events: ~ a handful per item
+
+
+def test_an_invalid_file_fails_validation_with_line_errors(client):
+    lines = [
+        chat_line("a", "fine", 8),
+        '{"custom_id": "b", "method": "POST", "url": ',  # line 2: not JSON
+        chat_line("c", "fine", 8),
+        chat_line("a", "again", 8),  # line 4: duplicate custom_id
+        dict(chat_line("d", "fine", 8), url="/v1/embeddings"),  # line 5: wrong url
+    ]
+    batch = submit(client, lines)
+    done = wait_for(client, batch.id)
+    assert done.status == "failed" and done.failed_at
+    errors = {(e.line, e.code) for e in done.errors.data}
+    assert errors == {(2, "invalid_json_line"), (4, "duplicate_custom_id"), (5, "mismatched_endpoint")}
+    assert done.request_counts.total == 0  # nothing half-admitted
+
+
+def test_requests_that_cannot_run_go_to_the_error_file_naming_their_line(client):
+    lines = [
+        chat_line("ok-1", "fine", 8),
+        chat_line("too-long", "fine", 5000),  # beyond the 1024-token context
+        dict(chat_line("no-model", "fine", 8), body=dict(chat_line("x", "y", 8)["body"], model="gpt-9")),
+        chat_line("ok-2", "fine", 8),
+        chat_line("prompt-too-long", "z" * 1100, 8),  # caught by the engine, after tokenizing
+    ]
+    done = wait_for(client, submit(client, lines).id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 3)
+    assert [o["custom_id"] for o in read_jsonl(client, done.output_file_id)] == ["ok-1", "ok-2"]
+    errs = {e["custom_id"]: e["response"] for e in read_jsonl(client, done.error_file_id)}
+    assert list(errs) == ["too-long", "no-model", "prompt-too-long"]
+    assert errs["too-long"]["status_code"] == 400
+    assert errs["too-long"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert errs["too-long"]["body"]["error"]["message"].startswith("Line 2:")
+    assert errs["no-model"]["status_code"] == 404 and "Line 3:" in errs["no-model"]["body"]["error"]["message"]
+    assert errs["prompt-too-long"]["body"]["error"]["message"].startswith("Line 5:")
+
+
+def _assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    return err
+
+
+def test_bad_requests_get_4xx_in_openai_shape(stack):
+    api = httpx.Client(base_url=stack.url, timeout=30)
+    _assert_openai_error(api.get("/v1/files/file-nope"), 404)
+    _assert_openai_error(api.get("/v1/files/file-nope/content"), 404)
+    _assert_openai_error(api.get("/v1/batches/batch_nope"), 404)
+    _assert_openai_error(api.post("/v1/batches/batch_nope/cancel"), 404)
+    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "fine-tune"}), 400, "purpose")
+    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}), 400, "purpose")
+    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"")}, data={"purpose": "batch"}), 400, "file")
+    big = b"x" * (UPLOAD_LIMIT + 1)
+    _assert_openai_error(api.post("/v1/files", files={"file": ("big.jsonl", big)}, data={"purpose": "batch"}), 413)
+    # Chunked, without Content-Length: caught while copying, and nothing is kept.
+    _assert_openai_error(
+        api.post("/v1/files", content=_chunked_multipart(big), headers={"content-type": "multipart/form-data; boundary=XX"}), 413
+    )
+    fid = api.post("/v1/files", files={"file": ("a.jsonl", jsonl([chat_line("a", "x", 4)]))}, data={"purpose": "batch"}).json()["id"]
+    ok = dict(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+    _assert_openai_error(api.post("/v1/batches", json=dict(ok, endpoint="/v1/embeddings")), 400, "endpoint")
+    _assert_openai_error(api.post("/v1/batches", json=dict(ok, completion_window="1h")), 400, "completion_window")
+    _assert_openai_error(api.post("/v1/batches", json=dict(ok, input_file_id="file-nope")), 404, "input_file_id")
+    _assert_openai_error(api.post("/v1/batches", json={"endpoint": "/v1/completions"}), 400)
+    _assert_openai_error(api.post("/v1/batches", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _assert_openai_error(api.get("/v1/batches", params={"limit": 0}), 400, "limit")
+
+
+def _chunked_multipart(payload: bytes):
+    yield b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    yield b'--XX\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+    for i in range(0, len(payload), 65536):
+        yield payload[i : i + 65536]
+    yield b"\r\n--XX--\r\n"
+
+
+def test_list_batches_pages_newest_first(client):
+    ids = [submit(client, [chat_line("a", "x", 2)]).id for _ in range(3)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    rest = client.batches.list(limit=2, after=page.data[-1].id)
+    assert rest.data[0].id == ids[0]
+    for i in ids:
+        wait_for(client, i)
+
+
+def test_cancel_mid_run_keeps_the_items_already_done(client, db_url):
+    lines = [chat_line(f"short-{i}", f"short {i}", 4) for i in range(4)]
+    lines += [chat_line(f"long-{i}", f"long {i}", 900, ignore_eos=True) for i in range(12)]
+    batch = submit(client, lines)
+    wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 4, timeout=120)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    out = read_jsonl(client, done.output_file_id)
+    assert {o["custom_id"] for o in out} >= {f"short-{i}" for i in range(4)}
+    errs = read_jsonl(client, done.error_file_id)
+    assert errs and all(e["error"]["code"] == "batch_cancelled" for e in errs)
+    assert len(out) + len(errs) == 16
+    # The cancelled generations flushed what they had produced.
+    flushed = _sql(db_url, "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s",
+                   s=f"item:{batch.id}:%")[0][0]
+    assert flushed > 0
+    with pytest.raises(Exception, match="Cannot cancel"):
+        client.batches.cancel(batch.id)
+
+
+async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(client, stack, engine, db_url):
+    prompts = [f"crash test {i}: {TOPICS[i % len(TOPICS)]}" for i in range(12)]
+    lines = [chat_line(f"k-{i}", p, 300) for i, p in enumerate(prompts)]
+    batch = await asyncio.to_thread(submit, client, lines)
+    chunks = "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
+    like = f"item:{batch.id}:%"
+    # Let generations get going and checkpoint, then kill the worker and vLLM outright.
+    deadline = time.monotonic() + 120
+    while _sql(db_url, chunks, s=like)[0][0] < 24:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    victim = stack.engine
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    assert not procs.group_members(victim.pid)
+    before_restart = _sql(db_url, chunks, s=like)[0][0]
+    assert (await asyncio.to_thread(client.batches.retrieve, batch.id)).status == "in_progress"
+
+    stack.start_engine()
+    done = await asyncio.to_thread(wait_for, client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 12
+    out = await asyncio.to_thread(read_jsonl, client, done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"k-{i}" for i in range(12)]  # each once, in order
+
+    dupes = _sql(db_url, """SELECT stream, payload->>'offset', count(*) FROM events
+                            WHERE type = 'item_chunk' AND stream LIKE %(s)s GROUP BY 1, 2 HAVING count(*) > 1""", s=like)
+    assert dupes == []
+    assert _sql(db_url, chunks, s=like)[0][0] > before_restart  # the new worker carried on
+    # Resumed from the journal on a fresh engine, each text is still vLLM's greedy output.
+    expected = await asyncio.gather(*(greedy(engine, p, 300) for p in prompts))
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
+
+
+def _sql(url: str, sql: str, **params):
+    import psycopg
+
+    from journal.db import libpq_url
+
+    with psycopg.connect(libpq_url(url)) as conn:
+        return [tuple(r) for r in conn.execute(sql, params).fetchall()]
