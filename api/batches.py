@@ -73,7 +73,8 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     try:
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
-            BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s),
+            BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s,
+                       s.batch_items_per_run),
             id=workflow_id(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 200 * 1024 * 1024
     max_batch_lines: int = 50_000
     batch_concurrency: int = 256
+    batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
     checkpoint_tokens: int = 16
     heartbeat_timeout_s: float = 10.0
 

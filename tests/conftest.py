@@ -7,6 +7,8 @@ server is started under a temporary directory.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -23,12 +25,16 @@ def pg_server_url(tmp_path_factory):
     if url:
         yield url
         return
-    server = pg.EmbeddedPostgres(Path(tmp_path_factory.mktemp("pg")))
+    # Not under pytest's tmp dir: another pytest run resets its permissions, which the
+    # server (running as an unprivileged user when we are root) needs to traverse.
+    root = Path(tempfile.mkdtemp(prefix="ballast-test-pg-"))
+    server = pg.EmbeddedPostgres(root)
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 The workflow never sees a prompt or a token: activities read items from the journal and
 write results back, the workflow moves item indices around. Each run handles at most
-`ITEMS_PER_RUN` items and then continues as new, so a 50,000-item batch keeps every
+`items_per_run` items and then continues as new, so a 50,000-item batch keeps every
 history small.
 """
 
@@ -30,7 +30,6 @@ with workflow.unsafe.imports_passed_through():
         ValidateResult,
     )
 
-ITEMS_PER_RUN = 1000
 CONTROL = dict(
     start_to_close_timeout=timedelta(minutes=10),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
@@ -87,7 +86,7 @@ class BatchWorkflow:
 
         while True:
             # Refill the queue a page ahead of the slots, so engines never wait on us.
-            if not exhausted and len(queue) < inp.concurrency and started < ITEMS_PER_RUN and not stopping():
+            if not exhausted and len(queue) < inp.concurrency and started < inp.items_per_run and not stopping():
                 page: list[int] = await workflow.execute_activity(
                     "pending_items",
                     PendingInput(inp.batch_id, self._after, inp.concurrency * 2),
@@ -98,7 +97,7 @@ class BatchWorkflow:
                 queue.extend(page)
                 if page:
                     self._after = page[-1]
-            while queue and len(running) < inp.concurrency and started < ITEMS_PER_RUN and not stopping():
+            while queue and len(running) < inp.concurrency and started < inp.items_per_run and not stopping():
                 idx = queue.popleft()
                 running[idx] = self._generate(inp, idx)
                 started += 1

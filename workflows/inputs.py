@@ -16,6 +16,7 @@ class BatchInput:
     engine_queue: str
     concurrency: int = 256
     heartbeat_timeout_s: float = 10.0
+    items_per_run: int = 1000  # then continue-as-new: keeps each history a few thousand events
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1

@@ -74,6 +74,7 @@ def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
         BALLAST_API_PORT=str(procs.free_port()),
         BALLAST_MAX_UPLOAD_BYTES=str(UPLOAD_LIMIT),
         BALLAST_HEARTBEAT_TIMEOUT_S="3",
+        BALLAST_BATCH_ITEMS_PER_RUN="16",  # every multi-page batch also crosses continue-as-new
         BALLAST_CONTROL_QUEUE=f"control-{os.getpid()}",
         BALLAST_ENGINE_QUEUE=f"engine-{os.getpid()}",
     )

@@ -1,0 +1,116 @@
+"""`ballast up` on embedded defaults: ready, serves a batch, stops every child on SIGTERM or
+Ctrl-C, and a second `ballast up` finds the first one's jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+from ballast import procs
+
+pytestmark = pytest.mark.e2e
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, however it detached (setsid, own groups)."""
+    found, frontier = set(), [pid]
+    while frontier:
+        kids = procs.children_of(frontier.pop())
+        found |= set(kids)
+        frontier += kids
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def start_up(env, log):
+    return procs.spawn("ballast up", [sys.executable, "-m", "ballast.cli", "up"], env=env, log_path=log)
+
+
+def wait_healthy(api: httpx.Client, child: procs.Child) -> None:
+    procs.wait_until(lambda: _ok(api), 300, "ballast up to report healthy", child=child, interval=0.5)
+
+
+def _ok(api: httpx.Client) -> bool:
+    try:
+        return api.get("/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_and_check_no_orphans(child: procs.Child, sig: int) -> None:
+    tree = descendants(child.pid)
+    assert len(tree) >= 4, tree  # postgres, temporal, engine, control, api (+ their own children)
+    os.kill(child.pid, sig)
+    child.proc.wait(90)
+    deadline = time.monotonic() + 30
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(tree), f"orphans after {signal.Signals(sig).name}: {alive(tree)}"
+
+
+@pytest.fixture
+def data_dir():
+    d = Path(tempfile.mkdtemp(prefix="ballast-test-up-"))  # see pg_server_url on why not tmp_path
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tiny_model):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")}
+    port = procs.free_port()
+    env.update(BALLAST_DATA_DIR=str(data_dir), BALLAST_API_PORT=str(port),
+               BALLAST_TEMPORAL_PORT=str(procs.free_port()), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
+               BALLAST_MODEL=tiny_model.path, BALLAST_SERVED_MODEL_NAME=tiny_model.name,
+               BALLAST_MAX_MODEL_LEN=str(tiny_model.max_model_len), BALLAST_KV_CACHE_GIB="0.5")
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+    first = start_up(env, tmp_path / "up-1.log")
+    try:
+        wait_healthy(api, first)
+        parts = api.get("/healthz").json()["parts"]
+        assert set(parts.values()) == {"ok"}
+        ui = httpx.get(f"http://127.0.0.1:{env['BALLAST_TEMPORAL_UI_PORT']}", timeout=10)
+        assert ui.status_code == 200  # the Temporal Web UI is reachable
+        line = dict(custom_id="only", method="POST", url="/v1/completions",
+                    body=dict(model=tiny_model.name, prompt="persist me", max_tokens=8, temperature=0))
+        fid = api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")}, data={"purpose": "batch"}).json()["id"]
+        bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions", completion_window="24h")).json()["id"]
+        deadline = time.monotonic() + 120
+        while (b := api.get(f"/v1/batches/{bid}").json())["status"] != "completed":
+            assert time.monotonic() < deadline and b["status"] not in ("failed", "cancelled"), b
+            time.sleep(0.3)
+        output = api.get(f"/v1/files/{b['output_file_id']}/content").text
+        stop_and_check_no_orphans(first, signal.SIGTERM)
+    finally:
+        first.stop(30)
+
+    second = start_up(env, tmp_path / "up-2.log")
+    try:
+        wait_healthy(api, second)
+        again = api.get(f"/v1/batches/{bid}").json()
+        assert again["status"] == "completed" and again["request_counts"]["completed"] == 1
+        assert api.get(f"/v1/files/{again['output_file_id']}/content").text == output
+        assert [x["id"] for x in api.get("/v1/batches").json()["data"]] == [bid]
+        stop_and_check_no_orphans(second, signal.SIGINT)  # Ctrl-C
+    finally:
+        second.stop(30)
