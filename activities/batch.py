@@ -16,7 +16,7 @@ from temporalio import activity
 from activities import batch_input
 from journal import batches as jb
 from journal.objects import ObjectStore
-from workflows.inputs import BatchRef, FinalizeInput, ItemFailure, PendingInput, StatusInput, ValidateResult
+from workflows.inputs import BatchRef, FinalizeInput, ItemFailure, PendingInput, ValidateResult
 
 
 class BatchActivities:
@@ -43,6 +43,8 @@ class BatchActivities:
                                      errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
             await jb.add_items(conn, ref.batch_id, batch["tenant"], items)
+            # Unless a cancel came first (then the lifecycle refuses the move).
+            await jb.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, len(items))
         return ValidateResult(len(items), False)
 
@@ -50,11 +52,6 @@ class BatchActivities:
     async def pending_items(self, inp: PendingInput) -> list[int]:
         async with self.db.connect() as conn:
             return await jb.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
-
-    @activity.defn
-    async def set_batch_status(self, inp: StatusInput) -> bool:
-        async with self.db.begin() as conn:
-            return await jb.move_status(conn, inp.batch_id, inp.status, inp.at)
 
     @activity.defn
     async def fail_item(self, inp: ItemFailure) -> None:

@@ -119,7 +119,8 @@ def _parse_line(n: int, raw: bytes, idx: int, limits: Limits, errors: list[LineE
     return Item(idx, n, custom_id, body, check_request(limits.endpoint, body, limits, line=n))
 
 
-def check_request(endpoint: str, body: dict[str, Any], limits: Limits, line: int | None = None) -> RequestError | None:
+def check_request(endpoint: str, body: dict[str, Any], limits: Limits, line: int | None = None,
+                  interactive: bool = False) -> RequestError | None:
     """The checks that need no tokenizer. The engine adds prompt length + max_tokens."""
     where = f"Line {line}: " if line is not None else ""
 
@@ -131,7 +132,7 @@ def check_request(endpoint: str, body: dict[str, Any], limits: Limits, line: int
         return err("`model` is required.", "model", "missing_required_parameter")
     if model != limits.model:
         return err(f"The model {model!r} does not exist; this deployment serves {limits.model!r}.", "model",
-                   "model_not_found", 404)
+                   "model_not_found")
     if endpoint == "/v1/chat/completions":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(_is_message(m) for m in msgs):
@@ -157,7 +158,7 @@ def check_request(endpoint: str, body: dict[str, Any], limits: Limits, line: int
         return err("`temperature` must be between 0 and 2.", "temperature")
     if body.get("n", 1) != 1:
         return err("Only n=1 is supported.", "n", "unsupported_value")
-    if body.get("stream"):
+    if body.get("stream") and not interactive:
         return err("Streaming is not available inside a batch.", "stream", "unsupported_value")
     return None
 

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI, Request
 from temporalio.client import Client
+from temporalio.worker import Worker
 
-from api import batches, errors, files, health
+from activities.requests import RequestActivities
+from api import batches, errors, files, health, interactive
 from api.deps import Services
+from api.engines import EngineDirectory
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
+from workflows.interactive import InteractiveWorkflow
 
 # Multipart framing on top of the file itself.
 _UPLOAD_SLACK = 64 * 1024
@@ -22,11 +27,19 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         db = connect(settings.database_url)
         client = temporal or await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
-        app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url))
-        try:
-            yield
-        finally:
-            await db.dispose()
+        http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
+        app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url),
+                                      EngineDirectory(db), http)
+        # Interactive request workflows start eagerly here, in this process: no dispatch.
+        acts = RequestActivities(db)
+        worker = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
+                        activities=[acts.journal_request])
+        async with worker:
+            try:
+                yield
+            finally:
+                await http.aclose()
+        await db.dispose()
 
     app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan)
     errors.install(app)
@@ -42,5 +55,6 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
 
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(interactive.router)
     app.include_router(health.router)
     return app

@@ -42,7 +42,8 @@ async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
         "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
-    return dict(object="batch", **out, request_counts=counts)
+    # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic.
+    return dict(object="batch", **out, request_counts=counts, ballast=await jb.preemptions(conn, row["id"]))
 
 
 @router.post("")
@@ -74,7 +75,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
             BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s,
-                       s.batch_items_per_run),
+                       s.batch_items_per_run, s.batch_group_size),
             id=workflow_id(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

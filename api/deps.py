@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
+import httpx
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from api.engines import EngineDirectory
 from ballast.settings import Settings
 from journal.objects import ObjectStore
 
@@ -19,6 +21,8 @@ class Services:
     db: AsyncEngine
     temporal: Client
     store: ObjectStore
+    engines: EngineDirectory
+    http: httpx.AsyncClient  # to engine workers' streaming endpoints
 
 
 def _services(request: Request) -> Services:

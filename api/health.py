@@ -35,16 +35,21 @@ async def _db(svc) -> bool:
         return (await conn.execute(text("SELECT 1"))).scalar() == 1
 
 
+async def _engines(svc) -> bool:
+    return any(e.model == svc.settings.model_name for e in await svc.engines.live())
+
+
 @router.get("/healthz")
 async def healthz(svc: ServicesDep):
     s = svc.settings
     parts = dict(
         zip(
-            ("postgres", "temporal_control_worker", "engine_worker"),
+            ("postgres", "temporal_control_worker", "engine_worker", "engine_streaming"),
             await asyncio.gather(
                 _check(_db(svc)),
                 _check(_pollers(svc, s.control_queue, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW)),
                 _check(_pollers(svc, s.engine_queue, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)),
+                _check(_engines(svc)),
             ),
         )
     )

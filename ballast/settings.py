@@ -42,9 +42,16 @@ class Settings(BaseSettings):
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
 
-    # Task queues: the control worker and the engine workers.
+    # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
     engine_queue: str = "ballast-engine"
+    interactive_queue: str = "ballast-interactive"
+
+    # An engine worker's streaming endpoint for interactive requests (port 0: any free one),
+    # and the URL it announces to the API (default http://<host>:<port>).
+    engine_host: str = "127.0.0.1"
+    engine_port: int = 0
+    engine_url: str | None = None
 
     # Batches.
     object_store: str | None = None  # fsspec URL; unset: data_dir/objects
@@ -52,7 +59,12 @@ class Settings(BaseSettings):
     max_batch_lines: int = 50_000
     batch_concurrency: int = 256
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
-    checkpoint_tokens: int = 16
+    batch_group_size: int = 16  # items per generation activity
+    checkpoint_tokens: int = 32  # journal a generation's tokens every N (and always before it yields)
+    # Preemption: batch sequences allowed on an engine while interactive work is in
+    # flight, and how long demand must stay low before batch gets its slots back.
+    batch_busy_cap: int = 0
+    batch_cool_down_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
 
     @cached_property

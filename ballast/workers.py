@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from contextlib import AsyncExitStack
 from datetime import timedelta
 
+import uvicorn
 from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
 from activities.batch_input import Limits
+from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
@@ -40,7 +44,7 @@ async def control_worker(settings: Settings) -> None:
         client,
         task_queue=settings.control_queue,
         workflows=[BatchWorkflow],
-        activities=[acts.validate_batch, acts.pending_items, acts.set_batch_status, acts.fail_item, acts.finalize_batch],
+        activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.finalize_batch],
     )
     log.info("control worker polling %s", settings.control_queue)
     try:
@@ -53,6 +57,8 @@ async def engine_worker(settings: Settings) -> None:
     # vLLM is imported here, not at module level: the control plane never needs it.
     from activities.generate import GenerationActivities
     from engine.models import resolve_model
+    from engine.server import EmbeddedServer, create_app
+    from engine.slots import EngineSlots
     from engine.vllm_engine import Engine
     from journal.checkpointer import Checkpointer
 
@@ -61,18 +67,55 @@ async def engine_worker(settings: Settings) -> None:
     engine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs)
     client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
     db = connect(settings.database_url)
+    slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s)
+    port = settings.engine_port or procs.free_port(settings.engine_host)
+    url = settings.engine_url or f"http://{settings.engine_host}:{port}"
+    engine_id = f"{socket.gethostname()}-{os.getpid()}"
+    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots), host=settings.engine_host, port=port,
+                                           log_level="warning", lifespan="off"))
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)
         checkpointer = await stack.enter_async_context(Checkpointer(db))
-        acts = GenerationActivities(db, engine, checkpointer, checkpoint_tokens=settings.checkpoint_tokens)
+        serving = asyncio.create_task(server.serve())
+        stack.push_async_callback(_stop_server, server, serving)
+        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots))
+        stack.push_async_callback(_withdraw, db, engine_id, announcing)
+        acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens)
         worker = Worker(
             client,
             task_queue=settings.engine_queue,
             activities=[acts.generate],
-            # Enough slots that vLLM, not Temporal, decides how many run at once.
+            # Enough slots that the engine slots, not Temporal, decide how much runs at once.
             max_concurrent_activities=settings.max_num_seqs * 2,
             graceful_shutdown_timeout=timedelta(seconds=5),
         )
-        log.info("engine worker polling %s", settings.engine_queue)
+        log.info("engine worker %s polling %s, streaming at %s", engine_id, settings.engine_queue, url)
         await _run_until_signalled(worker)
+
+
+async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots) -> None:
+    """Tell the API where this engine streams from and how loaded it is, every second."""
+    from journal import engines as je
+
+    while True:
+        try:
+            async with db.begin() as conn:
+                await je.announce(conn, engine_id, url, model, settings.engine_queue,
+                                  dict(slots.snapshot(), max_seqs=settings.max_num_seqs))
+        except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
+            log.warning("could not announce engine %s: %s", engine_id, err)
+        await asyncio.sleep(1.0)
+
+
+async def _withdraw(db, engine_id: str, announcing: asyncio.Task) -> None:
+    from journal import engines as je
+
+    announcing.cancel()
+    async with db.begin() as conn:
+        await je.withdraw(conn, engine_id)
+
+
+async def _stop_server(server, serving: asyncio.Task) -> None:
+    server.should_exit = True
+    await serving

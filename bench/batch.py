@@ -91,7 +91,7 @@ def _run_batch(api: httpx.Client, reqs: list[dict], settings: Settings) -> dict:
     fid = api.post("/v1/files", files={"file": ("bench.jsonl", lines)}, data={"purpose": "batch"}).raise_for_status().json()["id"]
     bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions", completion_window="24h")).json()["id"]
     while (b := api.get(f"/v1/batches/{bid}").json())["status"] not in ("completed", "failed", "cancelled", "expired"):
-        time.sleep(0.05)
+        time.sleep(0.1)
     out = api.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines()
     seconds = time.perf_counter() - t0
     assert b["status"] == "completed" and len(out) == len(reqs), b

@@ -26,6 +26,7 @@ class Step:
 
     token_ids: list[int]  # new tokens since the previous Step (a delta)
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    text: str = ""  # the new text, when generate(detokenize=True)
 
 
 class Engine:
@@ -105,6 +106,7 @@ class Engine:
         stop: list[str] | None = None,
         ignore_eos: bool = False,
         priority: int = 0,
+        detokenize: bool = False,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
@@ -123,14 +125,15 @@ class Engine:
             stop=stop or None,
             ignore_eos=ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            detokenize=bool(stop),  # text is only needed to match stop strings
+            # Text is only needed to stream it or to match stop strings.
+            detokenize=detokenize or bool(stop),
         )
         # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
         prompt = tokens_input(list(prompt_token_ids))
         async for out in self._llm.generate(prompt, params, request_id, priority=priority):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None
-            yield Step(list(c.token_ids), reason)
+            yield Step(list(c.token_ids), reason, c.text or "")
 
     async def abort(self, request_id: str) -> None:
         # vLLM maps our (external) id to its internal, randomised one.

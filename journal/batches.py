@@ -75,6 +75,13 @@ async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]
     )
 
 
+async def preemptions(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
+    """How often the batch's items yielded to interactive work, and how many did."""
+    q = select(func.coalesce(func.sum(batch_items.c.preemptions), 0), func.count().filter(batch_items.c.preemptions > 0))
+    total, items = (await conn.execute(q.where(batch_items.c.batch_id == batch_id))).one()
+    return dict(preemptions=int(total), items_preempted=int(items))
+
+
 async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: float, **fields: Any) -> bool:
     """Move the batch to `status` if the lifecycle allows it from where it is now.
 
@@ -132,6 +139,37 @@ async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, 
     q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx == idx)
     row = (await conn.execute(q)).first()
     return dict(row._mapping) if row else None
+
+
+async def load_for_generation(conn: AsyncConnection, batch_id: str, idxs: Sequence[int]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The batch, and each item with `tokens`: what its earlier attempts journaled."""
+    batch = await get_batch(conn, batch_id)
+    if batch is None:
+        raise LookupError(f"no batch {batch_id}")
+    q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx.in_(idxs))
+    items = {r.idx: dict(r._mapping, tokens=[]) for r in (await conn.execute(q)).all()}
+    missing = set(idxs) - set(items)
+    if missing:
+        raise LookupError(f"batch {batch_id} has no items {sorted(missing)}")
+    streams = [item_stream(batch_id, i) for i, it in items.items() if it["status"] == "pending"]
+    if streams:
+        q = select(events.c.payload).where(events.c.stream.in_(streams), events.c.type == "item_chunk")
+        chunks: dict[int, list[dict]] = {}
+        for (p,) in (await conn.execute(q)).all():
+            chunks.setdefault(p["idx"], []).append(p)
+        for i, cs in chunks.items():
+            items[i]["tokens"] = journaled_tokens(cs)
+    return batch, items
+
+
+def journaled_tokens(chunks: Sequence[dict[str, Any]]) -> list[int]:
+    """The contiguous run of checkpointed tokens from offset 0."""
+    tokens: list[int] = []
+    for c in sorted(chunks, key=lambda c: c["offset"]):
+        if c["offset"] != len(tokens):
+            break  # a gap (a commit that failed): what follows is regenerated
+        tokens += c["token_ids"]
+    return tokens
 
 
 async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, limit: int) -> list[int]:

@@ -9,13 +9,13 @@ overwrite (optimistic concurrency).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, text
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.projections import project
@@ -46,7 +46,29 @@ class VersionConflict(RuntimeError):
     """Another writer kept taking the versions we computed; give up rather than spin."""
 
 
-_PAGE = 5000  # rows per INSERT: keeps us far below Postgres' 65535 bind parameters
+_PAGE = 5000  # events per statement
+
+# One round trip per page: skip keys already journaled, number the rest after each
+# stream's head, insert. A row that loses a version race to a concurrent writer is
+# skipped by ON CONFLICT and retried by `append`.
+_APPEND = text(
+    """
+    WITH n AS (
+      SELECT * FROM unnest(CAST(:streams AS text[]), CAST(:types AS text[]), CAST(:payloads AS text[]),
+                           CAST(:keys AS text[]), CAST(:tenants AS text[]))
+             WITH ORDINALITY AS n(stream, type, payload, key, tenant, ord)
+      WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.idempotency_key = n.key)
+    )
+    INSERT INTO events (stream, version, type, payload, idempotency_key, tenant)
+    SELECT stream,
+           coalesce((SELECT max(version) FROM events e WHERE e.stream = n.stream), 0)
+             + row_number() OVER (PARTITION BY stream ORDER BY ord),
+           type, payload::jsonb, key, tenant
+    FROM n ORDER BY ord
+    ON CONFLICT DO NOTHING
+    RETURNING position, stream, version, type, payload, idempotency_key, tenant
+    """
+)
 
 
 async def append(conn: AsyncConnection, new: Sequence[NewEvent], *, attempts: int = 25) -> list[int | None]:
@@ -59,37 +81,27 @@ async def append(conn: AsyncConnection, new: Sequence[NewEvent], *, attempts: in
         raise ValueError("duplicate idempotency keys in one append")
     todo = list(new)
     for attempt in range(attempts):
-        if not todo:
-            break
         if attempt:  # lost a race for a version: back off a little, with jitter
             await asyncio.sleep(random.uniform(0, 0.002 * attempt))
-        known = await _existing_keys(conn, [e.key for e in todo])
-        todo = [e for e in todo if e.key not in known]
-        heads = await _stream_heads(conn, {e.stream for e in todo})
-        rows = []
-        for e in todo:
-            heads[e.stream] = heads.get(e.stream, 0) + 1
-            rows.append(
-                dict(stream=e.stream, version=heads[e.stream], type=e.type, payload=e.payload,
-                     idempotency_key=e.key, tenant=e.tenant)
-            )
         inserted: list[Event] = []
-        for i in range(0, len(rows), _PAGE):
-            stmt = (
-                insert(events)
-                .values(rows[i : i + _PAGE])
-                .on_conflict_do_nothing()
-                .returning(*events.c["position", "stream", "version", "type", "payload", "idempotency_key", "tenant"])
+        for i in range(0, len(todo), _PAGE):
+            page = todo[i : i + _PAGE]
+            params = dict(
+                streams=[e.stream for e in page], types=[e.type for e in page],
+                payloads=[json.dumps(e.payload) for e in page], keys=[e.key for e in page],
+                tenants=[e.tenant for e in page],
             )
-            inserted += [_event(r) for r in (await conn.execute(stmt)).all()]
+            inserted += [_event(r) for r in (await conn.execute(_APPEND, params)).all()]
         for e in inserted:
             positions[e.key] = e.position
         await project(conn, sorted(inserted, key=lambda e: e.position))
         done = {e.key for e in inserted}
         todo = [e for e in todo if e.key not in done]
-    if todo:
-        raise VersionConflict(f"could not append {len(todo)} events after {attempts} attempts")
-    return [positions[e.key] for e in new]
+        if todo:  # journaled before (idempotent replays), or beaten to a version (retry)
+            todo = [e for e in todo if e.key not in await _existing_keys(conn, [e.key for e in todo])]
+        if not todo:
+            return [positions[e.key] for e in new]
+    raise VersionConflict(f"could not append {len(todo)} events after {attempts} attempts")
 
 
 async def append_one(conn: AsyncConnection, event: NewEvent) -> int | None:
@@ -141,19 +153,6 @@ async def _existing_keys(conn: AsyncConnection, keys: list[str]) -> set[str]:
         q = select(events.c.idempotency_key).where(events.c.idempotency_key.in_(keys[i : i + _PAGE]))
         found |= set((await conn.execute(q)).scalars())
     return found
-
-
-async def _stream_heads(conn: AsyncConnection, streams: set[str]) -> dict[str, int]:
-    heads: dict[str, int] = {}
-    names = sorted(streams)
-    for i in range(0, len(names), _PAGE):
-        q = (
-            select(events.c.stream, func.max(events.c.version))
-            .where(events.c.stream.in_(names[i : i + _PAGE]))
-            .group_by(events.c.stream)
-        )
-        heads.update({s: v for s, v in (await conn.execute(q)).all()})
-    return heads
 
 
 def _event(r) -> Event:

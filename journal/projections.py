@@ -104,3 +104,13 @@ async def _item_completed(conn, evs):
 @projects("item_failed")
 async def _item_failed(conn, evs):
     await _item_finished(conn, evs, "failed")
+
+
+@projects("item_preempted")
+async def _item_preempted(conn, evs):
+    stmt = (
+        update(batch_items)
+        .where(batch_items.c.batch_id == bindparam("b_batch"), batch_items.c.idx == bindparam("b_idx"))
+        .values(preemptions=batch_items.c.preemptions + 1)
+    )
+    await conn.execute(stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"]) for e in evs])

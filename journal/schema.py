@@ -89,6 +89,19 @@ batch_items = Table(
     Column("body", JSONB, nullable=False),
     Column("status", Text, nullable=False),  # pending | completed | failed
     Column("result_position", BigInteger),  # the event holding the response or error
+    Column("preemptions", Integer, nullable=False, server_default="0"),
     # The workflow pages through the items still to run: match that query exactly.
     Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
+)
+
+# Live engine state, overwritten by each engine worker every second (migration 0002).
+engines = Table(
+    "engines",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("url", Text, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("queue", Text, nullable=False),
+    Column("stats", JSONB, nullable=False),
+    Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

@@ -24,9 +24,8 @@ with workflow.unsafe.imports_passed_through():
         FinalizeInput,
         GenerateResult,
         ItemFailure,
-        ItemRef,
+        ItemGroup,
         PendingInput,
-        StatusInput,
         ValidateResult,
     )
 
@@ -52,15 +51,14 @@ class BatchWorkflow:
         self._cancel = self._cancel or inp.cancel_requested
         ref = BatchRef(inp.batch_id)
 
-        # 1. Validate the input file once; a bad file fails the batch with line errors.
+        # 1. Validate the input file once; a bad file fails the batch with line errors,
+        #    a good one puts its items in the journal and the batch in progress.
         if not inp.validated:
             checked: ValidateResult = await workflow.execute_activity(
                 "validate_batch", ref, result_type=ValidateResult, **CONTROL
             )
             if checked.failed:
                 return "failed"
-            if not self._cancel:
-                await self._status(inp.batch_id, "in_progress")
 
         # 2. Run pending items, `concurrency` at a time, until done, cancelled or expired.
         outcome = await self._run_items(inp)
@@ -76,17 +74,21 @@ class BatchWorkflow:
     async def _run_items(self, inp: BatchInput) -> str:
         self._after = inp.after_idx
         queue: deque[int] = deque()
-        running: dict[int, workflow.ActivityHandle] = {}
-        started = 0
+        running: dict[int, tuple[workflow.ActivityHandle, list[int]]] = {}  # by group number
+        groups = started = 0
         exhausted = False
         cancelled_sent = False
 
         def stopping() -> bool:
             return self._cancel or self._now() >= inp.expires_at
 
+        def room() -> int:
+            in_flight = sum(len(idxs) for _, idxs in running.values())
+            return min(inp.concurrency - in_flight, inp.items_per_run - started)
+
         while True:
             # Refill the queue a page ahead of the slots, so engines never wait on us.
-            if not exhausted and len(queue) < inp.concurrency and started < inp.items_per_run and not stopping():
+            if not exhausted and len(queue) < inp.concurrency and room() > 0 and not stopping():
                 page: list[int] = await workflow.execute_activity(
                     "pending_items",
                     PendingInput(inp.batch_id, self._after, inp.concurrency * 2),
@@ -97,43 +99,46 @@ class BatchWorkflow:
                 queue.extend(page)
                 if page:
                     self._after = page[-1]
-            while queue and len(running) < inp.concurrency and started < inp.items_per_run and not stopping():
-                idx = queue.popleft()
-                running[idx] = self._generate(inp, idx)
-                started += 1
+            while queue and room() > 0 and not stopping():
+                idxs = [queue.popleft() for _ in range(min(inp.group_size, room(), len(queue)))]
+                running[groups] = (self._generate(inp, idxs, groups), idxs)
+                groups += 1
+                started += len(idxs)
             if not running:
                 break
             try:
                 await workflow.wait_condition(
-                    lambda: (stopping() and not cancelled_sent) or any(h.done() for h in running.values()),
+                    lambda: (stopping() and not cancelled_sent) or any(h.done() for h, _ in running.values()),
                     timeout=None if cancelled_sent else max(1.0, inp.expires_at - self._now()),
                 )
             except asyncio.TimeoutError:
                 pass  # the completion window closed: stopping() now says so
             if stopping() and not cancelled_sent:
                 cancelled_sent = True
-                for h in running.values():
+                for h, _ in running.values():
                     h.cancel()
-            for idx in [i for i, h in running.items() if h.done()]:
-                await self._settle(inp.batch_id, idx, running.pop(idx))
+            for g in [g for g, (h, _) in running.items() if h.done()]:
+                handle, idxs = running.pop(g)
+                # Preempted items go to the front: they resume as soon as there is room.
+                queue.extendleft(reversed(await self._settle(inp.batch_id, idxs, handle)))
 
         if self._cancel:
             return "cancelled"
         if self._now() >= inp.expires_at:
             return "expired"
         # Items queued but not started are still pending in the journal: the next run
-        # pages from the last one started.
+        # pages from the first of them.
         if queue:
-            self._after = queue[0] - 1
+            self._after = min(queue) - 1
         return "continue" if not exhausted or queue else "completed"
 
-    def _generate(self, inp: BatchInput, idx: int) -> workflow.ActivityHandle:
+    def _generate(self, inp: BatchInput, idxs: list[int], group: int) -> workflow.ActivityHandle:
         return workflow.start_activity(
             "generate",
-            ItemRef(inp.batch_id, idx),
-            result_type=GenerateResult,
+            ItemGroup(inp.batch_id, idxs),
+            result_type=list[GenerateResult],
             task_queue=inp.engine_queue,
-            activity_id=f"item-{idx}",
+            activity_id=f"group-{group}",
             start_to_close_timeout=timedelta(hours=6),
             heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
             retry_policy=RetryPolicy(
@@ -141,25 +146,26 @@ class BatchWorkflow:
                 maximum_interval=timedelta(seconds=30),
                 maximum_attempts=GENERATION_ATTEMPTS,
             ),
-            # Wait for the generation to flush its tokens before we move on.
+            # Wait for the generations to flush their tokens before we move on.
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
 
-    async def _settle(self, batch_id: str, idx: int, handle: workflow.ActivityHandle) -> None:
+    async def _settle(self, batch_id: str, idxs: list[int], handle: workflow.ActivityHandle) -> list[int]:
+        """The items of a finished group that must run again (preempted)."""
         try:
-            await handle
+            results: list[GenerateResult] = await handle
         except ActivityError as err:
             if isinstance(err.cause, CancelledError):
-                return  # stays pending: it is reported as cancelled or expired
-            # Out of attempts: the item fails, the batch goes on.
-            await workflow.execute_activity(
-                "fail_item",
-                ItemFailure(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
-                **CONTROL,
-            )
-
-    async def _status(self, batch_id: str, status: str) -> None:
-        await workflow.execute_activity("set_batch_status", StatusInput(batch_id, status, self._now()), **CONTROL)
+                return []  # they stay pending: reported as cancelled or expired
+            # Out of attempts: the items fail, the batch goes on.
+            for idx in idxs:
+                await workflow.execute_activity(
+                    "fail_item",
+                    ItemFailure(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
+                    **CONTROL,
+                )
+            return []
+        return [r.idx for r in results if r.status == "preempted"]
 
     def _now(self) -> float:
         return workflow.now().timestamp()

@@ -17,6 +17,7 @@ class BatchInput:
     concurrency: int = 256
     heartbeat_timeout_s: float = 10.0
     items_per_run: int = 1000  # then continue-as-new: keeps each history a few thousand events
+    group_size: int = 16  # items per generation activity
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1
@@ -42,13 +43,6 @@ class PendingInput:
 
 
 @dataclass
-class StatusInput:
-    batch_id: str
-    status: str
-    at: float
-
-
-@dataclass
 class FinalizeInput:
     batch_id: str
     status: str  # completed | cancelled | expired
@@ -56,9 +50,9 @@ class FinalizeInput:
 
 
 @dataclass
-class ItemRef:
+class ItemGroup:
     batch_id: str
-    idx: int
+    idxs: list[int]
 
 
 @dataclass
@@ -72,7 +66,33 @@ class ItemFailure:
 
 @dataclass
 class GenerateResult:
-    status: str  # completed | failed
+    status: str  # completed | failed | preempted
+    idx: int = -1
     tokens: int = 0
     resumed_from: int = 0  # tokens already in the journal when this attempt began
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class InteractiveInput:
+    request_id: str
+    tenant: str
+    tier: str  # the service tier served: priority | default | flex
+    model: str
+    endpoint: str
+    engine_id: str
+    prompt_tokens: int
+
+
+@dataclass
+class RequestOutcome:
+    status: str  # completed | cancelled | failed | abandoned
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+
+
+@dataclass
+class JournalRequest:
+    request: InteractiveInput
+    outcome: RequestOutcome

@@ -77,6 +77,8 @@ def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
         BALLAST_BATCH_ITEMS_PER_RUN="16",  # every multi-page batch also crosses continue-as-new
         BALLAST_CONTROL_QUEUE=f"control-{os.getpid()}",
         BALLAST_ENGINE_QUEUE=f"engine-{os.getpid()}",
+        BALLAST_INTERACTIVE_QUEUE=f"interactive-{os.getpid()}",
+        BALLAST_BATCH_COOL_DOWN_S="0.5",
     )
     env.pop("DATABASE_URL", None)
     s = Stack(root, env)

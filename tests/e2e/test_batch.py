@@ -137,7 +137,7 @@ def test_requests_that_cannot_run_go_to_the_error_file_naming_their_line(client)
     assert errs["too-long"]["status_code"] == 400
     assert errs["too-long"]["body"]["error"]["code"] == "context_length_exceeded"
     assert errs["too-long"]["body"]["error"]["message"].startswith("Line 2:")
-    assert errs["no-model"]["status_code"] == 404 and "Line 3:" in errs["no-model"]["body"]["error"]["message"]
+    assert errs["no-model"]["status_code"] == 400 and "Line 3:" in errs["no-model"]["body"]["error"]["message"]
     assert errs["prompt-too-long"]["body"]["error"]["message"].startswith("Line 5:")
 
 

@@ -58,9 +58,9 @@ async def test_follow_never_skips_a_late_commit(db):
 
     slow = await db.connect()
     slow_tx = await slow.begin()
-    await j.append(slow, [ev("s-follow", "follow-slow")])  # takes its txid first, commits last
+    await j.append(slow, [ev("s-follow-a", "follow-slow")])  # takes its txid first, commits last
     async with db.begin() as c:
-        await j.append(c, [ev("s-follow", "follow-fast")])
+        await j.append(c, [ev("s-follow-b", "follow-fast")])
     async with db.connect() as c:
         seen = [e.key for _, e in await j.follow(c, cursor)]
     assert "follow-fast" not in seen and "follow-slow" not in seen  # both wait for the slow one

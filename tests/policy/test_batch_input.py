@@ -39,7 +39,7 @@ def test_request_level_errors_stay_with_their_request():
     items, errors = parse([line("a", max_tokens=5000), line("b", model="gpt-9"), line("c", messages=[])], LIMITS)
     assert errors == []
     codes = [(i.error.status_code, i.error.code, i.error.param) for i in items]
-    assert codes == [(400, "context_length_exceeded", "max_tokens"), (404, "model_not_found", "model"),
+    assert codes == [(400, "context_length_exceeded", "max_tokens"), (400, "model_not_found", "model"),
                      (400, "invalid_value", "messages")]
     assert items[0].error.message.startswith("Line 1:")
 

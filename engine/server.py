@@ -1,0 +1,78 @@
+"""The engine worker's streaming endpoint for interactive requests.
+
+Interactive tokens must not cross Temporal (one history event per token, tens of ms per
+dispatch), so the API streams them straight from the engine worker over HTTP, as NDJSON:
+
+    {"prompt_tokens": 12}                       accepted: generation starts now
+    {"text": "Hel", "tokens": 1}                 as the engine produces them
+    {"finish_reason": "stop", "completion_tokens": 17}
+or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted.
+
+Interactive requests count against the engine's slots (`EngineSlots`), which is what makes
+batch work yield to them within an engine step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from activities.batch_input import RequestError
+from engine import requests as rq
+from engine.slots import EngineSlots
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine, slots: EngineSlots) -> Starlette:
+    async def generate(request: Request):
+        job = await request.json()
+        endpoint, body, priority = job["endpoint"], job["body"], int(job["priority"])
+        prompt = rq.prompt_ids(engine, endpoint, body)
+        params = rq.sampling(body, len(prompt), engine.spec.max_model_len)
+        if isinstance(params, RequestError):
+            return JSONResponse({"error": params.body()["error"], "status": params.status_code})
+
+        async def lines():
+            t0 = time.perf_counter()
+            yield _line(prompt_tokens=len(prompt))
+            n, reason = 0, None
+            # Counted before vLLM sees it: batch yields its slots first.
+            async with slots.interactive_request():
+                async for step in engine.generate(
+                    job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
+                    top_p=params.top_p, seed=params.seed, stop=params.stop or None, ignore_eos=params.ignore_eos,
+                    priority=priority, detokenize=True,
+                ):
+                    n += len(step.token_ids)
+                    reason = step.finish_reason
+                    if step.text or step.token_ids:
+                        yield _line(text=step.text, tokens=len(step.token_ids))
+            yield _line(finish_reason=reason or "stop", completion_tokens=n, engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def stats(_: Request):
+        return JSONResponse(slots.snapshot())
+
+    return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats)])
+
+
+def _line(**fields) -> bytes:
+    return (json.dumps(fields, ensure_ascii=False) + "\n").encode()
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the worker's event loop; the worker, not uvicorn, owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

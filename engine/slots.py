@@ -1,0 +1,108 @@
+"""Who may hold the engine: the per-engine side of preemption.
+
+Interactive requests are counted and never wait here. Batch generations hold a slot while
+they run on vLLM; when interactive demand rises the cap from `policy.preemption` drops
+and the victims it names are aborted in vLLM at once (their slot and KV blocks are free at
+the engine's next step). Each victim's generation then flushes its tokens to the journal
+and yields; batch waits here until the cap, with hysteresis, lets it back in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from policy.preemption import Demand, Running, SlotState, batch_slots, victims
+
+
+@dataclass
+class BatchHold:
+    id: str
+    tier: int
+    started_at: float
+    abort: Callable[[], Awaitable[None]]  # stops the generation in the engine
+    unsaved: int = 0
+    generated: int = 0
+    preempted_at: float | None = None  # when the decision was taken (monotonic)
+    preempted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class SlotStats:
+    preemptions: int = 0
+    latencies_s: list[float] = field(default_factory=list)  # decision → engine slot free
+
+
+class EngineSlots:
+    def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0,
+                 preemption: bool = True, clock: Callable[[], float] = time.monotonic):
+        self.max_seqs = max_seqs
+        self.busy_cap = busy_cap
+        self.cool_down_s = cool_down_s
+        self.preemption = preemption  # False: FIFO, batch keeps what it holds (a benchmark arm)
+        self.clock = clock
+        self.state = SlotState(cap=max_seqs)
+        self.interactive = 0
+        self.holds: dict[str, BatchHold] = {}
+        self.stats = SlotStats()
+        self._changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def interactive_request(self) -> AsyncIterator[None]:
+        self.interactive += 1
+        await self._rebalance()
+        try:
+            yield
+        finally:
+            self.interactive -= 1
+            await self._rebalance()
+
+    @asynccontextmanager
+    async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]]) -> AsyncIterator[BatchHold]:
+        """Wait for a batch slot, hold it for the block. Cancellable while waiting."""
+        async with self._changed:
+            while True:
+                self._update_cap()
+                if len(self.holds) < self.state.cap or not self.preemption:
+                    break
+                # Re-check on every change, and now and then for the cool-down to pass.
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    pass
+            hold = BatchHold(id, tier, self.clock(), abort)
+            self.holds[id] = hold
+        try:
+            yield hold
+        finally:
+            self.holds.pop(id, None)
+            if hold.preempted_at is not None:
+                self.stats.latencies_s.append(self.clock() - hold.preempted_at)
+            async with self._changed:
+                self._changed.notify_all()
+
+    def snapshot(self) -> dict:
+        return dict(interactive=self.interactive, batch=len(self.holds), batch_cap=self.state.cap,
+                    preemptions=self.stats.preemptions)
+
+    def _update_cap(self) -> None:
+        demand = Demand(self.interactive, self.max_seqs, self.busy_cap)
+        self.state = batch_slots(demand, self.state, self.clock(), self.cool_down_s)
+
+    async def _rebalance(self) -> None:
+        async with self._changed:
+            self._update_cap()
+            self._changed.notify_all()
+        if not self.preemption:
+            return
+        live = [h for h in self.holds.values() if h.preempted_at is None]
+        running = [Running(h.id, h.tier, h.unsaved, h.generated, h.started_at) for h in live]
+        for id in victims(running, self.state.cap):
+            hold = self.holds[id]
+            hold.preempted_at = self.clock()
+            hold.preempted.set()
+            self.stats.preemptions += 1
+            await hold.abort()

@@ -1,0 +1,26 @@
+"""The engine directory: engine workers announce themselves; the API reads who is live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.schema import engines
+
+
+async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str, stats: dict[str, Any]) -> None:
+    row = dict(id=id, url=url, model=model, queue=queue, stats=stats)
+    stmt = insert(engines).values(row)
+    await conn.execute(stmt.on_conflict_do_update(index_elements=[engines.c.id], set_=dict(row, seen_at=func.now())))
+
+
+async def withdraw(conn: AsyncConnection, id: str) -> None:
+    await conn.execute(engines.delete().where(engines.c.id == id))
+
+
+async def live(conn: AsyncConnection, within_s: float = 5.0) -> list[dict[str, Any]]:
+    q = select(engines).where(engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"))
+    return [dict(r._mapping) for r in (await conn.execute(q.order_by(engines.c.id))).all()]

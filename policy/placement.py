@@ -1,0 +1,32 @@
+"""Which engine worker serves an interactive request. Pure.
+
+Filters (live, serves the model) → scorers normalised to [0, 1] → pick the best, with the
+engine id as the deterministic tiebreak. One scorer today, load; prompt-cache affinity
+joins it as a second weighted scorer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineView:
+    id: str
+    url: str
+    model: str
+    interactive: int  # requests in flight
+    batch: int  # batch sequences holding slots (they yield to interactive work)
+    max_seqs: int
+
+
+def load_score(e: EngineView) -> float:
+    """1 for an idle engine, 0 for one whose slots are all taken by interactive work."""
+    return max(0.0, 1.0 - e.interactive / max(1, e.max_seqs))
+
+
+def pick(engines: list[EngineView], model: str) -> EngineView | None:
+    candidates = [e for e in engines if e.model == model]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda e: (-load_score(e), e.batch, e.id))

@@ -1,0 +1,115 @@
+"""Interactive requests end to end, and batch work yielding to them, on the real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_chat_completion_is_vllms_greedy_output_with_tier_and_usage(client, engine, db_url):
+    r = await asyncio.to_thread(
+        client.chat.completions.create, model="ballast-tiny", messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=20, temperature=0, service_tier="priority")
+    want = await greedy(engine, "hello there", 20)
+    assert r.choices[0].message.content == want
+    assert r.service_tier == "priority" and r.model == "ballast-tiny" and r.object == "chat.completion"
+    assert r.usage.completion_tokens <= 20 and r.usage.prompt_tokens > 0
+    # The request is journaled by its workflow, off the token path.
+    deadline = time.monotonic() + 30
+    while not (rows := _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{r.id}")):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert rows[0][0]["status"] == "completed" and rows[0][0]["completion_tokens"] == r.usage.completion_tokens
+    assert rows[0][0]["tier"] == "priority"
+
+
+async def test_streamed_chat_and_completions(client, engine):
+    def stream():
+        return list(client.chat.completions.create(
+            model="ballast-tiny", messages=[{"role": "user", "content": "stream me"}], max_tokens=24, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+
+    chunks = await asyncio.to_thread(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == await greedy(engine, "stream me", 24)
+    assert chunks[-1].usage.completion_tokens <= 24 and chunks[-1].choices == []
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert all(c.service_tier == "default" for c in chunks)
+
+    done = await asyncio.to_thread(client.completions.create, model="ballast-tiny", prompt="Once upon", max_tokens=10,
+                                   temperature=0)
+    parts = await asyncio.to_thread(lambda: list(client.completions.create(
+        model="ballast-tiny", prompt="Once upon", max_tokens=10, temperature=0, stream=True)))
+    assert "".join(p.choices[0].text for p in parts) == done.choices[0].text
+    assert done.object == "text_completion" and done.usage.completion_tokens <= 10
+
+
+def test_bad_interactive_requests_get_400_and_admit_nothing(stack, db_url):
+    api = httpx.Client(base_url=stack.url, timeout=30)
+    before = _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished'")[0][0]
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        (dict(model="ballast-tiny", messages=[{"role": "user", "content": "x" * 1100}]), "messages"),  # > context
+        (dict(model="ballast-tiny", messages=msgs, max_tokens=0), "max_tokens"),
+        (dict(model="gpt-9", messages=msgs), "model"),
+        (dict(model="ballast-tiny", messages=[{"content": "no role"}]), "messages"),
+        (dict(model="ballast-tiny", messages="hi"), "messages"),
+        (dict(model="ballast-tiny", messages=msgs, service_tier="platinum"), "service_tier"),
+    ]
+    for body, param in cases:
+        r = api.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    r = api.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    time.sleep(1.5)
+    assert _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished'")[0][0] == before
+
+
+def test_the_openai_client_sees_the_error(client):
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="ballast-tiny", prompt="y" * 1100, max_tokens=5)
+
+
+async def test_interactive_surges_preempt_batch_which_resumes_exactly(client, engine, stack, db_url):
+    """Items preempted again and again, at random offsets, finish token-for-token as their
+    uninterrupted greedy run; every token produced before a preemption was journaled."""
+    prompts = [f"preempt me {i}" for i in range(6)]
+    lines = [chat_line(f"p-{i}", p, 700, ignore_eos=True) for i, p in enumerate(prompts)]
+    batch = await asyncio.to_thread(submit, client, lines)
+    rng = random.Random(3)
+    http = httpx.AsyncClient(base_url=stack.url, timeout=60)
+    body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
+    # Surges at random moments until the batch is done: each one makes the batch yield.
+    while (b := await asyncio.to_thread(client.batches.retrieve, batch.id)).status not in ("completed", "failed"):
+        await asyncio.sleep(rng.uniform(0.6, 1.5))
+        rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(2)))
+        assert all(r.status_code == 200 for r in rs)
+    assert b.status == "completed", b
+    assert b.model_extra["ballast"]["preemptions"] >= 6
+
+    out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
+    expected = await asyncio.gather(*(greedy(engine, p, 700, ignore_eos=True) for p in prompts))
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
+
+    like = f"item:{batch.id}:%"
+    counts = dict(_sql(db_url, "SELECT stream, count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
+                               " GROUP BY stream", s=like))
+    assert max(counts.values()) >= 3
+    # Nothing lost: at each preemption the chunks journaled so far cover every produced token.
+    for stream, offset in _sql(db_url, "SELECT stream, (payload->>'offset')::int FROM events "
+                                       "WHERE type = 'item_preempted' AND stream LIKE %(s)s", s=like):
+        covered = _sql(db_url, """SELECT coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events
+                                  WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s""",
+                       s=stream, o=offset)[0][0]
+        assert covered == offset, (stream, offset, covered)

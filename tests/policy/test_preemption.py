@@ -1,0 +1,45 @@
+from policy.preemption import Demand, Running, SlotState, batch_slots, victims
+
+
+def r(id, tier=10, unsaved=0, generated=0, started=0.0):
+    return Running(id, tier, unsaved, generated, started)
+
+
+def test_cap_drops_at_once_and_recovers_only_after_cool_down():
+    calm = Demand(interactive=0, max_seqs=8, busy_cap=1)
+    busy = Demand(interactive=2, max_seqs=8, busy_cap=1)
+    s = SlotState(cap=8)
+    s = batch_slots(busy, s, now=0.0)
+    assert s.cap == 1
+    s = batch_slots(calm, s, now=0.5)
+    assert s.cap == 1 and s.calm_since == 0.5  # not yet: hysteresis
+    s = batch_slots(busy, s, now=1.0)  # demand again: the calm period restarts
+    assert s.cap == 1 and s.calm_since is None
+    s = batch_slots(calm, s, now=1.2)
+    s = batch_slots(calm, s, now=2.0, cool_down_s=2.0)
+    assert s.cap == 1
+    s = batch_slots(calm, s, now=3.2, cool_down_s=2.0)
+    assert s.cap == 8 and s.calm_since is None
+
+
+def test_interactive_is_never_capped_but_batch_never_goes_negative():
+    s = batch_slots(Demand(interactive=20, max_seqs=8, busy_cap=4), SlotState(8), now=0)
+    assert s.cap == 0
+
+
+def test_victims_lowest_tier_then_least_progress_then_newest_then_id():
+    running = [
+        r("a", tier=10, generated=50, started=1),
+        r("b", tier=10, generated=5, started=1),
+        r("c", tier=2, generated=0, started=9),  # a flex-tier request outranks batch
+        r("d", tier=10, generated=5, started=3),  # newer than b, same progress
+        r("e", tier=10, generated=5, started=3),  # same as d: id breaks the tie
+    ]
+    assert victims(running, cap=5) == []
+    assert victims(running, cap=4) == ["d"]
+    assert victims(running, cap=2) == ["d", "e", "b"]
+    assert victims(running, cap=0) == ["d", "e", "b", "a", "c"]
+
+
+def test_unsaved_tokens_count_as_progress_at_risk():
+    assert victims([r("x", unsaved=10), r("y", generated=3)], cap=1) == ["y"]

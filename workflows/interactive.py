@@ -1,0 +1,41 @@
+"""One interactive request: a durable record of it, kept off its token path.
+
+The API streams tokens straight from the engine worker; this workflow is started eagerly
+(its first task runs inside the API process, no dispatch) once the engine has accepted the
+request, learns the outcome from one signal, and journals it with a local activity. Three
+Temporal actions per request, whatever its length: start, signal, local activity. A
+request whose API replica dies mid-stream is journaled as abandoned when the timer fires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.inputs import InteractiveInput, JournalRequest, RequestOutcome
+
+ABANDON_AFTER = timedelta(hours=1)
+
+
+@workflow.defn(name="InteractiveRequest")
+class InteractiveWorkflow:
+    def __init__(self) -> None:
+        self._outcome: RequestOutcome | None = None
+
+    @workflow.signal
+    def finished(self, outcome: RequestOutcome) -> None:
+        self._outcome = outcome
+
+    @workflow.run
+    async def run(self, inp: InteractiveInput) -> str:
+        try:
+            await workflow.wait_condition(lambda: self._outcome is not None, timeout=ABANDON_AFTER)
+        except asyncio.TimeoutError:
+            self._outcome = RequestOutcome(status="abandoned")
+        await workflow.execute_local_activity(
+            "journal_request", JournalRequest(inp, self._outcome), start_to_close_timeout=timedelta(seconds=30)
+        )
+        return self._outcome.status
