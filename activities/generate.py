@@ -88,6 +88,9 @@ class GenerationActivities:
                         tokens += step.token_ids
                         reason = step.finish_reason
                         hold.generated, hold.unsaved = len(tokens), len(tokens) - saved
+                        if hold.preempted.is_set() and reason is None:
+                            # Preempted before vLLM had the request, so that abort missed it.
+                            await self.engine.abort(request_id)
                         if len(tokens) - saved >= self.checkpoint_tokens and reason is None:
                             self.checkpointer.submit(chunk(saved))
                             saved = progress[idx] = len(tokens)
@@ -96,7 +99,7 @@ class GenerationActivities:
                     await self.engine.abort(request_id)
                     await asyncio.shield(self.checkpointer.submit(chunk(saved)))
                     raise
-                if hold.preempted.is_set() and reason == "abort":
+                if hold.preempted.is_set() and reason in ("abort", None):
                     preempted = NewEvent(stream, "item_preempted", dict(batch_id=batch_id, idx=idx, offset=len(tokens)),
                                          f"{stream}:preempted:{len(tokens)}", tenant)
                     await self.checkpointer.submit([*chunk(saved), preempted])

@@ -44,7 +44,7 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
         async def lines():
             t0 = time.perf_counter()
             yield _line(prompt_tokens=len(prompt))
-            n, reason = 0, None
+            ids, sent, reason = [], [], None
             # Counted before vLLM sees it: batch yields its slots first.
             async with slots.interactive_request():
                 async for step in engine.generate(
@@ -52,11 +52,18 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
                     top_p=params.top_p, seed=params.seed, stop=params.stop or None, ignore_eos=params.ignore_eos,
                     priority=priority, detokenize=True,
                 ):
-                    n += len(step.token_ids)
+                    ids += step.token_ids
                     reason = step.finish_reason
                     if step.text or step.token_ids:
+                        sent.append(step.text)
                         yield _line(text=step.text, tokens=len(step.token_ids))
-            yield _line(finish_reason=reason or "stop", completion_tokens=n, engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+            # The incremental detokenizer holds back a trailing partial character; the
+            # final text is the batch path's: all tokens decoded, stop strings applied.
+            text, reason = rq.finish(engine, ids, params, reason)
+            streamed = "".join(sent)
+            if len(text) > len(streamed) and text.startswith(streamed):
+                yield _line(text=text[len(streamed):], tokens=0)
+            yield _line(finish_reason=reason, completion_tokens=len(ids), engine_ms=round(1000 * (time.perf_counter() - t0), 2))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

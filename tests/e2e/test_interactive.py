@@ -85,21 +85,21 @@ async def test_interactive_surges_preempt_batch_which_resumes_exactly(client, en
     """Items preempted again and again, at random offsets, finish token-for-token as their
     uninterrupted greedy run; every token produced before a preemption was journaled."""
     prompts = [f"preempt me {i}" for i in range(6)]
-    lines = [chat_line(f"p-{i}", p, 700, ignore_eos=True) for i, p in enumerate(prompts)]
+    lines = [chat_line(f"p-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
     batch = await asyncio.to_thread(submit, client, lines)
     rng = random.Random(3)
     http = httpx.AsyncClient(base_url=stack.url, timeout=60)
     body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
     # Surges at random moments until the batch is done: each one makes the batch yield.
     while (b := await asyncio.to_thread(client.batches.retrieve, batch.id)).status not in ("completed", "failed"):
-        await asyncio.sleep(rng.uniform(0.6, 1.5))
+        await asyncio.sleep(rng.uniform(0.15, 0.5))
         rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(2)))
         assert all(r.status_code == 200 for r in rs)
     assert b.status == "completed", b
     assert b.model_extra["ballast"]["preemptions"] >= 6
 
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
-    expected = await asyncio.gather(*(greedy(engine, p, 700, ignore_eos=True) for p in prompts))
+    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
 
     like = f"item:{batch.id}:%"
