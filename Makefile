@@ -25,6 +25,8 @@ test: install
 
 bench: install
 	$(VENV)/bin/ballast bench batch
+	$(VENV)/bin/ballast bench surge
+	$(VENV)/bin/ballast bench overhead
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache

@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("kind", choices=["control", "engine"])
     sub.add_parser("migrate", help="alembic upgrade head on BALLAST_DATABASE_URL")
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("name", choices=["batch"])
-    b.add_argument("--requests", type=int, default=256)
-    b.add_argument("--json-only", action="store_true")
+    b.add_argument("name", choices=["batch", "surge", "overhead"])
+    b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
+    b.add_argument("--seconds", type=float, default=30.0, help="surge: seconds per arm")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,9 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))
         return 0
     if args.cmd == "bench":
-        from bench.batch import main as bench_batch
+        if args.name == "batch":
+            from bench.batch import main as bench_batch
 
-        return bench_batch(settings, requests=args.requests)
+            return bench_batch(settings, requests=args.requests)
+        if args.name == "surge":
+            from bench.surge import main as bench_surge
+
+            return bench_surge(settings, duration_s=args.seconds)
+        from bench.overhead import main as bench_overhead
+
+        return bench_overhead(settings)
     return 2
 
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import sys
 import tempfile
 import time
 import uuid
@@ -21,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from ballast import procs
 from ballast.settings import Settings
+from bench.stack import ballast_up
 
 SEED = 7
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,.ABCDEFGHIJ0123456789"
@@ -61,24 +59,10 @@ async def raw_vllm(settings: Settings, reqs: list[dict]) -> dict:
 
 
 def through_ballast(settings: Settings, reqs: list[dict], data_dir: Path, log=print) -> dict:
-    port = procs.free_port()
-    from engine.models import resolve_model
-
-    spec = resolve_model(settings)  # the very weights arm 1 ran
-    env = dict(os.environ, BALLAST_DATA_DIR=str(data_dir), BALLAST_API_PORT=str(port),
-               BALLAST_TEMPORAL_PORT=str(procs.free_port()), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
-               BALLAST_MODEL=spec.path, BALLAST_SERVED_MODEL_NAME=spec.name)
-    for own_db in ("DATABASE_URL", "BALLAST_DATABASE_URL"):  # embedded Postgres in data_dir: touch nothing else
-        env.pop(own_db, None)
-    up = procs.spawn("ballast up", [sys.executable, "-m", "ballast.cli", "up"], env=env, log_path=data_dir / "up.log")
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    try:
-        procs.wait_until(lambda: _healthy(api), 300, "ballast up to be healthy", child=up, interval=0.5)
-        warm = _run_batch(api, [dict(reqs[0], max_tokens=8)], settings)  # the engine's first request is slow
+    with ballast_up(settings, data_dir) as stack:
+        warm = _run_batch(stack.api, [dict(reqs[0], max_tokens=8)], settings)  # the engine's first request is slow
         log(f"  warm-up batch: {warm['seconds']:.2f} s")
-        return _run_batch(api, reqs, settings)
-    finally:
-        up.stop(60)
+        return _run_batch(stack.api, reqs, settings)
 
 
 def _run_batch(api: httpx.Client, reqs: list[dict], settings: Settings) -> dict:
@@ -97,13 +81,6 @@ def _run_batch(api: httpx.Client, reqs: list[dict], settings: Settings) -> dict:
     assert b["status"] == "completed" and len(out) == len(reqs), b
     tokens = sum(json.loads(ln)["response"]["body"]["usage"]["completion_tokens"] for ln in out)
     return dict(seconds=seconds, tokens=tokens)
-
-
-def _healthy(api: httpx.Client) -> bool:
-    try:
-        return api.get("/healthz").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main(settings: Settings, requests: int = 256) -> int:

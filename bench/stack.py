@@ -1,0 +1,50 @@
+"""`ballast up` as a benchmark arm: a fresh stack in a temporary directory, on the very
+model the in-process arms run, with its own embedded Postgres (nothing else is touched)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ballast import procs
+from ballast.settings import Settings
+
+
+@dataclass
+class Stack:
+    api: httpx.Client
+    temporal_address: str
+
+
+@contextmanager
+def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator[Stack]:
+    from engine.models import resolve_model
+
+    spec = resolve_model(settings)
+    port, temporal_port = procs.free_port(), procs.free_port()
+    env = dict(os.environ, BALLAST_DATA_DIR=str(data_dir), BALLAST_API_PORT=str(port),
+               BALLAST_TEMPORAL_PORT=str(temporal_port), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
+               BALLAST_MODEL=spec.path, BALLAST_SERVED_MODEL_NAME=spec.name, **extra_env)
+    for own_db in ("DATABASE_URL", "BALLAST_DATABASE_URL"):
+        env.pop(own_db, None)
+    up = procs.spawn("ballast up", [sys.executable, "-m", "ballast.cli", "up"], env=env, log_path=data_dir / "up.log")
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        procs.wait_until(lambda: _healthy(api), 300, "ballast up to be healthy", child=up, interval=0.5)
+        yield Stack(api, f"127.0.0.1:{temporal_port}")
+    finally:
+        api.close()
+        up.stop(60)
+
+
+def _healthy(api: httpx.Client) -> bool:
+    try:
+        return api.get("/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
