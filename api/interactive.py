@@ -83,9 +83,10 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
         e = first["error"]
         raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
 
-    # Accepted: from here on the request is durable. Start its workflow off the token path.
+    # Accepted. The request's workflow starts once the first token is on its way: its
+    # start is cheap, but not free, and the first token must not wait for it.
     record = InteractiveInput(rid, tenant, tier, s.model_name, endpoint, engine.id, first["prompt_tokens"])
-    started = _spawn(_start_workflow(svc, record))
+    started: list[asyncio.Task] = []
     meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=tier)
 
     async def tokens():
@@ -97,7 +98,11 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
                     yield None, msg
                     return
                 yield msg["text"], None
+                if not started:
+                    started.append(_spawn(_start_workflow(svc, record)))
         finally:
+            if not started:
+                started.append(_spawn(_start_workflow(svc, record)))
             await upstream.aclose()
 
     def outcome(final: dict | None, ttft: float | None) -> RequestOutcome:
@@ -139,9 +144,9 @@ async def _start_workflow(svc: Services, record: InteractiveInput):
     )
 
 
-async def _finish(svc: Services, started: asyncio.Task, outcome: RequestOutcome) -> None:
+async def _finish(svc: Services, started: list[asyncio.Task], outcome: RequestOutcome) -> None:
     try:
-        handle = await started
+        handle = await started[0]
         await handle.signal(InteractiveWorkflow.finished, outcome)
     except Exception:  # the response is already out; the workflow journals it as abandoned
         log.exception("could not record the outcome of a request")

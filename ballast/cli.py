@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from api.app import create_app
 
         _need(settings, "database_url", "temporal_address")
-        uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port, log_level="warning")
+        from ballast.procs import listen_nodelay
+
+        config = uvicorn.Config(create_app(settings), log_level="warning")
+        uvicorn.Server(config).run(sockets=[listen_nodelay(settings.api_host, settings.api_port)])
         return 0
     if args.cmd == "worker":
         from ballast import workers

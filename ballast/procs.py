@@ -29,6 +29,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listen_nodelay(host: str, port: int) -> socket.socket:
+    """A listening TCP socket whose accepted connections have TCP_NODELAY (Linux inherits
+    it). A streamed response is written as headers, then small chunks; without NODELAY,
+    Nagle holds each chunk for the client's delayed ACK, ~40 ms, once the connection
+    leaves quick-ACK mode, and every streamed token pays it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.bind((host, port))
+    s.listen(1024)
+    s.set_inheritable(True)
+    return s
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on host:port now.
 

@@ -77,7 +77,7 @@ async def engine_worker(settings: Settings) -> None:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)
         checkpointer = await stack.enter_async_context(Checkpointer(db))
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
         announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)

@@ -66,9 +66,16 @@ def through_ballast(api, model: str) -> tuple[list[float], list[str]]:
 async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
     from temporalio.client import Client
 
+    from temporalio.service import RPCError
+
     client = await Client.connect(temporal_address)
     handle = client.get_workflow_handle(f"request:{request_id}")
-    await handle.result()
+    for _ in range(100):  # its start goes out after the first token, in the background
+        try:
+            await handle.result()
+            break
+        except RPCError:
+            await asyncio.sleep(0.1)
     history = await handle.fetch_history()
     kinds = [e.WhichOneof("attributes") for e in history.events]
     local = sum(1 for e in history.events if e.WhichOneof("attributes") == "marker_recorded_event_attributes")
