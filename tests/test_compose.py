@@ -337,6 +337,17 @@ def test_engine_reserves_a_gpu_and_builds_the_gpu_extra(services):
     assert env.get("BALLAST_MODEL")
 
 
+def test_engine_announces_a_streaming_url_the_api_can_reach(services):
+    from urllib.parse import urlparse
+
+    engine = services["engine"]
+    env = _env(engine)
+    url = urlparse(env["BALLAST_ENGINE_URL"])
+    assert url.hostname == "engine" and url.port == int(env["BALLAST_ENGINE_PORT"])
+    assert env.get("BALLAST_ENGINE_HOST") == "0.0.0.0", "inside a container the engine must bind 0.0.0.0"
+    assert str(url.port) in {str(p) for p in engine.get("expose") or []}
+
+
 def test_image_extras_exist_in_pyproject(services):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for name, service in _ballast_services(services).items():
