@@ -24,7 +24,7 @@ from activities.batch_input import Limits, check_request
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
 from engine.requests import CHAT
-from policy.placement import pick
+from policy.placement import EngineView, rank
 from policy.preemption import TIERS
 from workflows.inputs import InteractiveInput, RequestOutcome
 from workflows.interactive import InteractiveWorkflow
@@ -64,18 +64,9 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
     if tier not in SERVICE_TIERS:
         raise APIError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)} (or auto).", param="service_tier",
                        code="invalid_value")
-    engine = pick(await svc.engines.live(), s.model_name)
-    if engine is None:
-        raise APIError(503, f"No engine worker is serving {s.model_name!r} right now; start `ballast worker engine`.",
-                       code="engine_unavailable", headers={"Retry-After": "5"})
-
     rid = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
     job = dict(request_id=rid, endpoint=endpoint, body=body, priority=TIERS[tier])
-    try:
-        upstream = await svc.http.send(svc.http.build_request("POST", engine.url + "/v1/generate", json=job), stream=True)
-    except httpx.HTTPError as e:
-        raise APIError(503, f"Engine worker {engine.id} is unreachable ({type(e).__name__}); retry.", code="engine_unavailable",
-                       headers={"Retry-After": "1"}) from e
+    engine, upstream = await _connect(svc, job)
     lines = upstream.aiter_lines()
     first = json.loads(await anext(lines)) if upstream.status_code == 200 else {"error": {"message": "engine error"}, "status": 502}
     if "error" in first:
@@ -125,6 +116,20 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
         final = end or final
     _spawn(_finish(svc, started, outcome(final, ttft)))
     return JSONResponse(_completion(endpoint, meta, "".join(text), final, first["prompt_tokens"]))
+
+
+async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response]:
+    """Open the stream on the best engine; one that went away since it last announced
+    itself is skipped for the next best."""
+    model = svc.settings.model_name
+    for engine in rank(await svc.engines.live(), model):
+        try:
+            request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job)
+            return engine, await svc.http.send(request, stream=True)
+        except httpx.TransportError as e:
+            log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)
+    raise APIError(503, f"No engine worker is serving {model!r} right now; start `ballast worker engine`.",
+                   code="engine_unavailable", headers={"Retry-After": "5"})
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -25,8 +25,11 @@ def load_score(e: EngineView) -> float:
     return max(0.0, 1.0 - e.interactive / max(1, e.max_seqs))
 
 
+def rank(engines: list[EngineView], model: str) -> list[EngineView]:
+    """Engines that serve `model`, best first (the next ones are fallbacks)."""
+    return sorted((e for e in engines if e.model == model), key=lambda e: (-load_score(e), e.batch, e.id))
+
+
 def pick(engines: list[EngineView], model: str) -> EngineView | None:
-    candidates = [e for e in engines if e.model == model]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda e: (-load_score(e), e.batch, e.id))
+    ranked = rank(engines, model)
+    return ranked[0] if ranked else None
