@@ -217,7 +217,7 @@ def test_cancel_mid_run_keeps_the_items_already_done(client, db_url):
 
 async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(client, stack, engine, db_url):
     prompts = [f"crash test {i}: {TOPICS[i % len(TOPICS)]}" for i in range(24)]
-    lines = [chat_line(f"k-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
+    lines = [chat_line(f"k-{i}", p, 900, ignore_eos=True) for i, p in enumerate(prompts)]
     batch = await asyncio.to_thread(submit, client, lines)
     chunks = "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
     completed = "SELECT count(*) FROM events WHERE type = 'item_completed' AND stream LIKE %(s)s"
@@ -247,7 +247,7 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     assert dupes == []
     assert _sql(db_url, chunks, s=like)[0][0] > before_restart  # the new worker carried on
     # Resumed from the journal on a fresh engine, each text is still vLLM's greedy output.
-    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
+    expected = await asyncio.gather(*(greedy(engine, p, 900, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -81,20 +83,41 @@ def test_the_openai_client_sees_the_error(client):
         client.completions.create(model="ballast-tiny", prompt="y" * 1100, max_tokens=5)
 
 
+class Surges:
+    """Bursts of interactive requests at random moments, from a thread of their own, until
+    stopped: the batch under test must yield to each one."""
+
+    def __init__(self, url: str, gaps=(0.15, 0.5), burst: int = 2, seed: int = 3):
+        self.url, self.gaps, self.burst, self.rng = url, gaps, burst, random.Random(seed)
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
+        with httpx.Client(base_url=self.url, timeout=60) as http, ThreadPoolExecutor(self.burst) as pool:
+            while not self._stop.wait(self.rng.uniform(*self.gaps)):
+                rs = list(pool.map(lambda _: http.post("/v1/chat/completions", json=body), range(self.burst)))
+                self.statuses += [r.status_code for r in rs]
+
+
 async def test_interactive_surges_preempt_batch_which_resumes_exactly(client, engine, stack, db_url):
     """Items preempted again and again, at random offsets, finish token-for-token as their
     uninterrupted greedy run; every token produced before a preemption was journaled."""
     prompts = [f"preempt me {i}" for i in range(6)]
     lines = [chat_line(f"p-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
-    batch = await asyncio.to_thread(submit, client, lines)
-    rng = random.Random(3)
-    http = httpx.AsyncClient(base_url=stack.url, timeout=60)
-    body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
-    # Surges at random moments until the batch is done: each one makes the batch yield.
-    while (b := await asyncio.to_thread(client.batches.retrieve, batch.id)).status not in ("completed", "failed"):
-        await asyncio.sleep(rng.uniform(0.15, 0.5))
-        rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(2)))
-        assert all(r.status_code == 200 for r in rs)
+    with Surges(stack.url) as surges:
+        batch = await asyncio.to_thread(submit, client, lines)
+        b = await asyncio.to_thread(wait_for, client, batch.id)
+    assert surges.statuses and set(surges.statuses) == {200}
     assert b.status == "completed", b
     assert b.model_extra["ballast"]["preemptions"] >= 6
 
@@ -113,3 +136,29 @@ async def test_interactive_surges_preempt_batch_which_resumes_exactly(client, en
                                   WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s""",
                        s=stream, o=offset)[0][0]
         assert covered == offset, (stream, offset, covered)
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelling", "finalizing"])
+async def test_a_surge_while_a_batch_ends_leaves_it_consistent(client, stack, db_url, cancel):
+    lines = [chat_line(f"e-{i}", f"ending {i}", 600 if cancel else 40, ignore_eos=True) for i in range(20)]
+    batch = await asyncio.to_thread(submit, client, lines)
+    with Surges(stack.url, gaps=(0.3, 0.9), burst=3) as surges:  # calm spells let batch back in
+        if cancel:
+            await asyncio.to_thread(wait_for, client, batch.id, until=lambda b: b.request_counts.completed >= 1 or
+                                    _sql(db_url, "SELECT count(*) FROM events WHERE type = 'item_preempted' "
+                                                 "AND stream LIKE %(s)s", s=f"item:{batch.id}:%")[0][0] > 0)
+            await asyncio.to_thread(client.batches.cancel, batch.id)
+        done = await asyncio.to_thread(wait_for, client, batch.id)
+    assert set(surges.statuses) == {200}
+    assert done.status == ("cancelled" if cancel else "completed"), done
+    out = await asyncio.to_thread(read_jsonl, client, done.output_file_id) if done.output_file_id else []
+    errs = await asyncio.to_thread(read_jsonl, client, done.error_file_id) if done.error_file_id else []
+    ids = [o["custom_id"] for o in out] + [e["custom_id"] for e in errs]
+    assert sorted(ids) == sorted(f"e-{i}" for i in range(20))  # every item exactly once
+    like = f"item:{batch.id}:%"
+    assert _sql(db_url, """SELECT stream FROM events WHERE stream LIKE %(s)s AND type IN ('item_completed', 'item_failed')
+                           GROUP BY stream HAVING count(*) > 1""", s=like) == []
+    assert _sql(db_url, """SELECT stream, payload->>'offset' FROM events WHERE stream LIKE %(s)s AND type = 'item_chunk'
+                           GROUP BY 1, 2 HAVING count(*) > 1""", s=like) == []
+    if not cancel:
+        assert len(out) == 20
