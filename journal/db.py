@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 
 def sync_url(url: str) -> str:
-    """The SQLAlchemy URL with the psycopg (v3) driver, whatever form the user gave."""
-    for prefix in ("postgresql+psycopg://", "postgresql+psycopg2://", "postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
-    raise ValueError(f"not a PostgreSQL URL: {url!r} (expected postgresql://user@host:port/db)")
+    """`postgresql+psycopg://…` (psycopg 3) for SQLAlchemy, from any Postgres URL form."""
+    return _with_driver(url, "postgresql+psycopg")
 
 
 def libpq_url(url: str) -> str:
-    """The plain libpq form (`postgresql://...`), for psql and psycopg.connect."""
-    return "postgresql://" + sync_url(url)[len("postgresql+psycopg://"):]
+    """Plain `postgresql://…` for psql and psycopg.connect, from any Postgres URL form."""
+    return _with_driver(url, "postgresql")
+
+
+def _with_driver(url: str, driver: str) -> str:
+    u = make_url(url)
+    if u.drivername.split("+")[0] not in ("postgresql", "postgres"):
+        raise ValueError(f"not a PostgreSQL URL: {u.render_as_string()} (expected postgresql://user@host:port/db)")
+    return u.set(drivername=driver).render_as_string(hide_password=False)
 
 
 def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:

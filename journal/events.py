@@ -115,13 +115,6 @@ async def read_stream(conn: AsyncConnection, stream: str, *, type: str | None = 
     return [_event(r) for r in (await conn.execute(q)).all()]
 
 
-async def read_positions(conn: AsyncConnection, positions: Sequence[int]) -> dict[int, Event]:
-    if not positions:
-        return {}
-    rows = (await conn.execute(select(events).where(events.c.position.in_(positions)))).all()
-    return {r.position: _event(r) for r in rows}
-
-
 async def follow(conn: AsyncConnection, after: tuple[int, int] = (0, 0), limit: int = 1000) -> list[tuple[tuple[int, int], Event]]:
     """Events committed after the cursor `(txid, position)`, in commit-safe order.
 

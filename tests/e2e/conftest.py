@@ -59,9 +59,8 @@ class Stack:
             c.stop(20)
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
-    root = tmp_path_factory.mktemp("stack")
+def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag: str) -> Stack:
+    """Engine worker, control worker and API on `db_url`, with task queues of their own."""
     env = dict(
         os.environ,
         BALLAST_DATABASE_URL=db_url,
@@ -75,9 +74,9 @@ def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
         BALLAST_MAX_UPLOAD_BYTES=str(UPLOAD_LIMIT),
         BALLAST_HEARTBEAT_TIMEOUT_S="3",
         BALLAST_BATCH_ITEMS_PER_RUN="16",  # every multi-page batch also crosses continue-as-new
-        BALLAST_CONTROL_QUEUE=f"control-{os.getpid()}",
-        BALLAST_ENGINE_QUEUE=f"engine-{os.getpid()}",
-        BALLAST_INTERACTIVE_QUEUE=f"interactive-{os.getpid()}",
+        BALLAST_CONTROL_QUEUE=f"control-{tag}",
+        BALLAST_ENGINE_QUEUE=f"engine-{tag}",
+        BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
     )
     env.pop("DATABASE_URL", None)
@@ -87,6 +86,16 @@ def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
         s.start("control", "worker", "control")
         s.start("api", "api")
         s.wait_healthy()
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
+    s = start_stack(tmp_path_factory.mktemp("stack"), db_url, temporal_address, tiny_model, str(os.getpid()))
+    try:
         yield s
     finally:
         s.stop()

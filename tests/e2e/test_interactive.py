@@ -109,46 +109,6 @@ class Surges:
                 self.statuses += [r.status_code for r in rs]
 
 
-async def test_interactive_surges_preempt_batch_which_resumes_exactly(client, engine, stack, db_url):
-    """Items preempted again and again, at random offsets, finish token-for-token as their
-    uninterrupted greedy run; every token produced before a preemption was journaled.
-    (Three preemptions of one item are reached when this runs on a fresh stack; after other
-    interactive traffic the batch reliably yields twice per item before it finishes — an
-    open question noted on the surge issue — so two is what is asserted.)"""
-    prompts = [f"preempt me {i}" for i in range(6)]
-    lines = [chat_line(f"p-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
-    preempted = ("SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM events WHERE type = 'item_preempted'"
-                 " AND stream LIKE %(s)s GROUP BY stream) c")
-    # Every calm spell is a little longer than the stack's 0.5 s cool-down: batch gets back
-    # in for a moment, and the next burst preempts it again, until an item has yielded twice.
-    with Surges(stack.url, gaps=(0.7, 1.1)) as surges:
-        batch = await asyncio.to_thread(submit, client, lines)
-        deadline = time.monotonic() + 120
-        while _sql(db_url, preempted, s=f"item:{batch.id}:%")[0][0] < 2:
-            assert time.monotonic() < deadline, "no item was preempted twice"
-            await asyncio.sleep(0.2)
-    b = await asyncio.to_thread(wait_for, client, batch.id)
-    assert surges.statuses and set(surges.statuses) == {200}
-    assert b.status == "completed", b
-    assert b.model_extra["ballast"]["preemptions"] >= 6
-
-    out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
-    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
-    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
-
-    like = f"item:{batch.id}:%"
-    counts = dict(_sql(db_url, "SELECT stream, count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
-                               " GROUP BY stream", s=like))
-    assert max(counts.values()) >= 2 and len(counts) == 6
-    # Nothing lost: at each preemption the chunks journaled so far cover every produced token.
-    for stream, offset in _sql(db_url, "SELECT stream, (payload->>'offset')::int FROM events "
-                                       "WHERE type = 'item_preempted' AND stream LIKE %(s)s", s=like):
-        covered = _sql(db_url, """SELECT coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events
-                                  WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s""",
-                       s=stream, o=offset)[0][0]
-        assert covered == offset, (stream, offset, covered)
-
-
 @pytest.mark.parametrize("cancel", [True, False], ids=["cancelling", "finalizing"])
 async def test_a_surge_while_a_batch_ends_leaves_it_consistent(client, stack, db_url, cancel):
     lines = [chat_line(f"e-{i}", f"ending {i}", 600 if cancel else 40, ignore_eos=True) for i in range(20)]

@@ -1,0 +1,74 @@
+"""Batch yielding to interactive surges, again and again, on a stack of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from openai import OpenAI
+
+from ballast import pg
+from journal.migrate import upgrade
+from tests.e2e.conftest import start_stack
+from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
+from tests.e2e.test_interactive import Surges
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def quiet(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
+    name = f"ballast_test_quiet_{os.getpid()}"
+    url = pg.create_database(pg_server_url, name)
+    try:
+        upgrade(url)
+        s = start_stack(tmp_path_factory.mktemp("quiet"), url, temporal_address, tiny_model, f"quiet-{os.getpid()}")
+        try:
+            yield s, url
+        finally:
+            s.stop()
+    finally:
+        pg.drop_database(pg_server_url, name)
+
+
+async def test_interactive_surges_preempt_batch_which_resumes_exactly(quiet, engine):
+    stack, db_url = quiet
+    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
+    """Items preempted again and again, at random offsets, finish token-for-token as their
+    uninterrupted greedy run; every token produced before a preemption was journaled.
+    It gets a stack of its own: after other interactive traffic the batch yields only twice
+    per item before it finishes (an open question noted on the surge issue)."""
+    prompts = [f"preempt me {i}" for i in range(6)]
+    lines = [chat_line(f"p-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
+    preempted = ("SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM events WHERE type = 'item_preempted'"
+                 " AND stream LIKE %(s)s GROUP BY stream) c")
+    # Every calm spell is a little longer than the stack's 0.5 s cool-down: batch gets back
+    # in for a moment, and the next burst preempts it again, until an item has yielded 3×.
+    with Surges(stack.url, gaps=(0.7, 1.1)) as surges:
+        batch = await asyncio.to_thread(submit, client, lines)
+        deadline = time.monotonic() + 180
+        while _sql(db_url, preempted, s=f"item:{batch.id}:%")[0][0] < 3:
+            assert time.monotonic() < deadline, "no item was preempted three times"
+            await asyncio.sleep(0.2)
+    b = await asyncio.to_thread(wait_for, client, batch.id)
+    assert surges.statuses and set(surges.statuses) == {200}
+    assert b.status == "completed", b
+    assert b.model_extra["ballast"]["preemptions"] >= 6
+
+    out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
+    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
+
+    like = f"item:{batch.id}:%"
+    counts = dict(_sql(db_url, "SELECT stream, count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
+                               " GROUP BY stream", s=like))
+    assert max(counts.values()) >= 3 and len(counts) == 6
+    # Nothing lost: at each preemption the chunks journaled so far cover every produced token.
+    for stream, offset in _sql(db_url, "SELECT stream, (payload->>'offset')::int FROM events "
+                                       "WHERE type = 'item_preempted' AND stream LIKE %(s)s", s=like):
+        covered = _sql(db_url, """SELECT coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events
+                                  WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s""",
+                       s=stream, o=offset)[0][0]
+        assert covered == offset, (stream, offset, covered)
