@@ -27,7 +27,6 @@ class Checkpointer:
         self._queue: list[tuple[NewEvent, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.commits = 0  # transactions written, for benchmarks
 
     async def __aenter__(self) -> "Checkpointer":
         self._task = asyncio.create_task(self._run(), name="checkpointer")
@@ -65,7 +64,6 @@ class Checkpointer:
             try:
                 async with self.db.begin() as conn:
                     await append(conn, unique)
-                self.commits += 1
             except Exception as err:  # each waiting generation sees it and fails its attempt
                 log.warning("checkpoint commit of %d events failed: %s", len(unique), err)
                 for _, f in batch:

@@ -6,7 +6,7 @@ Nothing large travels here: ids and offsets only, payloads stay in the journal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -70,7 +70,6 @@ class GenerateResult:
     idx: int = -1
     tokens: int = 0
     resumed_from: int = 0  # tokens already in the journal when this attempt began
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass
