@@ -99,7 +99,8 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
     def outcome(final: dict | None, ttft: float | None) -> RequestOutcome:
         if final is None:
             return RequestOutcome("cancelled", ttft_ms=ttft)
-        return RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft)
+        return RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft,
+                              final.get("engine_ttft_ms"))
 
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_model_len: int = 2048
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
+    # vLLM's processes busy-poll; a lower CPU priority keeps the request path (and the
+    # control plane) ahead of them where they share cores. 0 disables.
+    engine_nice: int = 10
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
@@ -65,6 +68,16 @@ class Settings(BaseSettings):
     # flight, and how long demand must stay low before batch gets its slots back.
     batch_busy_cap: int = 0
     batch_cool_down_s: float = 2.0
+    # The fleet controller (workflows/fleet.py): a pool surges when an engine's pressure
+    # (interactive + queued against its slots, or KV-cache use under chat) reaches
+    # surge_high, and calms after staying under surge_low for surge_cool_down_s; while it
+    # surges every engine of the pool keeps batch to surge_batch_share of its slots.
+    surge_high: float = 0.8
+    surge_low: float = 0.5
+    surge_cool_down_s: float = 10.0
+    surge_batch_share: float = 0.0
+    fleet_tick_s: float = 1.0
+    announce_s: float = 1.0  # how often engine workers report
     heartbeat_timeout_s: float = 10.0
 
     @cached_property

@@ -12,15 +12,20 @@ from datetime import timedelta
 
 import uvicorn
 from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
+from activities.fleet import FleetActivities
 from activities.batch_input import Limits
 from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
+from policy.preemption import SurgePolicy
 from workflows.batch import BatchWorkflow
+from workflows.fleet import FLEET_ID, FleetWorkflow
+from workflows.inputs import FleetInput
 
 log = logging.getLogger("ballast.worker")
 
@@ -40,17 +45,30 @@ async def control_worker(settings: Settings) -> None:
         ObjectStore(settings.object_store_url),
         Limits("", settings.model_name, settings.max_model_len, settings.max_batch_lines),
     )
+    fleet = FleetActivities(db)
     worker = Worker(
         client,
         task_queue=settings.control_queue,
-        workflows=[BatchWorkflow],
-        activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.finalize_batch],
+        workflows=[BatchWorkflow, FleetWorkflow],
+        activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.finalize_batch,
+                    fleet.observe_fleet, fleet.apply_fleet],
     )
     log.info("control worker polling %s", settings.control_queue)
     try:
+        await start_fleet(client, settings)
         await _run_until_signalled(worker)
     finally:
         await db.dispose()
+
+
+async def start_fleet(client: Client, settings: Settings) -> None:
+    """The fleet controller runs once per control queue, however many control workers poll it."""
+    policy = SurgePolicy(settings.surge_high, settings.surge_low, settings.surge_cool_down_s, settings.surge_batch_share)
+    await client.start_workflow(
+        FleetWorkflow.run, FleetInput(policy, settings.fleet_tick_s, stale_s=5 * settings.announce_s),
+        id=f"{FLEET_ID}:{settings.control_queue}", task_queue=settings.control_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
 
 
 async def engine_worker(settings: Settings) -> None:
@@ -64,7 +82,7 @@ async def engine_worker(settings: Settings) -> None:
 
     spec = resolve_model(settings)
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
-    engine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs)
+    engine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
     db = connect(settings.database_url)
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s)
@@ -79,7 +97,7 @@ async def engine_worker(settings: Settings) -> None:
         checkpointer = await stack.enter_async_context(Checkpointer(db))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
-        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots))
+        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens)
         worker = Worker(
@@ -94,18 +112,22 @@ async def engine_worker(settings: Settings) -> None:
         await _run_until_signalled(worker)
 
 
-async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots) -> None:
-    """Tell the API where this engine streams from and how loaded it is, every second."""
+async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine) -> None:
+    """Every second, off the request path: tell the API and the fleet controller where this
+    engine streams from and how loaded it is; take the controller's batch cap back."""
+    from dataclasses import asdict
+
     from journal import engines as je
 
     while True:
         try:
             async with db.begin() as conn:
-                await je.announce(conn, engine_id, url, model, settings.engine_queue,
-                                  dict(slots.snapshot(), max_seqs=settings.max_num_seqs))
+                cap = await je.announce(conn, engine_id, url, model, settings.engine_queue,
+                                        dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs))
+            await slots.direct(cap)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(settings.announce_s)
 
 
 async def _withdraw(db, engine_id: str, announcing: asyncio.Task) -> None:

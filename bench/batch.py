@@ -41,7 +41,7 @@ async def raw_vllm(settings: Settings, reqs: list[dict]) -> dict:
     from engine.models import resolve_model
     from engine.vllm_engine import Engine
 
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs)
+    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     try:
         async def one(i: int, r: dict) -> int:
             n = 0

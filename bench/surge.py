@@ -135,7 +135,7 @@ async def bench(settings: Settings, duration_s: float, rate: float, backfill: in
 
     # Batch backfill fills every sequence slot, as it would on a busy fleet: without
     # preemption an interactive request waits for a batch sequence to finish.
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=backfill)
+    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=backfill, nice=settings.engine_nice)
     try:
         await run_arm(engine, "alone", 2, rate, 0, seed=1)  # warm-up
         capacity = await batch_alone(engine, backfill, 5)

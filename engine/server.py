@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 def create_app(engine, slots: EngineSlots) -> Starlette:
     async def generate(request: Request):
+        t0 = time.perf_counter()
         job = await request.json()
         endpoint, body, priority = job["endpoint"], job["body"], int(job["priority"])
         prompt = rq.prompt_ids(engine, endpoint, body)
@@ -42,9 +43,8 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
             return JSONResponse({"error": params.body()["error"], "status": params.status_code})
 
         async def lines():
-            t0 = time.perf_counter()
             yield _line(prompt_tokens=len(prompt))
-            ids, sent, reason = [], [], None
+            ids, sent, reason, ttft = [], [], None, None
             # Counted before vLLM sees it: batch yields its slots first.
             async with slots.interactive_request():
                 async for step in engine.generate(
@@ -55,6 +55,7 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
                     ids += step.token_ids
                     reason = step.finish_reason
                     if step.text or step.token_ids:
+                        ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
                         sent.append(step.text)
                         yield _line(text=step.text, tokens=len(step.token_ids))
             # The incremental detokenizer holds back a trailing partial character; the
@@ -63,7 +64,8 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
             streamed = "".join(sent)
             if len(text) > len(streamed) and text.startswith(streamed):
                 yield _line(text=text[len(streamed):], tokens=0)
-            yield _line(finish_reason=reason, completion_tokens=len(ids), engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+            yield _line(finish_reason=reason, completion_tokens=len(ids), engine_ttft_ms=ttft,
+                        engine_ms=round(1000 * (time.perf_counter() - t0), 2))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -4,7 +4,8 @@ Interactive requests are counted and never wait here. Batch generations hold a s
 they run on vLLM; when interactive demand rises the cap from `policy.preemption` drops
 and the victims it names are aborted in vLLM at once (their slot and KV blocks are free at
 the engine's next step). Each victim's generation then flushes its tokens to the journal
-and yields; batch waits here until the cap, with hysteresis, lets it back in.
+and yields; batch waits here until the cap, with hysteresis, lets it back in. The fleet
+controller may cap batch lower still while the engine's pool surges (`direct`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class EngineSlots:
         self.preemption = preemption  # False: FIFO, batch keeps what it holds (a benchmark arm)
         self.clock = clock
         self.state = SlotState(cap=max_seqs)
+        self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
+        self.interactive_peak = 0  # most in flight at once since the last report
         self.holds: dict[str, BatchHold] = {}
         self.stats = SlotStats()
         self._changed = asyncio.Condition()
@@ -53,6 +56,7 @@ class EngineSlots:
     @asynccontextmanager
     async def interactive_request(self) -> AsyncIterator[None]:
         self.interactive += 1
+        self.interactive_peak = max(self.interactive_peak, self.interactive)
         await self._rebalance()
         try:
             yield
@@ -66,7 +70,7 @@ class EngineSlots:
         async with self._changed:
             while True:
                 self._update_cap()
-                if len(self.holds) < self.state.cap or not self.preemption:
+                if len(self.holds) < self.cap or not self.preemption:
                     break
                 # Re-check on every change, and now and then for the cool-down to pass.
                 try:
@@ -84,9 +88,26 @@ class EngineSlots:
             async with self._changed:
                 self._changed.notify_all()
 
+    @property
+    def cap(self) -> int:
+        """Batch sequences allowed now: the engine's own cap, or the fleet's if lower."""
+        return self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
+
+    async def direct(self, fleet_cap: int | None) -> None:
+        """Apply the fleet controller's cap (None lifts it)."""
+        if fleet_cap != self.fleet_cap:
+            self.fleet_cap = fleet_cap
+            await self._rebalance()
+
     def snapshot(self) -> dict:
-        return dict(interactive=self.interactive, batch=len(self.holds), batch_cap=self.state.cap,
+        return dict(interactive=self.interactive, batch=len(self.holds), batch_cap=self.cap, fleet_cap=self.fleet_cap,
                     preemptions=self.stats.preemptions)
+
+    def report(self) -> dict:
+        """The snapshot, with interactive load as its peak since the last report: a
+        once-a-second sample would miss most short chat requests."""
+        peak, self.interactive_peak = self.interactive_peak, self.interactive
+        return dict(self.snapshot(), interactive=peak)
 
     def _update_cap(self) -> None:
         demand = Demand(self.interactive, self.max_seqs, self.busy_cap)
@@ -100,7 +121,7 @@ class EngineSlots:
             return
         live = [h for h in self.holds.values() if h.preempted_at is None]
         running = [Running(h.id, h.tier, h.unsaved, h.generated, h.started_at) for h in live]
-        for id in victims(running, self.state.cap):
+        for id in victims(running, self.cap):
             hold = self.holds[id]
             hold.preempted_at = self.clock()
             hold.preempted.set()

@@ -11,10 +11,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from journal.schema import engines
 
 
-async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str, stats: dict[str, Any]) -> None:
+async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str, stats: dict[str, Any]) -> int | None:
+    """Upsert the engine's row; returns the batch cap the fleet controller set on it."""
     row = dict(id=id, url=url, model=model, queue=queue, stats=stats)
     stmt = insert(engines).values(row)
-    await conn.execute(stmt.on_conflict_do_update(index_elements=[engines.c.id], set_=dict(row, seen_at=func.now())))
+    stmt = stmt.on_conflict_do_update(index_elements=[engines.c.id], set_=dict(row, seen_at=func.now()))
+    return (await conn.execute(stmt.returning(engines.c.batch_cap))).scalar_one()
+
+
+async def set_caps(conn: AsyncConnection, caps: list[tuple[str, int | None]]) -> None:
+    for id, cap in caps:
+        await conn.execute(engines.update().where(engines.c.id == id).values(batch_cap=cap))
 
 
 async def withdraw(conn: AsyncConnection, id: str) -> None:

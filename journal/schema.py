@@ -94,7 +94,8 @@ batch_items = Table(
     Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
 )
 
-# Live engine state, overwritten by each engine worker every second (migration 0002).
+# Live engine state, overwritten by each engine worker every second (migration 0002), and
+# the fleet controller's batch cap for it (0003).
 engines = Table(
     "engines",
     metadata,
@@ -104,4 +105,5 @@ engines = Table(
     Column("queue", Text, nullable=False),
     Column("stats", JSONB, nullable=False),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("batch_cap", Integer, nullable=True),
 )

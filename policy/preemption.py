@@ -1,6 +1,6 @@
 """What yields when interactive traffic surges. Pure: inputs and `now` are arguments.
 
-Two decisions, both per engine:
+Two levels. Per engine, within an engine step (the engine worker applies these):
 - `batch_slots`: how many sequences batch work may hold on the engine right now. Interactive
   work is never capped; while any is in flight batch keeps at most `busy_cap` sequences
   (on a CPU or a saturated GPU every extra sequence lengthens each step, so chat latency
@@ -10,6 +10,14 @@ Two decisions, both per engine:
   batch thrash between preempted and resumed.
 - `victims`: which running batch generations to preempt when they hold more slots than
   the cap allows: lowest tier first, then least progress lost, then newest, then id.
+
+Per pool, every controller tick (`workflows/fleet.py` applies this):
+- `pool_step`: from the engines' reports, is the pool surging? A pool enters a surge when
+  an engine's pressure (interactive work and vLLM's queue against its slots, or KV-cache
+  use while interactive work is there) reaches `high`, and leaves it only after pressure
+  has stayed under `low` for `cool_down_s`. While it surges, every engine of the pool —
+  also those no chat has reached yet — caps batch at `batch_share` of its slots, and the
+  engines preempt by `victims` to get there.
 """
 
 from __future__ import annotations
@@ -71,3 +79,71 @@ def victims(running: list[Running], cap: int) -> list[str]:
         key=lambda r: (-r.tier, r.unsaved_tokens + r.generated_tokens, -r.started_at, r.id),
     )
     return [r.id for r in order[:excess]]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine worker last reported (every second, off the request path)."""
+
+    id: str
+    pool: str  # the model it serves: the engines of a pool are interchangeable
+    max_seqs: int
+    interactive: int  # the most interactive requests in flight at once since its last report
+    batch: int  # batch generations holding slots
+    running: int  # vLLM's running sequences
+    waiting: int  # requests queued inside vLLM
+    kv_cache_usage: float  # 0..1
+    fleet_cap: int | None = None  # the batch cap the controller set on it, if any
+
+
+def pressure(r: EngineReport) -> float:
+    """How close interactive work on the engine is to waiting, 0 (idle) .. 1 (full)."""
+    slots = (r.interactive + r.waiting) / max(1, r.max_seqs)
+    # A KV cache filled by batch alone is batch doing its job, not pressure.
+    kv = r.kv_cache_usage if r.interactive else 0.0
+    return round(min(1.0, max(slots, kv)), 4)
+
+
+@dataclass(frozen=True)
+class SurgePolicy:
+    high: float = 0.8
+    low: float = 0.5
+    cool_down_s: float = 10.0
+    batch_share: float = 0.0  # of each engine's slots, kept by batch during a surge
+
+
+@dataclass(frozen=True)
+class Surge:
+    """A pool's surge state between ticks."""
+
+    surging: bool = False
+    since: float | None = None  # when the surge began
+    calm_since: float | None = None  # surging, but pressure under `low` since
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    pool: str
+    state: Surge
+    pressure: float  # the pool's highest engine pressure this tick
+    started: bool  # the surge began this tick
+    ended: bool  # the surge ended this tick
+    caps: tuple[tuple[str, int | None], ...]  # (engine id, batch cap or None: no fleet cap), by id
+
+
+def pool_step(pool: str, reports: list[EngineReport], prev: Surge, now: float, policy: SurgePolicy) -> PoolDecision:
+    mine = sorted((r for r in reports if r.pool == pool), key=lambda r: r.id)
+    # 1. The pool's pressure: its most pressed engine (chat placed there waits first).
+    p = max((pressure(r) for r in mine), default=0.0)
+    # 2. Enter at `high`; leave once pressure has stayed under `low` for the cool-down.
+    state = prev
+    if not prev.surging and p >= policy.high:
+        state = Surge(True, now, None)
+    elif prev.surging and p >= policy.low:
+        state = Surge(True, prev.since, None)
+    elif prev.surging:
+        calm = prev.calm_since if prev.calm_since is not None else now
+        state = Surge(False) if now - calm >= policy.cool_down_s else Surge(True, prev.since, calm)
+    # 3. Caps: during a surge every engine of the pool keeps batch to its share.
+    caps = tuple((r.id, int(policy.batch_share * r.max_seqs) if state.surging else None) for r in mine)
+    return PoolDecision(pool, state, p, state.surging and not prev.surging, prev.surging and not state.surging, caps)

@@ -6,7 +6,9 @@ Nothing large travels here: ids and offsets only, payloads stay in the journal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from policy.preemption import Surge, SurgePolicy
 
 
 @dataclass
@@ -88,10 +90,42 @@ class RequestOutcome:
     status: str  # completed | cancelled | failed | abandoned
     completion_tokens: int = 0
     finish_reason: str | None = None
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # as the API saw it: request received → first token out
+    engine_ttft_ms: float | None = None  # as the engine worker saw it: request in → first token
 
 
 @dataclass
 class JournalRequest:
     request: InteractiveInput
     outcome: RequestOutcome
+
+
+@dataclass
+class FleetInput:
+    """The fleet controller's settings, and its state carried across continue-as-new."""
+
+    policy: SurgePolicy = field(default_factory=SurgePolicy)
+    tick_s: float = 1.0
+    stale_s: float = 5.0  # an engine silent this long has left the fleet
+    ticks_per_run: int = 300  # then continue-as-new (~10 history events per tick)
+    pools: dict[str, Surge] = field(default_factory=dict)
+    members: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ObserveFleet:
+    stale_s: float
+
+
+@dataclass
+class FleetEvent:
+    stream: str
+    type: str
+    payload: dict
+    key: str  # idempotency key: a retried apply journals nothing twice
+
+
+@dataclass
+class ApplyFleet:
+    caps: list[tuple[str, int | None]]  # (engine id, batch cap; None lifts the fleet's cap)
+    events: list[FleetEvent]

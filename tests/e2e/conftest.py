@@ -59,8 +59,9 @@ class Stack:
             c.stop(20)
 
 
-def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag: str) -> Stack:
-    """Engine worker, control worker and API on `db_url`, with task queues of their own."""
+def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag: str, **settings: str) -> Stack:
+    """Engine worker, control worker and API on `db_url`, with task queues of their own;
+    `settings` are BALLAST_* variables on top."""
     env = dict(
         os.environ,
         BALLAST_DATABASE_URL=db_url,
@@ -78,6 +79,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_QUEUE=f"engine-{tag}",
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
+        **settings,
     )
     env.pop("DATABASE_URL", None)
     s = Stack(root, env)

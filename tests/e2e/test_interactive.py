@@ -87,8 +87,9 @@ class Surges:
     """Bursts of interactive requests at random moments, from a thread of their own, until
     stopped: the batch under test must yield to each one."""
 
-    def __init__(self, url: str, gaps=(0.15, 0.5), burst: int = 2, seed: int = 3):
+    def __init__(self, url: str, gaps=(0.15, 0.5), burst: int = 2, seed: int = 3, max_tokens: int = 4):
         self.url, self.gaps, self.burst, self.rng = url, gaps, burst, random.Random(seed)
+        self.max_tokens = max_tokens
         self.statuses: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -102,7 +103,8 @@ class Surges:
         self._thread.join(60)
 
     def _run(self) -> None:
-        body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
+        body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=self.max_tokens,
+                    temperature=0)
         with httpx.Client(base_url=self.url, timeout=60) as http, ThreadPoolExecutor(self.burst) as pool:
             while not self._stop.wait(self.rng.uniform(*self.gaps)):
                 rs = list(pool.map(lambda _: http.post("/v1/chat/completions", json=body), range(self.burst)))

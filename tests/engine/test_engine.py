@@ -173,3 +173,27 @@ async def test_stop_string(engine):
     tokens, reason = await _run(engine, prompt, 64, stop=[chr(byte)])
     assert reason == "stop"
     assert tokens == reference[: i + 1]  # the stopping token is included, text aside
+
+
+@pytest.mark.engine
+async def test_load_follows_the_scheduler(engine):
+    """The engine reports vLLM's own view after every step: running sequences, queued
+    requests and KV-cache use — what the fleet controller reads."""
+    prompts = [engine.render_text(p) for p in PROMPTS]
+    seen: list[tuple[int, float]] = []
+
+    async def watch(stop: asyncio.Event):
+        while not stop.is_set():
+            seen.append((engine.load.running, engine.load.kv_cache_usage))
+            await asyncio.sleep(0.005)
+
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch(stop))
+    await asyncio.gather(*(_run(engine, p, 64, ignore_eos=True) for p in prompts))
+    stop.set()
+    await watcher
+    assert max(r for r, _ in seen) >= 2, seen[:20]
+    assert max(kv for _, kv in seen) > 0.0
+    # Idle again: the last step reported nothing running.
+    await asyncio.sleep(0.05)
+    assert engine.load.running == 0 and engine.load.waiting == 0

@@ -1,0 +1,42 @@
+"""The fleet controller's two side effects: read the engines' reports, apply its decisions.
+
+Both run as local activities of the controller's workflow (on the control worker): a
+tick costs no task dispatch.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio import activity
+
+from journal import engines as je
+from journal.events import NewEvent, append
+from policy.preemption import EngineReport
+from workflows.inputs import ApplyFleet, ObserveFleet
+
+
+class FleetActivities:
+    def __init__(self, db: AsyncEngine):
+        self.db = db
+
+    @activity.defn
+    async def observe_fleet(self, inp: ObserveFleet) -> list[EngineReport]:
+        async with self.db.connect() as conn:
+            rows = await je.live(conn, within_s=inp.stale_s)
+        return [_report(r) for r in rows]
+
+    @activity.defn
+    async def apply_fleet(self, inp: ApplyFleet) -> None:
+        # One transaction: the caps and the events that explain them land together.
+        async with self.db.begin() as conn:
+            await je.set_caps(conn, inp.caps)
+            await append(conn, [NewEvent(e.stream, e.type, e.payload, e.key, "system") for e in inp.events])
+
+
+def _report(row: dict) -> EngineReport:
+    s = row["stats"]
+    return EngineReport(
+        id=row["id"], pool=row["model"], max_seqs=int(s.get("max_seqs", 1)), interactive=int(s.get("interactive", 0)),
+        batch=int(s.get("batch", 0)), running=int(s.get("running", 0)), waiting=int(s.get("waiting", 0)),
+        kv_cache_usage=float(s.get("kv_cache_usage", 0.0)), fleet_cap=row.get("batch_cap"),
+    )

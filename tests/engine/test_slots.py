@@ -1,0 +1,85 @@
+"""EngineSlots, the engine worker's side of preemption, with a fake clock and fake aborts
+(on real vLLM: tests/e2e/test_preemption.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from engine.slots import EngineSlots
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def hold(slots: EngineSlots, id: str, tier: int, aborted: list[str], started: asyncio.Event):
+    async def abort():
+        aborted.append(id)
+
+    async with slots.batch(id, tier, abort) as h:
+        started.set()
+        await h.preempted.wait()
+
+
+async def start_batch(slots, ids, clock, aborted):
+    tasks = []
+    for i, id in enumerate(ids):
+        clock.now = float(i)  # later ids are newer
+        started = asyncio.Event()
+        tasks.append(asyncio.create_task(hold(slots, id, 10, aborted, started)))
+        await asyncio.wait_for(started.wait(), 1)
+    return tasks
+
+
+async def test_chat_preempts_batch_newest_first_and_batch_returns_after_the_cool_down():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=1, cool_down_s=2.0, clock=clock)
+    tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)
+    async with slots.interactive_request():
+        assert aborted == ["c", "b"] and slots.cap == 1  # busy_cap 1: the oldest keeps running
+        await asyncio.gather(*tasks[1:])
+    clock.now = 10.0
+    assert slots.cap == 1  # calm only just began
+    waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    clock.now = 12.5  # the cool-down has passed: the waiting one gets in on its next look
+    more = await asyncio.wait_for(waiter, 2)
+    assert slots.cap == 4 and set(slots.holds) == {"a", "d"}
+    for t in [tasks[0], *more]:
+        t.cancel()
+
+
+async def test_the_fleet_cap_preempts_down_to_it_and_lifting_it_lets_batch_back():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(8, clock=clock)
+    tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)
+    await slots.direct(1)
+    assert aborted == ["c", "b"] and slots.cap == 1 and slots.snapshot()["fleet_cap"] == 1
+    await asyncio.gather(*tasks[1:])
+    waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await slots.direct(None)
+    more = await asyncio.wait_for(waiter, 2)
+    assert slots.cap == 8 and set(slots.holds) == {"a", "d"}
+    for t in [tasks[0], *more]:
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+async def test_reports_carry_the_interactive_peak_since_the_last_one():
+    slots = EngineSlots(8)
+    async with slots.interactive_request():
+        async with slots.interactive_request():
+            pass
+        assert slots.report()["interactive"] == 2
+        assert slots.report()["interactive"] == 1  # still one in flight
+    assert slots.snapshot()["interactive"] == 0 and slots.report()["interactive"] == 1
+    assert slots.report()["interactive"] == 0
