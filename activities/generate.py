@@ -68,16 +68,19 @@ class GenerationActivities:
             await self.checkpointer.submit([jb.item_failed_event(batch_id, idx, tenant, params.status_code, params.body())])
             return GenerateResult("failed", idx=idx)
 
+        info = activity.info()
+        runner = f"{info.activity_id}:{info.attempt}"  # who wrote it: audits "never two at once"
+
         def chunk(offset: int) -> list[NewEvent]:
             if len(tokens) == offset:
                 return []
-            payload = dict(batch_id=batch_id, idx=idx, offset=offset, token_ids=tokens[offset:])
+            payload = dict(batch_id=batch_id, idx=idx, offset=offset, token_ids=tokens[offset:], runner=runner)
             return [NewEvent(stream, "item_chunk", payload, f"{stream}:chunk:{offset}", tenant)]
 
         saved = len(tokens)  # tokens[:saved] are in the journal (or queued for it)
         reason = None
         if not self._already_finished(tokens, params):
-            request_id = f"{stream}:{activity.info().attempt}:{resumed_from}"
+            request_id = f"{stream}:{info.attempt}:{resumed_from}"
             async with self.slots.batch(stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
                 try:
                     async for step in self.engine.generate(
