@@ -39,4 +39,5 @@ def _report(row: dict) -> EngineReport:
         id=row["id"], pool=row["model"], max_seqs=int(s.get("max_seqs", 1)), interactive=int(s.get("interactive", 0)),
         batch=int(s.get("batch", 0)), running=int(s.get("running", 0)), waiting=int(s.get("waiting", 0)),
         kv_cache_usage=float(s.get("kv_cache_usage", 0.0)), fleet_cap=row.get("batch_cap"),
+        batch_queued=int(s.get("batch_queued", 0)),
     )

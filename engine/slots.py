@@ -50,6 +50,7 @@ class EngineSlots:
         self.interactive = 0
         self.interactive_peak = 0  # most in flight at once since the last report
         self.holds: dict[str, BatchHold] = {}
+        self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
         self.stats = SlotStats()
         self._changed = asyncio.Condition()
 
@@ -68,15 +69,19 @@ class EngineSlots:
     async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]]) -> AsyncIterator[BatchHold]:
         """Wait for a batch slot, hold it for the block. Cancellable while waiting."""
         async with self._changed:
-            while True:
-                self._update_cap()
-                if len(self.holds) < self.cap or not self.preemption:
-                    break
-                # Re-check on every change, and now and then for the cool-down to pass.
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    pass
+            self.queued += 1
+            try:
+                while True:
+                    self._update_cap()
+                    if len(self.holds) < self.cap or not self.preemption:
+                        break
+                    # Re-check on every change, and now and then for the cool-down to pass.
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), timeout=0.25)
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                self.queued -= 1
             hold = BatchHold(id, tier, self.clock(), abort)
             self.holds[id] = hold
         try:
@@ -100,8 +105,8 @@ class EngineSlots:
             await self._rebalance()
 
     def snapshot(self) -> dict:
-        return dict(interactive=self.interactive, batch=len(self.holds), batch_cap=self.cap, fleet_cap=self.fleet_cap,
-                    preemptions=self.stats.preemptions)
+        return dict(interactive=self.interactive, batch=len(self.holds), batch_queued=self.queued, batch_cap=self.cap,
+                    fleet_cap=self.fleet_cap, preemptions=self.stats.preemptions)
 
     def report(self) -> dict:
         """The snapshot, with interactive load as its peak since the last report: a

@@ -94,6 +94,7 @@ class EngineReport:
     waiting: int  # requests queued inside vLLM
     kv_cache_usage: float  # 0..1
     fleet_cap: int | None = None  # the batch cap the controller set on it, if any
+    batch_queued: int = 0  # batch generations waiting on it for a slot
 
 
 def pressure(r: EngineReport) -> float:

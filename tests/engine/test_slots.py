@@ -64,10 +64,10 @@ async def test_the_fleet_cap_preempts_down_to_it_and_lifting_it_lets_batch_back(
     await asyncio.gather(*tasks[1:])
     waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
     await asyncio.sleep(0.05)
-    assert not waiter.done()
+    assert not waiter.done() and slots.snapshot()["batch_queued"] == 1
     await slots.direct(None)
     more = await asyncio.wait_for(waiter, 2)
-    assert slots.cap == 8 and set(slots.holds) == {"a", "d"}
+    assert slots.cap == 8 and set(slots.holds) == {"a", "d"} and slots.snapshot()["batch_queued"] == 0
     for t in [tasks[0], *more]:
         t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
