@@ -69,7 +69,9 @@ class GenerationActivities:
             return GenerateResult("failed", idx=idx)
 
         info = activity.info()
-        runner = f"{info.activity_id}:{info.attempt}"  # who wrote it: audits "never two at once"
+        # Who wrote it (this activity attempt, unique across continue-as-new runs): lets an
+        # audit check that no two runners ever worked on one item at once.
+        runner = f"{info.workflow_run_id}:{info.activity_id}:{info.attempt}"
 
         def chunk(offset: int) -> list[NewEvent]:
             if len(tokens) == offset:

@@ -79,8 +79,8 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_QUEUE=f"engine-{tag}",
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
-        **settings,
     )
+    env.update(settings)
     env.pop("DATABASE_URL", None)
     s = Stack(root, env)
     try:

@@ -34,7 +34,8 @@ def quiet(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
         # of 2 (0.06) are not.
         s = start_stack(tmp_path_factory.mktemp("quiet"), url, temporal_address, tiny_model, f"quiet-{os.getpid()}",
                         BALLAST_MAX_NUM_SEQS="32", BALLAST_SURGE_HIGH="0.1", BALLAST_SURGE_LOW="0.05",
-                        BALLAST_SURGE_COOL_DOWN_S="2", BALLAST_FLEET_TICK_S="0.5", BALLAST_ANNOUNCE_S="0.5")
+                        BALLAST_SURGE_COOL_DOWN_S="2", BALLAST_FLEET_TICK_S="0.5", BALLAST_ANNOUNCE_S="0.5",
+                        BALLAST_BATCH_ITEMS_PER_RUN="64")
         try:
             yield s, url
         finally:
@@ -93,20 +94,21 @@ def assert_nothing_lost_and_never_two_at_once(db_url: str, batch_id: str) -> Non
                            GROUP BY stream HAVING count(*) > 1""", s=like) == []
 
 
-async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, engine):
-    """Three bursts, each once every item is generating again and has run for a random
-    while: every item is preempted exactly three times, at offsets of its own, and still
-    finishes token-for-token as its uninterrupted greedy run; nothing produced was lost."""
+@pytest.mark.parametrize("k", [1, 2, 3])
+async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, engine, k):
+    """k bursts, each once every item is generating again and has run for a random while:
+    every item is preempted exactly k times, at offsets of its own, and still finishes
+    token-for-token as its uninterrupted greedy run; nothing produced was lost."""
     stack, db_url = quiet
     client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
-    # 16 at once (one generation group) share the engine's steps: each makes a few hundred
-    # tokens/s, not ~1500 as 6 would, so that three rounds of yield-and-resume fit in 1000.
-    prompts = [f"preempt me {i}" for i in range(16)]
+    # 32 at once (every slot) share the engine's steps: each makes ~200 tokens/s, not ~1500
+    # as 6 would, so that k rounds of yield-and-resume fit well within 1000.
+    prompts = [f"preempt me {k}.{i}" for i in range(32)]
     batch = await asyncio.to_thread(submit, client, [chat_line(f"p-{i}", p, 1000, ignore_eos=True)
                                                      for i, p in enumerate(prompts)])
-    rng = random.Random(11)
-    for _ in range(3):
-        await all_generating(db_url, batch.id, 16)
+    rng = random.Random(k)
+    for _ in range(k):
+        await all_generating(db_url, batch.id, 32)
         await asyncio.sleep(rng.uniform(0.02, 0.2))
         assert await asyncio.to_thread(burst, stack.url) == [200, 200]
         await engine_batch(db_url, lambda held: held == 0, "batch did not yield")  # every generation yielded
@@ -114,9 +116,9 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
     assert b.status == "completed", b
     offsets = _sql(db_url, """SELECT stream, array_agg((payload->>'offset')::int ORDER BY position) FROM events
                               WHERE type = 'item_preempted' AND stream LIKE %(s)s GROUP BY stream""", s=f"item:{batch.id}:%")
-    assert b.model_extra["ballast"] == {"preemptions": 48, "items_preempted": 16}, offsets
-    assert len(offsets) == 16 and all(len(o) == 3 and o == sorted(o) and o[0] > 0 for _, o in offsets), offsets
-    assert len({tuple(o) for _, o in offsets}) > 1  # random offsets, not one schedule for all
+    assert b.model_extra["ballast"] == {"preemptions": 32 * k, "items_preempted": 32}, offsets
+    assert len(offsets) == 32 and all(len(o) == k and o == sorted(o) for _, o in offsets), offsets
+    assert len({tuple(o) for _, o in offsets}) > 1  # offsets of their own, not one schedule for all
 
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
     expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
