@@ -16,8 +16,8 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
-from activities.fleet import FleetActivities
 from activities.batch_input import Limits
+from activities.fleet import FleetActivities
 from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
