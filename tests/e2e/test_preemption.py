@@ -53,6 +53,13 @@ def burst(url: str, n: int = 2) -> list[int]:
         return [r.status_code for r in pool.map(lambda _: http.post("/v1/chat/completions", json=CHAT), range(n))]
 
 
+async def long_batch(stack, tag: str, prompts: list[str]):
+    """A batch of 1000-token greedy generations, one per prompt: (client, batch)."""
+    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
+    lines = [chat_line(f"{tag}-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
+    return client, await asyncio.to_thread(submit, client, lines)
+
+
 async def engine_batch(db_url: str, until, what: str) -> None:
     """Poll the engine's live /stats (not its once-a-second report) until `until(batch
     generations holding slots)`."""
@@ -100,12 +107,10 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
     every item is preempted exactly k times, at offsets of its own, and still finishes
     token-for-token as its uninterrupted greedy run; nothing produced was lost."""
     stack, db_url = quiet
-    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
     # 32 at once (every slot) share the engine's steps: each makes ~200 tokens/s, not ~1500
     # as 6 would, so that k rounds of yield-and-resume fit well within 1000.
     prompts = [f"preempt me {k}.{i}" for i in range(32)]
-    batch = await asyncio.to_thread(submit, client, [chat_line(f"p-{i}", p, 1000, ignore_eos=True)
-                                                     for i, p in enumerate(prompts)])
+    client, batch = await long_batch(stack, "p", prompts)
     rng = random.Random(k)
     for _ in range(k):
         await all_generating(db_url, batch.id, 32)
@@ -131,10 +136,8 @@ async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_c
     them: longer than the engine's own cool-down (0.5 s), which alone would let batch back
     in each time, shorter than the pool's (2 s). The controller keeps batch out throughout."""
     stack, db_url = quiet
-    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
     prompts = [f"fleet {i}: {'x' * (i % 5)}" for i in range(24)]
-    batch = await asyncio.to_thread(submit, client, [chat_line(f"f-{i}", p, 1000, ignore_eos=True)
-                                                     for i, p in enumerate(prompts)])
+    client, batch = await long_batch(stack, "f", prompts)
     like = f"item:{batch.id}:%"
     chunks = "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
     deadline = time.monotonic() + 60
@@ -178,10 +181,8 @@ async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
     replaced, so this runs last in the module. A fresh worker finishes every item exactly
     once, never two runners on one item, and the outputs are still greedy-exact."""
     stack, db_url = quiet
-    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
     prompts = [f"kill me {i}" for i in range(16)]
-    batch = await asyncio.to_thread(submit, client, [chat_line(f"x-{i}", p, 1000, ignore_eos=True)
-                                                     for i, p in enumerate(prompts)])
+    client, batch = await long_batch(stack, "x", prompts)
     like = f"item:{batch.id}:%"
     preempted = "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
     await all_generating(db_url, batch.id, 16)
