@@ -69,9 +69,10 @@ class GenerationActivities:
             return GenerateResult("failed", idx=idx)
 
         info = activity.info()
-        # Who wrote it (this activity attempt, unique across continue-as-new runs): lets an
-        # audit check that no two runners ever worked on one item at once.
-        runner = f"{info.workflow_run_id}:{info.activity_id}:{info.attempt}"
+        # Who wrote it: this activity attempt, told apart across continue-as-new runs by the
+        # run id's random tail (short: it rides on every chunk). Lets an audit check that no
+        # two runners ever worked on one item at once.
+        runner = f"{info.workflow_run_id[-8:]}:{info.activity_id}:{info.attempt}"
 
         def chunk(offset: int) -> list[NewEvent]:
             if len(tokens) == offset:

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 
+from pydantic import ValidationError
+
 from ballast.settings import Settings
 
 
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as err:  # a bad BALLAST_* variable: say which, no traceback
+        print(f"ballast: invalid settings (BALLAST_* environment variables):\n{err}", file=sys.stderr)
+        return 2
 
     if args.cmd == "up":
         from ballast.stack import up

@@ -21,10 +21,8 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from journal.db import libpq_url
-from journal.db import sync_url as sqlalchemy_url  # noqa: F401  (re-exported for callers and tests)
-
 from ballast import procs
+from journal.db import libpq_url
 
 PG_USER = "postgres"  # the superuser initdb creates (trust auth, loopback only)
 # Postgres refuses to run as root; as root we run it as the user the wheel itself uses.

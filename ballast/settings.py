@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TINY_MODEL_NAME = "ballast-tiny"
@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = 256
     # vLLM's processes busy-poll; a lower CPU priority keeps the request path (and the
     # control plane) ahead of them where they share cores. 0 disables.
-    engine_nice: int = 10
+    engine_nice: int = Field(10, ge=0, le=19)
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
@@ -72,13 +72,20 @@ class Settings(BaseSettings):
     # (interactive + queued against its slots, or KV-cache use under chat) reaches
     # surge_high, and calms after staying under surge_low for surge_cool_down_s; while it
     # surges every engine of the pool keeps batch to surge_batch_share of its slots.
-    surge_high: float = 0.8
-    surge_low: float = 0.5
-    surge_cool_down_s: float = 10.0
-    surge_batch_share: float = 0.0
-    fleet_tick_s: float = 1.0
-    announce_s: float = 1.0  # how often engine workers report
+    surge_high: float = Field(0.8, gt=0, le=1)
+    surge_low: float = Field(0.5, ge=0, le=1)
+    surge_cool_down_s: float = Field(10.0, ge=0)
+    surge_batch_share: float = Field(0.0, ge=0, le=1)
+    fleet_tick_s: float = Field(1.0, gt=0)
+    announce_s: float = Field(1.0, gt=0)  # how often engine workers report
     heartbeat_timeout_s: float = 10.0
+
+    @model_validator(mode="after")
+    def _surge_band(self) -> Settings:
+        if self.surge_low > self.surge_high:
+            raise ValueError(f"BALLAST_SURGE_LOW ({self.surge_low}) must not exceed BALLAST_SURGE_HIGH "
+                             f"({self.surge_high}): a pool would leave a surge before it could enter one")
+        return self
 
     @cached_property
     def model_name(self) -> str:

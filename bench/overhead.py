@@ -103,9 +103,9 @@ def main(settings: Settings) -> int:
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d, ballast_up(settings, Path(d)) as stack:
         for name, gap in PACINGS:
             bal[name], ids = through_ballast(stack.api, settings.model_name, gap)
-            seen[name] = asyncio.run(_journaled_ttfts(Path(d), ids))
+            seen[name] = _journaled_ttfts(stack.db_url, ids)
         cost = asyncio.run(control_plane_cost(stack.temporal_address, ids[-1]))
-        rows = _rows_per_request(Path(d), ids[-1])
+        rows = _rows_per_request(stack.db_url, ids[-1])
     out = dict(bench="overhead", requests=len(PROMPTS), gap_s=GAP_S)
     for name, _ in PACINGS:
         key = name.replace(" ", "_")
@@ -130,27 +130,24 @@ def main(settings: Settings) -> int:
     return 0
 
 
-async def _journaled_ttfts(data_dir: Path, request_ids: list[str]) -> tuple[list[float], list[float]]:
+def _journaled_ttfts(db_url: str, request_ids: list[str]) -> tuple[list[float], list[float]]:
     """The TTFTs the API and the engine worker recorded, from the journal (each request's
     outcome is journaled a moment after its response, in the background)."""
     import psycopg
 
-    port = (data_dir / "pg.port").read_text().strip()
     streams = [f"request:{r}" for r in request_ids]
-    async with await psycopg.AsyncConnection.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres") as conn:
+    with psycopg.connect(db_url) as conn:
         for _ in range(100):
-            rows = await (await conn.execute(
-                "SELECT (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float FROM events"
-                " WHERE stream = ANY(%s) AND type = 'request_finished'", (streams,))).fetchall()
+            rows = conn.execute("SELECT (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float FROM events"
+                                " WHERE stream = ANY(%s) AND type = 'request_finished'", (streams,)).fetchall()
             if len(rows) == len(streams):
                 break
-            await asyncio.sleep(0.1)
+            time.sleep(0.1)
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
-def _rows_per_request(data_dir: Path, request_id: str) -> int:
+def _rows_per_request(db_url: str, request_id: str) -> int:
     import psycopg
 
-    port = (data_dir / "pg.port").read_text().strip()
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres") as conn:
+    with psycopg.connect(db_url) as conn:
         return conn.execute("SELECT count(*) FROM events WHERE stream = %s", (f"request:{request_id}",)).fetchone()[0]

@@ -20,6 +20,7 @@ from ballast.settings import Settings
 class Stack:
     api: httpx.Client
     temporal_address: str
+    db_url: str  # its embedded Postgres, for reading the journal back
 
 
 @contextmanager
@@ -37,7 +38,8 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
         procs.wait_until(lambda: _healthy(api), 300, "ballast up to be healthy", child=up, interval=0.5)
-        yield Stack(api, f"127.0.0.1:{temporal_port}")
+        pg_port = (data_dir / "pg.port").read_text().strip()
+        yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres")
     finally:
         api.close()
         up.stop(60)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class SlotStats:
 
 class EngineSlots:
     def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0,
-                 preemption: bool = True, clock: Callable[[], float] = time.monotonic):
+                 preemption: bool = True, clock: Callable[[], float] = time.monotonic, report_window: int = 3):
         self.max_seqs = max_seqs
         self.busy_cap = busy_cap
         self.cool_down_s = cool_down_s
@@ -49,6 +50,7 @@ class EngineSlots:
         self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
         self.interactive_peak = 0  # most in flight at once since the last report
+        self._peaks: deque[int] = deque(maxlen=report_window)  # of the last few reports
         self.holds: dict[str, BatchHold] = {}
         self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
         self.stats = SlotStats()
@@ -109,10 +111,13 @@ class EngineSlots:
                     fleet_cap=self.fleet_cap, preemptions=self.stats.preemptions)
 
     def report(self) -> dict:
-        """The snapshot, with interactive load as its peak since the last report: a
-        once-a-second sample would miss most short chat requests."""
-        peak, self.interactive_peak = self.interactive_peak, self.interactive
-        return dict(self.snapshot(), interactive=peak)
+        """The snapshot, with interactive load as its peak over the last `report_window`
+        reports: a once-a-second sample would miss most short chat requests, and the fleet
+        controller, which reads only the latest report on its own tick, would miss the
+        reports it ticks past."""
+        self._peaks.append(self.interactive_peak)
+        self.interactive_peak = self.interactive
+        return dict(self.snapshot(), interactive=max(self._peaks))
 
     def _update_cap(self) -> None:
         demand = Demand(self.interactive, self.max_seqs, self.busy_cap)

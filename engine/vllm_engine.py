@@ -67,7 +67,7 @@ class Engine:
         with the request path (this process's streaming endpoint, the API), each hop of
         a request otherwise waits behind them.
         """
-        before = _vllm_processes()
+        before = _vllm_processes() if nice > 0 else set()
         engine = await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed)
         if nice > 0:
             _lower_priority(_vllm_processes() - before, nice)

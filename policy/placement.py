@@ -1,7 +1,7 @@
 """Which engine worker serves an interactive request. Pure.
 
-Filters (live, serves the model) → scorers normalised to [0, 1] → pick the best, with the
-engine id as the deterministic tiebreak. One scorer today, load; prompt-cache affinity
+Filters (live, serves the model) → scorers normalised to [0, 1] → a ranking, best first
+(the API falls back down it), with the engine id as the deterministic tiebreak. One scorer today, load; prompt-cache affinity
 joins it as a second weighted scorer.
 """
 
@@ -28,8 +28,3 @@ def load_score(e: EngineView) -> float:
 def rank(engines: list[EngineView], model: str) -> list[EngineView]:
     """Engines that serve `model`, best first (the next ones are fallbacks)."""
     return sorted((e for e in engines if e.model == model), key=lambda e: (-load_score(e), e.batch, e.id))
-
-
-def pick(engines: list[EngineView], model: str) -> EngineView | None:
-    ranked = rank(engines, model)
-    return ranked[0] if ranked else None

@@ -88,7 +88,7 @@ class EngineReport:
     id: str
     pool: str  # the model it serves: the engines of a pool are interchangeable
     max_seqs: int
-    interactive: int  # the most interactive requests in flight at once since its last report
+    interactive: int  # the most interactive requests in flight at once over its last few reports
     batch: int  # batch generations holding slots
     running: int  # vLLM's running sequences
     waiting: int  # requests queued inside vLLM

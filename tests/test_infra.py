@@ -20,7 +20,9 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 
 from ballast import procs
-from ballast.pg import EmbeddedPostgres, create_database, drop_database, libpq_url, sqlalchemy_url
+from ballast.pg import EmbeddedPostgres, create_database, drop_database
+from journal.db import libpq_url
+from journal.db import sync_url as sqlalchemy_url  # the name these tests grew up with
 from ballast.temporal_server import TemporalDevServer
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")

@@ -73,9 +73,18 @@ async def engine_batch(db_url: str, until, what: str) -> None:
 
 async def all_generating(db_url: str, batch_id: str, n: int) -> None:
     """Until every unfinished item of the batch holds a slot on the engine."""
-    done = "SELECT count(*) FROM events WHERE type = 'item_completed' AND stream LIKE %(s)s"
-    await engine_batch(db_url, lambda held: held >= n - _sql(db_url, done, s=f"item:{batch_id}:%")[0][0],
-                       "batch never came back")
+    done = "SELECT count(*) FROM events WHERE type = 'item_completed' AND stream LIKE %s"
+    with polling(db_url) as conn:  # one connection: a new one per poll forks a backend
+        await engine_batch(db_url, lambda held: held >= n - conn.execute(done, (f"item:{batch_id}:%",)).fetchone()[0],
+                           "batch never came back")
+
+
+def polling(db_url: str):
+    import psycopg
+
+    from journal.db import libpq_url
+
+    return psycopg.connect(libpq_url(db_url), autocommit=True)
 
 
 def assert_nothing_lost_and_never_two_at_once(db_url: str, batch_id: str) -> None:
@@ -190,9 +199,10 @@ async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
     chat = asyncio.create_task(asyncio.to_thread(burst, stack.url))
     try:
         deadline = time.monotonic() + 30
-        while _sql(db_url, preempted, s=like)[0][0] == 0:
-            assert time.monotonic() < deadline, "no preemption"
-            await asyncio.sleep(0.002)
+        with polling(db_url) as conn:  # polled every few ms: one connection, not a backend fork each time
+            while conn.execute(preempted, dict(s=like)).fetchone()[0] == 0:
+                assert time.monotonic() < deadline, f"no preemption; chat: {chat}"
+                await asyncio.sleep(0.005)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.proc.wait(10)
         at_kill = _sql(db_url, preempted, s=like)[0][0]

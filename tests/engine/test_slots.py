@@ -75,7 +75,7 @@ async def test_the_fleet_cap_preempts_down_to_it_and_lifting_it_lets_batch_back(
 
 
 async def test_reports_carry_the_interactive_peak_since_the_last_one():
-    slots = EngineSlots(8)
+    slots = EngineSlots(8, report_window=1)
     async with slots.interactive_request():
         async with slots.interactive_request():
             pass
@@ -83,3 +83,10 @@ async def test_reports_carry_the_interactive_peak_since_the_last_one():
         assert slots.report()["interactive"] == 1  # still one in flight
     assert slots.snapshot()["interactive"] == 0 and slots.report()["interactive"] == 1
     assert slots.report()["interactive"] == 0
+
+
+async def test_reports_keep_a_peak_for_a_few_reports_so_a_slower_reader_sees_it():
+    slots = EngineSlots(8)  # the peak of the last 3 reports
+    async with slots.interactive_request():
+        pass
+    assert [slots.report()["interactive"] for _ in range(4)] == [1, 1, 1, 0]

@@ -1,4 +1,4 @@
-from policy.placement import EngineView, load_score, pick
+from policy.placement import EngineView, load_score, rank
 
 
 def ev(id, interactive=0, batch=0, model="m", max_seqs=8):
@@ -7,14 +7,14 @@ def ev(id, interactive=0, batch=0, model="m", max_seqs=8):
 
 def test_filters_by_model_and_prefers_the_least_interactive_load():
     engines = [ev("a", interactive=3), ev("b", interactive=1), ev("c", model="other")]
-    assert pick(engines, "m").id == "b"
-    assert pick(engines, "other").id == "c"
-    assert pick(engines, "nope") is None
+    assert [e.id for e in rank(engines, "m")] == ["b", "a"]  # the best, then the fallback
+    assert [e.id for e in rank(engines, "other")] == ["c"]
+    assert rank(engines, "nope") == []
 
 
 def test_ties_break_on_batch_load_then_id():
-    assert pick([ev("b", batch=2), ev("a", batch=2), ev("c", batch=1)], "m").id == "c"
-    assert pick([ev("b"), ev("a")], "m").id == "a"
+    assert [e.id for e in rank([ev("b", batch=2), ev("a", batch=2), ev("c", batch=1)], "m")] == ["c", "a", "b"]
+    assert rank([ev("b"), ev("a")], "m")[0].id == "a"
 
 
 def test_load_score_is_normalised():

@@ -1,0 +1,28 @@
+"""Settings that would make the fleet controller or the engine misbehave are refused at
+start-up, naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from ballast.settings import Settings
+
+
+def test_defaults_are_consistent():
+    s = Settings(_env_file=None)
+    assert 0 <= s.surge_low <= s.surge_high <= 1 and s.engine_nice == 10
+
+
+@pytest.mark.parametrize("env, name", [
+    (dict(BALLAST_SURGE_HIGH="1.5"), "surge_high"),
+    (dict(BALLAST_SURGE_BATCH_SHARE="-0.1"), "surge_batch_share"),
+    (dict(BALLAST_FLEET_TICK_S="0"), "fleet_tick_s"),
+    (dict(BALLAST_ENGINE_NICE="25"), "engine_nice"),
+    (dict(BALLAST_SURGE_HIGH="0.3", BALLAST_SURGE_LOW="0.6"), "BALLAST_SURGE_LOW"),
+])
+def test_bad_fleet_settings_are_refused(monkeypatch, env, name):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError, match=name):
+        Settings(_env_file=None)
