@@ -8,25 +8,30 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from activities import batch_input
 from journal import batches as jb
 from journal.objects import ObjectStore
-from workflows.inputs import BatchRef, FinalizeInput, ItemFailure, PendingInput, ValidateResult
+from policy.lifecycle import finalize_plan
+from protocol import batch as batch_file
+from protocol.errors import storable
+from protocol.requests import Limits
+from workflows.inputs import FailBatchInput, ValidateInput, FinalizeInput, FailItemInput, PendingInput, ValidateResult
 
 
 class BatchActivities:
-    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: batch_input.Limits):
+    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: Limits, max_lines: int):
         self.db = db
         self.store = store
-        self.limits = limits  # endpoint is taken from each batch
+        self.limits = limits
+        self.max_lines = max_lines
 
     @activity.defn
-    async def validate_batch(self, ref: BatchRef) -> ValidateResult:
+    async def validate_batch(self, ref: ValidateInput) -> ValidateResult:
         async with self.db.connect() as conn:
             batch = await jb.get_batch(conn, ref.batch_id)
             assert batch is not None, f"batch {ref.batch_id} vanished"
@@ -34,19 +39,32 @@ class BatchActivities:
             if counts["total"] or batch["status"] == "failed":  # a retry after we already decided
                 return ValidateResult(counts["total"], batch["status"] == "failed")
             file = await jb.get_file(conn, batch["input_file_id"], batch["tenant"])
-        limits = batch_input.Limits(batch["endpoint"], self.limits.model, self.limits.max_model_len, self.limits.max_lines)
+        limits = batch_file.FileLimits(batch["endpoint"], self.limits, self.max_lines)
+        # Two passes over the stored file, never all of it in memory: is it usable at
+        # all, then its items, in pages, in one transaction.
         with self.store.open(file["object_key"]) as f:
-            items, errors = batch_input.parse(f, limits)
+            errors = batch_file.file_errors(f, limits)
         async with self.db.begin() as conn:
             if errors:
                 await jb.move_status(conn, ref.batch_id, "failed", time.time(),
                                      errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
-            await jb.add_items(conn, ref.batch_id, batch["tenant"], items)
+            total = 0
+            with self.store.open(file["object_key"]) as f:
+                for page in _pages(batch_file.scan(f, limits), 1000):
+                    await jb.add_items(conn, ref.batch_id, batch["tenant"], page)
+                    total += len(page)
             # Unless a cancel came first (then the lifecycle refuses the move).
             await jb.move_status(conn, ref.batch_id, "in_progress", time.time())
-        activity.logger.info("batch %s: %d requests", ref.batch_id, len(items))
-        return ValidateResult(len(items), False)
+        activity.logger.info("batch %s: %d requests", ref.batch_id, total)
+        return ValidateResult(total, False)
+
+    @activity.defn
+    async def fail_batch(self, inp: FailBatchInput) -> None:
+        """The last word on a batch whose validation or finalization keeps failing."""
+        error = dict(code=inp.code, message=storable(inp.message), param=None, line=None)
+        async with self.db.begin() as conn:
+            await jb.move_status(conn, inp.batch_id, "failed", time.time(), errors=dict(object="list", data=[error]))
 
     @activity.defn
     async def pending_items(self, inp: PendingInput) -> list[int]:
@@ -54,7 +72,7 @@ class BatchActivities:
             return await jb.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
 
     @activity.defn
-    async def fail_item(self, inp: ItemFailure) -> None:
+    async def fail_item(self, inp: FailItemInput) -> None:
         body = {"error": dict(message=inp.message, type="server_error", param=None, code=inp.code)}
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id)
@@ -63,20 +81,23 @@ class BatchActivities:
                 await jb.append_one(conn, jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body))
 
     @activity.defn
-    async def finalize_batch(self, inp: FinalizeInput) -> None:
-        """Write the output and error files in input order, then the final status."""
+    async def finalize_batch(self, inp: FinalizeInput) -> str:
+        """Write the output and error files in input order, then the final status, which it
+        returns: `inp.status`, or `cancelled` when a cancel landed first (see finalize_plan)."""
         async with self.db.begin() as conn:
-            if inp.status == "completed":
-                await jb.move_status(conn, inp.batch_id, "finalizing", inp.at)
-            batch = await jb.get_batch(conn, inp.batch_id)
-        if batch["status"] in ("completed", "cancelled", "expired", "failed"):
-            return  # a retry after we already finished
+            batch = await jb.get_batch(conn, inp.batch_id, lock=True)
+            plan = finalize_plan(batch["status"], inp.status)
+            if plan is None:
+                return batch["status"]  # a retry after we already finished
+            interim, final = plan
+            if not await jb.move_status(conn, inp.batch_id, interim, inp.at):
+                raise RuntimeError(f"batch {inp.batch_id} is {batch['status']}: it cannot be finalized as {final}")
         out_id, err_id = (jb.stable_id("file-", inp.batch_id, kind) for kind in ("output", "error"))
         counts = {"output": 0, "error": 0}
         with self.store.writer(f"files/{out_id}") as out, self.store.writer(f"files/{err_id}") as err:
             async with self.db.connect() as conn:
                 async for item, ev in jb.results(conn, inp.batch_id):
-                    kind, line = self._result_line(inp, item, ev)
+                    kind, line = self._result_line(inp.batch_id, final, item, ev)
                     (out if kind == "output" else err).write(line)
                     counts[kind] += 1
         now = int(time.time())
@@ -89,15 +110,19 @@ class BatchActivities:
                                                     filename=f"{inp.batch_id}_{kind}.jsonl",
                                                     bytes=self.store.size(key), object_key=key, created_at=now))
                     fields[f"{kind}_file_id"] = file_id
-            await jb.move_status(conn, inp.batch_id, inp.status, inp.at, **fields)
+            # The interim status admits no other writer (the API refuses to cancel a
+            # finalizing batch, and cancelling only leads here), so this move holds.
+            if not await jb.move_status(conn, inp.batch_id, final, inp.at, **fields):
+                raise RuntimeError(f"batch {inp.batch_id} left {interim} before it could end {final}")
+        return final
 
-    def _result_line(self, inp: FinalizeInput, item: dict[str, Any], ev) -> tuple[str, bytes]:
-        head = dict(id=jb.stable_id("batch_req_", inp.batch_id, item["idx"]), custom_id=item["custom_id"])
+    def _result_line(self, batch_id: str, final: str, item: dict[str, Any], ev) -> tuple[str, bytes]:
+        head = dict(id=jb.stable_id("batch_req_", batch_id, item["idx"]), custom_id=item["custom_id"])
         if ev is None:  # never ran: the batch was cancelled or expired first
-            error = dict(code=f"batch_{inp.status}", message=f"This request was not executed because the batch was {inp.status}.")
+            error = dict(code=f"batch_{final}", message=f"This request was not executed because the batch was {final}.")
             return "error", (json.dumps(dict(head, response=None, error=error), ensure_ascii=False) + "\n").encode()
         status = 200 if ev.type == "item_completed" else ev.payload["status_code"]
-        req_id = jb.stable_id("", inp.batch_id, item["idx"], "request")
+        req_id = jb.stable_id("", batch_id, item["idx"], "request")
         # The body is spliced in as the JSON text the generation wrote (see body_json).
         line = (
             json.dumps(head, ensure_ascii=False)[:-1]
@@ -105,3 +130,15 @@ class BatchActivities:
             + ', "error": null}\n'
         )
         return ("output" if status == 200 else "error"), line.encode()
+
+
+def _pages(items: Iterator[batch_file.Item | batch_file.LineError], size: int) -> Iterator[list[batch_file.Item]]:
+    page: list[batch_file.Item] = []
+    for item in items:
+        if isinstance(item, batch_file.Item):  # the first pass found no LineError
+            page.append(item)
+            if len(page) == size:
+                yield page
+                page = []
+    if page:
+        yield page

@@ -12,7 +12,7 @@ from temporalio import activity
 from journal import engines as je
 from journal.events import NewEvent, append
 from policy.preemption import EngineReport
-from workflows.inputs import ApplyFleet, ObserveFleet
+from workflows.inputs import ApplyFleetInput, ObserveFleetInput
 
 
 class FleetActivities:
@@ -20,13 +20,13 @@ class FleetActivities:
         self.db = db
 
     @activity.defn
-    async def observe_fleet(self, inp: ObserveFleet) -> list[EngineReport]:
+    async def observe_fleet(self, inp: ObserveFleetInput) -> list[EngineReport]:
         async with self.db.connect() as conn:
             rows = await je.live(conn, within_s=inp.stale_s)
         return [_report(r) for r in rows]
 
     @activity.defn
-    async def apply_fleet(self, inp: ApplyFleet) -> None:
+    async def apply_fleet(self, inp: ApplyFleetInput) -> None:
         # One transaction: the caps and the events that explain them land together.
         async with self.db.begin() as conn:
             await je.set_caps(conn, inp.caps)

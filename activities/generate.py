@@ -8,88 +8,121 @@ retried attempt (worker killed, heartbeat lost) resumes each unfinished item fro
 journaled tokens by submitting prompt + tokens; with greedy decoding the result is
 token-for-token the uninterrupted one. A preempted item flushes every token it has,
 records `item_preempted`, and is handed back to the workflow to run again later.
+
+Items are isolated: one that fails for any reason of its own ends in the error file with
+its own status and message and never fails, retries or delays the others. Attempts are
+fenced: each attempt takes the item's lease first, and the database refuses any append
+that carries an older attempt's token, so a zombie attempt (its heartbeat lost, still
+running) cannot write once its retry has begun.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from activities.batch_input import RequestError
 from engine import requests as rq
 from engine.slots import EngineSlots
 from journal import batches as jb
 from journal.checkpointer import Checkpointer
-from journal.events import NewEvent
+from journal.events import NewEvent, StaleAttempt
+from journal.leases import acquire
 from policy.preemption import TIERS
-from workflows.inputs import GenerateResult, ItemGroup
+from protocol import responses
+from protocol.errors import ProtocolError, storable
+from protocol.requests import Limits, parse
+from workflows.inputs import GenerateInput, GenerateResult
+
+log = logging.getLogger(__name__)
 
 BATCH_PRIORITY = TIERS["batch"]  # vLLM serves lower values first: batch waits behind chat
+ITEM_TRIES = 3  # an item the engine keeps failing is failed alone after this many tries
 
 
 class GenerationActivities:
     def __init__(self, db: AsyncEngine, engine, checkpointer: Checkpointer, slots: EngineSlots, *,
-                 checkpoint_tokens: int = 16):
+                 checkpoint_tokens: int = 16, retry_delay_s: float = 1.0):
         self.db = db
         self.engine = engine
         self.checkpointer = checkpointer
         self.slots = slots
         self.checkpoint_tokens = checkpoint_tokens
+        self.retry_delay_s = retry_delay_s
 
     @activity.defn
-    async def generate(self, group: ItemGroup) -> list[GenerateResult]:
+    async def generate(self, group: GenerateInput) -> list[GenerateResult]:
+        info = activity.info()
+        # Who writes: this activity attempt, told apart across continue-as-new runs by the
+        # run id's random tail (short: it rides on every chunk).
+        runner = f"{info.workflow_run_id[-8:]}:{info.activity_id}:{info.attempt}"
+        # Leases first, then what is journaled: whatever an older attempt wrote before we
+        # took the lease is read below, and nothing it writes after can land.
+        async with self.db.begin() as conn:
+            fences = {idx: await acquire(conn, jb.item_stream(group.batch_id, idx), runner) for idx in group.idxs}
         async with self.db.connect() as conn:
             batch, items = await jb.load_for_generation(conn, group.batch_id, group.idxs)
         progress = {idx: 0 for idx in group.idxs}
         beat = asyncio.create_task(self._heartbeat(progress))
         try:
             async with asyncio.TaskGroup() as tg:  # on cancel: every item flushes, then we return
-                tasks = [tg.create_task(self._item(batch, items[idx], progress)) for idx in group.idxs]
+                tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx]), progress))
+                         for idx in group.idxs]
         finally:
             beat.cancel()
         return [t.result() for t in tasks]
 
-    async def _item(self, batch: dict[str, Any], item: dict[str, Any], progress: dict[int, int]) -> GenerateResult:
+    async def _isolated(self, at: Attempt, progress: dict[int, int]) -> GenerateResult:
+        """Run one item; whatever goes wrong with it stays with it."""
+        for tries in range(1, ITEM_TRIES + 1):
+            at.tries = tries
+            try:
+                return await self._item(at, progress)
+            except StaleAttempt:
+                # A newer attempt holds the item: it owns the result, we write nothing more.
+                log.info("%s: superseded by a newer attempt", at.stream)
+                return GenerateResult("superseded", idx=at.idx)
+            except DBAPIError:
+                raise  # the journal itself is unwell: the whole attempt retries, nothing is lost
+            except Exception as err:
+                failure = _failure(err)
+                log.warning("%s: try %d failed: %s", at.stream, tries, failure.message)
+                if failure.status_code < 500 or tries == ITEM_TRIES:
+                    await self.checkpointer.submit([at.failed(failure)])
+                    return GenerateResult("failed", idx=at.idx)
+                await asyncio.sleep(self.retry_delay_s * tries)
+                async with self.db.connect() as conn:  # resume from what is journaled now
+                    _, reloaded = await jb.load_for_generation(conn, at.batch["id"], [at.idx])
+                at.item = reloaded[at.idx]
+        raise AssertionError("unreachable")
+
+    async def _item(self, at: Attempt, progress: dict[int, int]) -> GenerateResult:
+        item, idx, endpoint = at.item, at.idx, at.batch["endpoint"]
         if item["status"] != "pending":
-            return GenerateResult(item["status"], idx=item["idx"])  # a retry after it settled
-        batch_id, idx, tenant, endpoint, body = batch["id"], item["idx"], batch["tenant"], batch["endpoint"], item["body"]
-        stream = jb.item_stream(batch_id, idx)
-        tokens = list(item["tokens"])
-        resumed_from = len(tokens)
-
-        prompt = rq.prompt_ids(self.engine, endpoint, body)
-        params = rq.sampling(body, len(prompt), self.engine.spec.max_model_len, where=f"Line {item['line']}: ")
-        if isinstance(params, RequestError):
-            await self.checkpointer.submit([jb.item_failed_event(batch_id, idx, tenant, params.status_code, params.body())])
+            return GenerateResult(item["status"], idx=idx)  # a retry after it settled
+        req = parse(endpoint, item["body"], Limits(self.engine.spec.name, self.engine.spec.max_model_len), batch=True)
+        ready = req if isinstance(req, ProtocolError) else rq.prepare(self.engine, req)
+        if isinstance(ready, ProtocolError):
+            await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
             return GenerateResult("failed", idx=idx)
-
-        info = activity.info()
-        # Who wrote it: this activity attempt, told apart across continue-as-new runs by the
-        # run id's random tail (short: it rides on every chunk). Lets an audit check that no
-        # two runners ever worked on one item at once.
-        runner = f"{info.workflow_run_id[-8:]}:{info.activity_id}:{info.attempt}"
-
-        def chunk(offset: int) -> list[NewEvent]:
-            if len(tokens) == offset:
-                return []
-            payload = dict(batch_id=batch_id, idx=idx, offset=offset, token_ids=tokens[offset:], runner=runner)
-            return [NewEvent(stream, "item_chunk", payload, f"{stream}:chunk:{offset}", tenant)]
-
-        saved = len(tokens)  # tokens[:saved] are in the journal (or queued for it)
+        prompt, params = ready.prompt, ready.sampling
+        tokens = list(item["tokens"])
+        resumed_from = saved = len(tokens)  # tokens[:saved] are in the journal (or queued for it)
         reason = None
         if not self._already_finished(tokens, params):
-            request_id = f"{stream}:{info.attempt}:{resumed_from}"
-            async with self.slots.batch(stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
+            request_id = f"{at.stream}:{at.fence}:{at.tries}:{resumed_from}"
+            async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
                 try:
                     async for step in self.engine.generate(
                         request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
                         temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                        stop=params.stop or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
+                        stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
                     ):
                         tokens += step.token_ids
                         reason = step.finish_reason
@@ -97,24 +130,27 @@ class GenerationActivities:
                         if hold.preempted.is_set() and reason is None:
                             # Preempted before vLLM had the request, so that abort missed it.
                             await self.engine.abort(request_id)
+                        at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
                         if len(tokens) - saved >= self.checkpoint_tokens and reason is None:
-                            self.checkpointer.submit(chunk(saved))
+                            at.watch(self.checkpointer.submit(at.chunk(tokens, saved)))
                             saved = progress[idx] = len(tokens)
                 except asyncio.CancelledError:
                     # Cancelled (batch cancelled, worker stopping): keep every token we have.
                     await self.engine.abort(request_id)
-                    await asyncio.shield(self.checkpointer.submit(chunk(saved)))
+                    await asyncio.shield(self.checkpointer.submit(at.chunk(tokens, saved)))
+                    raise
+                except BaseException:
+                    await self.engine.abort(request_id)
                     raise
                 if hold.preempted.is_set() and reason in ("abort", None):
-                    preempted = NewEvent(stream, "item_preempted", dict(batch_id=batch_id, idx=idx, offset=len(tokens)),
-                                         f"{stream}:preempted:{len(tokens)}", tenant)
-                    await self.checkpointer.submit([*chunk(saved), preempted])
+                    await self.checkpointer.submit([*at.chunk(tokens, saved), at.preempted(len(tokens))])
                     return GenerateResult("preempted", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
         text, reason = rq.finish(self.engine, tokens, params, reason)
-        response = rq.response_body(endpoint, jb.stable_id("", stream), body["model"], text, reason,
-                                    len(prompt), len(tokens), created=int(time.time()))
-        await self.checkpointer.submit([*chunk(saved), jb.item_completed_event(batch_id, idx, tenant, response)])
+        meta = dict(id=f"{'chatcmpl' if req.endpoint == rq.CHAT else 'cmpl'}-{jb.stable_id('', at.stream)}",
+                    created=int(time.time()), model=req.model)
+        body = responses.completion(endpoint, meta, text, reason, len(prompt), len(tokens))
+        await self.checkpointer.submit([*at.chunk(tokens, saved), at.completed(body)])
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
     def _already_finished(self, tokens: list[int], params: rq.Sampling) -> bool:
@@ -136,3 +172,53 @@ class GenerationActivities:
             while True:
                 activity.heartbeat(sum(progress.values()))
                 await asyncio.sleep(every)
+
+
+class Attempt:
+    """One item under this attempt's lease: every event it writes carries the fence."""
+
+    def __init__(self, batch: dict[str, Any], item: dict[str, Any], runner: str, fence: int):
+        self.batch, self.item, self.runner, self.fence = batch, item, runner, fence
+        self.idx: int = item["idx"]
+        self.stream = jb.item_stream(batch["id"], self.idx)
+        self.tries = 1
+        self._refused: BaseException | None = None
+
+    def watch(self, commit: asyncio.Future) -> None:
+        """A checkpoint nobody awaits: remember if the journal refused it."""
+
+        def seen(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                self._refused = f.exception()
+
+        commit.add_done_callback(seen)
+
+    def raise_if_refused(self) -> None:
+        if isinstance(self._refused, StaleAttempt):
+            raise self._refused
+
+    def chunk(self, tokens: list[int], offset: int) -> list[NewEvent]:
+        if len(tokens) == offset:
+            return []
+        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset, token_ids=tokens[offset:],
+                       runner=self.runner)
+        return [NewEvent(self.stream, "item_chunk", payload, f"{self.stream}:chunk:{offset}", self.batch["tenant"],
+                         fence=self.fence)]
+
+    def preempted(self, offset: int) -> NewEvent:
+        return NewEvent(self.stream, "item_preempted", dict(batch_id=self.batch["id"], idx=self.idx, offset=offset),
+                        f"{self.stream}:preempted:{offset}", self.batch["tenant"], fence=self.fence)
+
+    def completed(self, body: dict[str, Any]) -> NewEvent:
+        return jb.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body, fence=self.fence)
+
+    def failed(self, err: ProtocolError) -> NewEvent:
+        return jb.item_failed_event(self.batch["id"], self.idx, self.batch["tenant"], err.status_code, err.body(),
+                                    fence=self.fence)
+
+
+def _failure(err: Exception) -> ProtocolError:
+    """What the error file says of an item the engine could not run."""
+    if isinstance(err, ValueError):  # vLLM refuses what it cannot serve with a ValueError
+        return ProtocolError(400, "invalid_request", storable(f"The engine refused the request: {err}"))
+    return ProtocolError(500, "engine_error", storable(f"The engine failed on this request: {type(err).__name__}: {err}"))

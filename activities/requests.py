@@ -8,7 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
 from journal.events import NewEvent, append_one
-from workflows.inputs import JournalRequest
+from workflows.inputs import JournalRequestInput
 
 
 class RequestActivities:
@@ -16,7 +16,7 @@ class RequestActivities:
         self.db = db
 
     @activity.defn
-    async def journal_request(self, inp: JournalRequest) -> None:
+    async def journal_request(self, inp: JournalRequestInput) -> None:
         r = inp.request
         payload = dict(dataclasses.asdict(r), **dataclasses.asdict(inp.outcome))
         stream = f"request:{r.request_id}"

@@ -11,7 +11,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.requests import RequestActivities
-from api import batches, errors, files, health, interactive
+from api import batches, errors, files, health, interactive, models
 from api.deps import Services
 from api.engines import EngineDirectory
 from ballast.settings import Settings
@@ -20,13 +20,13 @@ from journal.objects import ObjectStore
 from workflows.interactive import InteractiveWorkflow
 
 # Multipart framing on top of the file itself.
-_UPLOAD_SLACK = 64 * 1024
+UPLOAD_SLACK = 64 * 1024
 
 
 def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db = connect(settings.database_url)
+        db = connect(settings.service_db_url)
         client = temporal or await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)
@@ -47,26 +47,82 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
     app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan)
     errors.install(app)
 
-    app.add_middleware(RejectOversize, limit=settings.max_upload_bytes)
+    app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(interactive.router)
+    app.include_router(models.router)
     app.include_router(health.router)
     return app
 
 
-class RejectOversize:
-    """Refuses an oversize upload by its Content-Length, before the multipart parser spools
-    it to disk. Plain ASGI: Starlette's BaseHTTPMiddleware would put a task group and a
-    memory stream between every streamed token and the client."""
+class _TooLarge(Exception):
+    pass
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+class LimitBody:
+    """Caps every request body while it is read: an upload (`POST /v1/files`) at
+    `upload_limit` plus multipart framing, anything else at `request_limit`.
+
+    A Content-Length over the cap is refused before a byte is read. A body without one
+    (chunked) is counted as `receive()` hands it over, and the request is answered 413 the
+    moment the count passes the cap; the rest is never buffered. Whatever the app made of
+    the cut-off (a parse error, a 500) is replaced by the 413, unless it had already begun
+    a response, which cannot be taken back.
+
+    Plain ASGI: Starlette's BaseHTTPMiddleware would put a task group and a memory stream
+    between every streamed token and the client. A body with a Content-Length within the
+    cap passes untouched, since the server reads exactly that many bytes."""
+
+    def __init__(self, app, upload_limit: int, request_limit: int):
+        self.app, self.upload_limit, self.request_limit = app, upload_limit, request_limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.limit + _UPLOAD_SLACK:
-                response = errors.error_response(413, files.too_large(self.limit).message, "file", "file_too_large")
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+        limit = self.upload_limit + UPLOAD_SLACK if upload else self.request_limit
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await self._refuse(upload, scope, receive, send)
+            return await self.app(scope, receive, send)
+
+        received, over, started = 0, False, False
+
+        async def counted():
+            nonlocal received, over
+            if over:
+                raise _TooLarge
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    raise _TooLarge
+            return message
+
+        async def guarded(message):
+            nonlocal started
+            if over and not started:
+                return  # the app's answer to a cut-off body: ours replaces it
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not over or started:
+                raise
+        if over and not started:
+            await self._refuse(upload, scope, receive, send)
+
+    async def _refuse(self, upload: bool, scope, receive, send):
+        if upload:
+            response = errors.error_response(413, files.too_large(self.upload_limit).message, "file", "file_too_large")
+        else:
+            response = errors.error_response(
+                413, f"The request body exceeds the maximum size of {self.request_limit} bytes.", None,
+                "request_too_large")
+        await response(scope, receive, send)

@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
 
-from activities.batch_input import ENDPOINTS
 from api.deps import ServicesDep, TenantDep
-from api.errors import APIError, not_found
+from api.errors import APIError, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from policy.lifecycle import cancellable
+from protocol.requests import ENDPOINTS
 from workflows.batch import BatchWorkflow
 from workflows.inputs import BatchInput
 
@@ -55,8 +56,12 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         raise APIError(400, f"Unsupported completion_window {body.completion_window!r}; use '24h'.",
                        param="completion_window", code="invalid_value")
     for k, v in (body.metadata or {}).items():
+        check_text(k, "metadata", "metadata keys")
+        check_text(v, "metadata", "metadata values")
         if len(k) > 64 or len(v) > 512:
-            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata")
+            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata",
+                           code="invalid_value")
+    require_id("file", body.input_file_id, "input_file_id")
     now = int(time.time())
     row = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,
                input_file_id=body.input_file_id, completion_window=body.completion_window,
@@ -93,6 +98,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
 
 @router.get("/{batch_id}")
 async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
+    require_id("batch", batch_id, "batch_id")
     async with svc.db.connect() as conn:
         row = await jb.get_batch(conn, batch_id, tenant)
         if row is None:
@@ -102,25 +108,39 @@ async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
 
 @router.get("")
 async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
-    async with svc.db.connect() as conn:
-        rows = await jb.list_batches(conn, tenant, after, limit + 1)
-        data = [await batch_object(conn, r) for r in rows[:limit]]
+    if after is not None and not possible_id(after):
+        rows, data = [], []  # a cursor that cannot exist pages like one that does not: nothing after it
+    else:
+        async with svc.db.connect() as conn:
+            rows = await jb.list_batches(conn, tenant, after, limit + 1)
+            data = [await batch_object(conn, r) for r in rows[:limit]]
     return dict(object="list", data=data, first_id=data[0]["id"] if data else None,
                 last_id=data[-1]["id"] if data else None, has_more=len(rows) > limit)
 
 
 @router.post("/{batch_id}/cancel")
 async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
+    """validating or in_progress → cancelling; cancelling again is a no-op that re-signals
+    (a lost signal is re-sent by the next call); any later status is a 400."""
+    require_id("batch", batch_id, "batch_id")
     async with svc.db.begin() as conn:
         row = await jb.get_batch(conn, batch_id, tenant, lock=True)
         if row is None:
             raise not_found("batch", batch_id, "batch_id")
         if row["status"] != "cancelling":
             if not cancellable(row["status"]):
-                raise APIError(400, f"Cannot cancel a batch with status {row['status']!r}.", param="batch_id",
+                raise APIError(400, f"Cannot cancel a batch with status {row['status']}.", param="batch_id",
                                code="invalid_state")
             await jb.move_status(conn, batch_id, "cancelling", time.time())
-    # The journal says `cancelling` first, so a lost signal is re-sent by the next cancel call.
-    await svc.temporal.get_workflow_handle(workflow_id(batch_id)).signal(BatchWorkflow.cancel)
+    # The journal says `cancelling` first, so the signal only hurries the workflow along:
+    # without it the batch still ends `cancelled` when the workflow finalizes.
+    try:
+        await svc.temporal.get_workflow_handle(workflow_id(batch_id)).signal(BatchWorkflow.cancel)
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:  # closed, or never started: nothing to hurry
+            log.info("cancel %s: no running workflow (%s)", batch_id, err.message)
+        else:
+            log.warning("cancel %s: could not signal the workflow, it finalizes as cancelled anyway: %s",
+                        batch_id, err)
     async with svc.db.connect() as conn:
         return await batch_object(conn, await jb.get_batch(conn, batch_id))

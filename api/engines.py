@@ -21,6 +21,9 @@ class EngineDirectory:
         self.refresh_s = refresh_s
         self._views: list[EngineView] = []
         self._at = float("-inf")
+        # For /v1/models' `created`: stable while this process lives.
+        self.started = int(time.time())
+        self.first_seen: dict[str, int] = {}  # model → when an engine serving it was first seen
 
     async def live(self) -> list[EngineView]:
         # Read through only when the background refresh is not keeping up (or not running).
@@ -37,6 +40,9 @@ class EngineDirectory:
             for r in rows
         ]
         self._at = time.monotonic()
+        now = int(time.time())
+        for v in self._views:
+            self.first_seen.setdefault(v.model, now)
 
     async def follow(self) -> None:
         """Keep the view fresh until cancelled."""

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-log = logging.getLogger(__name__)
+from protocol.errors import error_type
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "server_error"}
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -24,13 +23,46 @@ class APIError(Exception):
 
 
 def not_found(kind: str, id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"No {kind} found with id '{id}'.", param=param, code="not_found")
+    shown = id if len(id) <= 128 else id[:64] + "…"
+    return APIError(404, f"No {kind} found with id '{shown}'.", param=param, code="not_found")
+
+
+# -- client text on its way to Postgres -----------------------------------------------
+# A text column refuses NUL and JSONB refuses NUL and lone surrogates (which are not UTF-8
+# at all): caught here they are a 400 or a 404, at the database they were a 500.
+
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def possible_id(value: str) -> bool:
+    """Whether `value` could be one of our ids (`file-…`, `batch_…`, …). One that cannot is
+    simply unknown, answered without asking the database."""
+    return _ID.fullmatch(value) is not None
+
+
+def require_id(kind: str, id: str, param: str) -> None:
+    if not possible_id(id):
+        raise not_found(kind, id, param)
+
+
+def check_text(value: str, param: str, what: str | None = None) -> str:
+    """`value` if Postgres can hold it as text or inside JSONB, else a 400 naming `param`."""
+    if m := _UNSTORABLE.search(value):
+        bad = "NUL characters" if m.group() == "\x00" else "unpaired surrogates"
+        raise APIError(400, f"{what or param} must not contain {bad}.", param=param, code="invalid_value")
+    return value
+
+
+def _utf8(text: str | None) -> str | None:
+    # Messages and params may quote client text: a lone surrogate is shown escaped, not
+    # sent as bytes that are not UTF-8.
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": dict(message=message, type=_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                          param=param, code=code)}
+    body = {"error": dict(message=_utf8(message), type=error_type(status), param=_utf8(param), code=code)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

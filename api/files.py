@@ -10,7 +10,7 @@ from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
 from api.deps import ServicesDep, TenantDep
-from api.errors import APIError, not_found
+from api.errors import APIError, check_text, not_found, require_id
 from journal import batches as jb
 
 router = APIRouter(prefix="/v1/files")
@@ -31,6 +31,7 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
     if purpose not in UPLOAD_PURPOSES:
         raise APIError(400, f"Invalid purpose {purpose!r}: this deployment accepts {', '.join(UPLOAD_PURPOSES)}.",
                        param="purpose", code="invalid_value")
+    filename = check_text(file.filename or "upload.jsonl", "file", "The file name")
     file_id = "file-" + uuid.uuid4().hex[:24]
     key = f"files/{file_id}"
     size = 0
@@ -43,7 +44,7 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
             out.write(chunk)
     if size == 0:
         raise APIError(400, "The uploaded file is empty.", param="file", code="empty_file")
-    row = dict(id=file_id, tenant=tenant, purpose=purpose, filename=file.filename or "upload.jsonl",
+    row = dict(id=file_id, tenant=tenant, purpose=purpose, filename=filename,
                bytes=size, object_key=key, created_at=int(time.time()))
     async with svc.db.begin() as conn:
         await jb.create_file(conn, row)
@@ -56,6 +57,7 @@ def too_large(limit: int) -> APIError:
 
 @router.get("/{file_id}")
 async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
+    require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:
         row = await jb.get_file(conn, file_id, tenant)
     if row is None:
@@ -65,6 +67,7 @@ async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
 
 @router.get("/{file_id}/content")
 async def content(file_id: str, svc: ServicesDep, tenant: TenantDep):
+    require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:
         row = await jb.get_file(conn, file_id, tenant)
     if row is None:

@@ -1,9 +1,10 @@
 """/v1/chat/completions and /v1/completions: interactive requests, streamed or not.
 
-The path of a request: validate → place on an engine worker (local, bounded-stale view)
-→ stream from the engine worker's NDJSON endpoint. Once the engine has accepted it, the
-request's workflow is started eagerly in the background and signalled with the outcome at
-the end: Temporal is never between the client and a token.
+The path of a request, one step per function: check it (`protocol.requests`) → place it on
+an engine worker (local, bounded-stale view) and open its token stream there → relay the
+stream (SSE) or collect it (JSON). Once the engine has accepted it, the request's
+workflow is started eagerly in the background and signalled with the outcome at the end:
+Temporal is never between the client and a token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -20,19 +23,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from temporalio.common import WorkflowIDReusePolicy
 
-from activities.batch_input import Limits, check_request
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
-from engine.requests import CHAT
 from policy.placement import EngineView, rank
 from policy.preemption import TIERS
+from protocol import responses
+from protocol.errors import ProtocolError
+from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
 from workflows.inputs import InteractiveInput, RequestOutcome
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 
-SERVICE_TIERS = ("priority", "default", "flex")
 _background: set[asyncio.Task] = set()  # fire-and-forget work, kept referenced until done
 
 
@@ -50,73 +53,117 @@ async def chat_completions(request: Request, svc: ServicesDep, tenant: TenantDep
 
 @router.post("/completions")
 async def completions(request: Request, svc: ServicesDep, tenant: TenantDep):
-    return await _serve(request, svc, tenant, "/v1/completions")
+    return await _serve(request, svc, tenant, COMPLETIONS)
 
 
 async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
     t0 = time.perf_counter()
     body = await _body(request)
-    s = svc.settings
-    if err := check_request(endpoint, body, Limits(endpoint, s.model_name, s.max_model_len), interactive=True):
-        raise APIError(err.status_code, err.message, param=err.param, code=err.code)
-    tier = body.get("service_tier") or "default"
-    tier = "default" if tier == "auto" else tier
-    if tier not in SERVICE_TIERS:
-        raise APIError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)} (or auto).", param="service_tier",
-                       code="invalid_value")
-    rid = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
-    job = dict(request_id=rid, endpoint=endpoint, body=body, priority=TIERS[tier])
-    engine, upstream = await _connect(svc, job)
-    lines = upstream.aiter_lines()
-    first = json.loads(await anext(lines)) if upstream.status_code == 200 else {"error": {"message": "engine error"}, "status": 502}
-    if "error" in first:
-        await upstream.aclose()
-        e = first["error"]
-        raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
+    req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len))
+    if isinstance(req, ProtocolError):
+        raise APIError(req.status_code, req.message, param=req.param, code=req.code)
+    run = await _open(svc, tenant, req, body, t0)
+    if req.stream:
+        return StreamingResponse(_relay(run, req), media_type="text/event-stream")
+    return await _collect(run, req)
 
-    # Accepted. The request's workflow starts once the first token is on its way: its
-    # start is cheap, but not free, and the first token must not wait for it.
-    record = InteractiveInput(rid, tenant, tier, s.model_name, endpoint, engine.id, first["prompt_tokens"])
-    started: list[asyncio.Task] = []
-    meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=tier)
 
-    async def tokens():
-        """(text delta, None) while generating, then (None, final line)."""
+# -- 1. the body --------------------------------------------------------------------
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()  # bounded by the body-size middleware
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "The request body nests JSON too deeply.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_request")
+    return body
+
+
+# -- 2. placement and the engine's stream -------------------------------------------
+
+
+@dataclass
+class Run:
+    """One accepted request: its engine stream, and what its workflow records."""
+
+    svc: Services
+    record: InteractiveInput
+    meta: dict[str, Any]
+    lines: AsyncIterator[str]
+    upstream: httpx.Response
+    t0: float
+    started: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_tokens
+
+    def start_workflow(self) -> None:
+        # Once the first token is on its way: the start is cheap, but not free, and the
+        # first token must not wait for it.
+        if not self.started:
+            self.started.append(_spawn(_start_workflow(self.svc, self.record)))
+
+    async def events(self) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
+        """(text delta, None) while generating, then (None, the final line). Raises
+        EngineFailed when the engine reports a failure or the stream breaks."""
         try:
-            async for ln in lines:
+            async for ln in self.lines:
                 msg = json.loads(ln)
+                if "error" in msg:
+                    raise EngineFailed(msg["error"].get("message", "The engine failed."))
                 if "finish_reason" in msg:
                     yield None, msg
                     return
                 yield msg["text"], None
-                if not started:
-                    started.append(_spawn(_start_workflow(svc, record)))
+                self.start_workflow()
+            raise EngineFailed("The engine worker ended the stream early.")
+        except httpx.HTTPError as err:
+            raise EngineFailed(f"The engine worker's stream broke ({type(err).__name__}).") from err
         finally:
-            if not started:
-                started.append(_spawn(_start_workflow(svc, record)))
-            await upstream.aclose()
+            self.start_workflow()
+            await self.upstream.aclose()
 
-    def outcome(final: dict | None, ttft: float | None) -> RequestOutcome:
+    def finished(self, final: dict[str, Any] | None, ttft: float | None, status: str | None = None) -> None:
         if final is None:
-            return RequestOutcome("cancelled", ttft_ms=ttft)
-        return RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft,
-                              final.get("engine_ttft_ms"))
+            outcome = RequestOutcome(status or "cancelled", ttft_ms=ttft)
+        else:
+            outcome = RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft,
+                                     final.get("engine_ttft_ms"))
+        _spawn(_finish(self.svc, self.started, outcome))
 
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(
-            _sse(endpoint, meta, tokens(), first["prompt_tokens"], include_usage, t0,
-                 lambda final, ttft: _finish(svc, started, outcome(final, ttft))),
-            media_type="text/event-stream",
-        )
-    text, final, ttft = [], None, None
-    async for delta, end in tokens():
-        if delta is not None:
-            ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-            text.append(delta)
-        final = end or final
-    _spawn(_finish(svc, started, outcome(final, ttft)))
-    return JSONResponse(_completion(endpoint, meta, "".join(text), final, first["prompt_tokens"]))
+    def ttft(self) -> float:
+        return round(1000 * (time.perf_counter() - self.t0), 2)
+
+
+class EngineFailed(Exception):
+    pass
+
+
+async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float) -> Run:
+    s = svc.settings
+    rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
+    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier])
+    engine, upstream = await _connect(svc, job)
+    lines = upstream.aiter_lines()
+    try:
+        first = json.loads(await anext(lines)) if upstream.status_code == 200 else None
+    except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError):
+        first = None
+    if first is None or "error" in first:
+        await upstream.aclose()
+        if first is None:
+            raise APIError(502, "The engine worker did not accept the request; try again.", code="engine_error")
+        e = first["error"]
+        raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
+    record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id, first["prompt_tokens"])
+    meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=req.service_tier)
+    return Run(svc, record, meta, lines, upstream, t0)
 
 
 async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response]:
@@ -133,14 +180,52 @@ async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response
                    code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-async def _body(request: Request) -> dict[str, Any]:
+# -- 3. relay or collect ------------------------------------------------------------
+
+
+async def _relay(run: Run, req: GenerationRequest) -> AsyncIterator[bytes]:
+    chunks = responses.Chunks(req.endpoint, run.meta)
+    events = run.events()
+    final, ttft, status = None, None, None
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_request")
-    return body
+        if opening := chunks.start():
+            yield opening
+        async for delta, end in events:
+            if delta is not None:
+                ttft = ttft or run.ttft()
+                yield chunks.text(delta)
+            else:
+                final = end
+        assert final is not None
+        yield chunks.finish(final["finish_reason"])
+        if req.include_usage:
+            yield chunks.usage(run.prompt_tokens, final["completion_tokens"])
+        yield responses.done()
+    except EngineFailed as err:
+        status = "failed"
+        yield chunks.error(502, str(err), "engine_error")
+    finally:
+        # Also when the client goes away mid-stream: closing the events aborts the engine side.
+        await events.aclose()
+        run.finished(final, ttft, status)
+
+
+async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
+    text: list[str] = []
+    final, ttft = None, None
+    try:
+        async for delta, end in run.events():
+            if delta is not None:
+                ttft = ttft or run.ttft()
+                text.append(delta)
+            final = end or final
+    except EngineFailed as err:
+        run.finished(None, ttft, "failed")
+        raise APIError(502, str(err), code="engine_error") from err
+    assert final is not None
+    run.finished(final, ttft)
+    return JSONResponse(responses.completion(req.endpoint, run.meta, "".join(text), final["finish_reason"],
+                                             run.prompt_tokens, final["completion_tokens"]))
 
 
 async def _start_workflow(svc: Services, record: InteractiveInput):
@@ -156,50 +241,3 @@ async def _finish(svc: Services, started: list[asyncio.Task], outcome: RequestOu
         await handle.signal(InteractiveWorkflow.finished, outcome)
     except Exception:  # the response is already out; the workflow journals it as abandoned
         log.exception("could not record the outcome of a request")
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _completion(endpoint: str, meta: dict, text: str, final: dict | None, prompt_tokens: int) -> dict:
-    reason = (final or {}).get("finish_reason", "stop")
-    n = (final or {}).get("completion_tokens", 0)
-    if endpoint == CHAT:
-        choice = dict(index=0, message=dict(role="assistant", content=text), finish_reason=reason, logprobs=None)
-        return dict(meta, object="chat.completion", choices=[choice], usage=_usage(prompt_tokens, n))
-    choice = dict(index=0, text=text, finish_reason=reason, logprobs=None)
-    return dict(meta, object="text_completion", choices=[choice], usage=_usage(prompt_tokens, n))
-
-
-async def _sse(endpoint, meta, tokens, prompt_tokens, include_usage, t0, on_done):
-    chat = endpoint == CHAT
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(choices: list, **extra) -> bytes:
-        return b"data: " + json.dumps(dict(meta, object=obj, choices=choices, **extra), ensure_ascii=False).encode() + b"\n\n"
-
-    def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return dict(index=0, delta=delta, finish_reason=reason, logprobs=None)
-        return dict(index=0, text=text or "", finish_reason=reason, logprobs=None)
-
-    final, ttft = None, None
-    try:
-        if chat:
-            yield event([choice("", None, first=True)])
-        async for delta, end in tokens:
-            if delta is not None:
-                ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                yield event([choice(delta, None)])
-            else:
-                final = end
-        yield event([choice(None, final["finish_reason"])])
-        if include_usage:
-            yield event([], usage=_usage(prompt_tokens, final["completion_tokens"]))
-        yield b"data: [DONE]\n\n"
-    finally:
-        # Also when the client goes away mid-stream: closing `tokens` aborts the engine side.
-        await tokens.aclose()
-        _spawn(on_done(final, ttft))

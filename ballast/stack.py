@@ -16,6 +16,8 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
 from ballast import procs
 from ballast.pg import EmbeddedPostgres
 from ballast.settings import Settings
@@ -84,7 +86,9 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
         env["BALLAST_TEMPORAL_ADDRESS"] = settings.temporal_address
     env["BALLAST_DATA_DIR"] = str(data)
     _step("migrating the journal (alembic upgrade head)")
-    upgrade(env["BALLAST_DATABASE_URL"])
+    # As the owner; the children derive the restricted role's URL from the same URL.
+    owner = settings.model_copy(update=dict(database_url=env["BALLAST_DATABASE_URL"]))
+    upgrade(owner.database_url, service_url=owner.service_db_url)
 
     children = []
     for name, args in (("engine worker", ["worker", "engine"]), ("control worker", ["worker", "control"]), ("api", ["api"])):
@@ -98,6 +102,10 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
         database_url=env["BALLAST_DATABASE_URL"],
     ))
     return children, effective
+
+
+def _user(url: str) -> str:
+    return make_url(url).username
 
 
 def _healthy(url: str) -> bool:
@@ -128,7 +136,7 @@ def _banner(settings: Settings, data: Path, logs: Path) -> None:
 Ballast is up.
   API (OpenAI-compatible)  {api}/v1     health: {api}/healthz
   Temporal                 {settings.temporal_address}   Web UI: http://127.0.0.1:{settings.temporal_ui_port}
-  Postgres                 {settings.database_url}
+  Postgres                 {settings.database_url}   services as: {_user(settings.service_db_url)}
   model                    {settings.model_name}
   data                     {data}     logs: {logs}
 Try:  curl {api}/v1/batches

@@ -16,7 +16,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
-from activities.batch_input import Limits
+from protocol.requests import Limits
 from activities.fleet import FleetActivities
 from ballast import procs
 from ballast.settings import Settings
@@ -39,18 +39,18 @@ async def _run_until_signalled(worker: Worker) -> None:
 
 async def control_worker(settings: Settings) -> None:
     client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
-    db = connect(settings.database_url)
+    db = connect(settings.service_db_url)
     acts = BatchActivities(
         db,
         ObjectStore(settings.object_store_url),
-        Limits("", settings.model_name, settings.max_model_len, settings.max_batch_lines),
+        Limits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
     )
     fleet = FleetActivities(db)
     worker = Worker(
         client,
         task_queue=settings.control_queue,
         workflows=[BatchWorkflow, FleetWorkflow],
-        activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.finalize_batch,
+        activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.fail_batch, acts.finalize_batch,
                     fleet.observe_fleet, fleet.apply_fleet],
     )
     log.info("control worker polling %s", settings.control_queue)
@@ -84,7 +84,7 @@ async def engine_worker(settings: Settings) -> None:
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
     engine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     client = await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
-    db = connect(settings.database_url)
+    db = connect(settings.service_db_url)
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s)
     port = settings.engine_port or procs.free_port(settings.engine_host)
     url = settings.engine_url or f"http://{settings.engine_host}:{port}"

@@ -6,7 +6,8 @@ dispatch), so the API streams them straight from the engine worker over HTTP, as
     {"prompt_tokens": 12}                       accepted: generation starts now
     {"text": "Hel", "tokens": 1}                 as the engine produces them
     {"finish_reason": "stop", "completion_tokens": 17}
-or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted.
+or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted;
+a failure after that ends the stream with an {"error": {...}, "status": 500} line.
 
 Interactive requests count against the engine's slots (`EngineSlots`), which is what makes
 batch work yield to them within an engine step.
@@ -25,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from activities.batch_input import RequestError
 from engine import requests as rq
 from engine.slots import EngineSlots
+from protocol.errors import ProtocolError, error_body
+from protocol.requests import Limits, parse
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +38,35 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
     async def generate(request: Request):
         t0 = time.perf_counter()
         job = await request.json()
-        endpoint, body, priority = job["endpoint"], job["body"], int(job["priority"])
-        prompt = rq.prompt_ids(engine, endpoint, body)
-        params = rq.sampling(body, len(prompt), engine.spec.max_model_len)
-        if isinstance(params, RequestError):
-            return JSONResponse({"error": params.body()["error"], "status": params.status_code})
+        endpoint, priority = job["endpoint"], int(job["priority"])
+        req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len))
+        ready = req if isinstance(req, ProtocolError) else rq.prepare(engine, req)
+        if isinstance(ready, ProtocolError):
+            return JSONResponse({"error": ready.body()["error"], "status": ready.status_code})
+        prompt, params = ready.prompt, ready.sampling
 
         async def lines():
             yield _line(prompt_tokens=len(prompt))
             ids, sent, reason, ttft = [], [], None, None
-            # Counted before vLLM sees it: batch yields its slots first.
-            async with slots.interactive_request():
-                async for step in engine.generate(
-                    job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
-                    top_p=params.top_p, seed=params.seed, stop=params.stop or None, ignore_eos=params.ignore_eos,
-                    priority=priority, detokenize=True,
-                ):
-                    ids += step.token_ids
-                    reason = step.finish_reason
-                    if step.text or step.token_ids:
-                        ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                        sent.append(step.text)
-                        yield _line(text=step.text, tokens=len(step.token_ids))
+            try:
+                # Counted before vLLM sees it: batch yields its slots first.
+                async with slots.interactive_request():
+                    async for step in engine.generate(
+                        job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
+                        top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
+                        ignore_eos=params.ignore_eos, priority=priority, detokenize=True,
+                    ):
+                        ids += step.token_ids
+                        reason = step.finish_reason
+                        if step.text or step.token_ids:
+                            ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
+                            sent.append(step.text)
+                            yield _line(text=step.text, tokens=len(step.token_ids))
+            except Exception as err:  # the client gets an error event, not a cut stream
+                log.exception("generation %s failed", job["request_id"])
+                yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",
+                                         None, "engine_error"), status=500)
+                return
             # The incremental detokenizer holds back a trailing partial character; the
             # final text is the batch path's: all tokens decoded, stop strings applied.
             text, reason = rq.finish(engine, ids, params, reason)

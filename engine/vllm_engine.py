@@ -44,6 +44,9 @@ class Engine:
         self._llm = llm
         self.tokenizer = llm.get_tokenizer()
         self.load = load or Load()
+        # vLLM's own bound (renderers/base.py): a prompt id past the tokenizer's and the
+        # model's vocabulary is refused.
+        self.max_token_id = max(self.tokenizer.max_token_id, llm.model_config.get_vocab_size() - 1)
 
     @classmethod
     async def start(

@@ -118,15 +118,23 @@ async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Se
     await append(conn, new)
 
 
-def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any]) -> NewEvent:
+def result_key(stream: str) -> str:
+    """One key for an item's result, whichever it is: a second, different result for the
+    same item is an idempotency conflict, never a silent second answer."""
+    return f"{stream}:result"
+
+
+def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any], fence: int | None = None) -> NewEvent:
     s = item_stream(batch_id, idx)
-    return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), f"{s}:completed", tenant)
+    return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), result_key(s),
+                    tenant, fence=fence)
 
 
-def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any]) -> NewEvent:
+def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any],
+                      fence: int | None = None) -> NewEvent:
     s = item_stream(batch_id, idx)
     payload = dict(batch_id=batch_id, idx=idx, status_code=status_code, body_json=body_json(body))
-    return NewEvent(s, "item_failed", payload, f"{s}:failed", tenant)
+    return NewEvent(s, "item_failed", payload, result_key(s), tenant, fence=fence)
 
 
 def body_json(body: dict[str, Any]) -> str:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+# The role the API and workers connect as: it may append to and read the journal, never
+# rewrite it or change the schema. Migration 0004 creates it and grants what it needs.
+SERVICE_ROLE = "ballast_service"
 
 
 def sync_url(url: str) -> str:
@@ -14,6 +18,16 @@ def sync_url(url: str) -> str:
 def libpq_url(url: str) -> str:
     """Plain `postgresql://…` for psql and psycopg.connect, from any Postgres URL form."""
     return _with_driver(url, "postgresql")
+
+
+def as_role(url: str, role: str, password: str | None = None) -> str:
+    """The same server and database as `url`, logged in as `role` (no password: trust or
+    peer auth, as locally and in the embedded server)."""
+    u = make_url(url)
+    # URL.set keeps the old password when given None; build it afresh instead.
+    return URL.create(u.drivername, role, password, u.host, u.port, u.database, u.query).render_as_string(
+        hide_password=False
+    )
 
 
 def _with_driver(url: str, driver: str) -> str:

@@ -34,6 +34,8 @@ events = Table(
     Column("idempotency_key", Text, nullable=False),
     Column("tenant", Text, nullable=False, server_default="default"),
     Column("committed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # The lease token of the attempt that wrote it (migration 0004); NULL: unfenced.
+    Column("fence", BigInteger, nullable=True),
     # txid (xid8, default pg_current_xact_id()) exists in the table for followers; it is
     # read through SQL text in `journal.events.follow` and so is not mapped here.
     UniqueConstraint("stream", "version", name="events_stream_version_key"),
@@ -106,4 +108,15 @@ engines = Table(
     Column("stats", JSONB, nullable=False),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("batch_cap", Integer, nullable=True),
+)
+
+# One lease per stream fenced by attempts (migration 0004): an attempt takes the next
+# token, and the database refuses events fenced with any older one.
+leases = Table(
+    "leases",
+    metadata,
+    Column("stream", Text, primary_key=True),
+    Column("token", BigInteger, nullable=False),
+    Column("holder", Text, nullable=False),
+    Column("acquired_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

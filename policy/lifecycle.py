@@ -21,4 +21,22 @@ def can_move(current: str, new: str) -> bool:
 
 
 def cancellable(current: str) -> bool:
+    """Whether a cancel request moves the batch to `cancelling` (`cancelling` itself is
+    already on its way: asking again is not an error, but not a move either)."""
     return can_move(current, "cancelling")
+
+
+def finalize_plan(current: str, outcome: str) -> tuple[str, str] | None:
+    """How finalize ends a batch that is `current` once the workflow's run ended with
+    `outcome` (completed | cancelled | expired): the status the batch holds while its
+    files are written, then its final one. None: it is final already (a retry).
+
+    A cancel the API recorded wins over whatever the run reached, even if every item got
+    done: the client was told `cancelling`. Otherwise the batch is `finalizing` while its
+    files are written, so a cancel arriving then is refused instead of stranding it.
+    """
+    if current in TERMINAL:
+        return None
+    if current == "cancelling" or outcome == "cancelled":
+        return "cancelling", "cancelled"
+    return "finalizing", outcome

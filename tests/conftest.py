@@ -1,7 +1,9 @@
 """Shared fixtures: a fresh Postgres database per test run (dropped afterwards).
 
 `DATABASE_URL` points at a server (CI: the machine's Postgres); without it an embedded
-server is started under a temporary directory.
+server is started under a temporary directory. `db` connects as the services' restricted
+role, as the API and workers do, so every test exercises its grants; `owner_db` is for
+what only the owner may do (rebuilding read models, rewriting anything).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ballast import pg
+from ballast.settings import Settings
 from journal.db import connect
 from journal.migrate import upgrade
 
@@ -39,18 +42,39 @@ def pg_server_url(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def db_url(pg_server_url):
+    """The test database, as its owner: what migrations use."""
     name = f"ballast_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     url = pg.create_database(pg_server_url, name)
-    upgrade(url)
+    upgrade(url, service_url=_service_url(url))
     try:
         yield url
     finally:
         pg.drop_database(pg_server_url, name)
 
 
+def _service_url(owner_url: str) -> str:
+    # Derived as the services derive theirs, so BALLAST_SERVICE_* settings apply alike.
+    return Settings().model_copy(update=dict(database_url=owner_url, service_database_url=None)).service_db_url
+
+
 @pytest.fixture(scope="session")
-async def db(db_url):
-    engine = connect(db_url)
+def service_db_url(db_url):
+    """The test database, as the services' role (may only append to and read the journal)."""
+    return _service_url(db_url)
+
+
+@pytest.fixture(scope="session")
+async def db(service_db_url):
+    engine = connect(service_db_url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+async def owner_db(db_url):
+    engine = connect(db_url, pool_size=2)
     try:
         yield engine
     finally:

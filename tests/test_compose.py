@@ -189,18 +189,23 @@ def test_ballast_env_vars_are_settings_fields(services):
 
 def test_ballast_env_parses_into_settings(services, monkeypatch):
     """Each Ballast service's environment builds a valid Settings (types included)."""
+    for name, service in _ballast_services(services).items():
+        settings = _settings_of(service, monkeypatch)
+        assert settings.database_url, name
+        assert settings.temporal_address, name
+
+
+def _settings_of(service: dict, monkeypatch) -> Settings:
+    """The Settings a service's environment builds, and nothing of this process's."""
     import os
 
-    for name, service in _ballast_services(services).items():
-        with monkeypatch.context() as m:
-            for key in list(os.environ):
-                if _is_settings_var(key):
-                    m.delenv(key)
-            for key, value in _env(service).items():
-                m.setenv(key, value)
-            settings = Settings()
-            assert settings.database_url, name
-            assert settings.temporal_address, name
+    with monkeypatch.context() as m:
+        for key in list(os.environ):
+            if _is_settings_var(key):
+                m.delenv(key)
+        for key, value in _env(service).items():
+            m.setenv(key, value)
+        return Settings()
 
 
 def test_database_url_points_at_postgres(services):
@@ -218,6 +223,17 @@ def test_database_url_points_at_postgres(services):
         assert parts.username == pg_env.get("POSTGRES_USER", "postgres")
         assert parts.password == pg_env["POSTGRES_PASSWORD"]
         assert parts.path.lstrip("/") == pg_env.get("POSTGRES_DB", parts.username)
+
+
+def test_services_connect_as_the_restricted_role(services, monkeypatch):
+    """migrate runs as the owner; the long-running processes as another role, which
+    Postgres's password auth lets in with the password migrate sets on it."""
+    for name, service in _ballast_services(services).items():
+        settings = _settings_of(service, monkeypatch)
+        owner, svc = urlsplit(settings.database_url), urlsplit(settings.service_db_url)
+        assert svc.username and svc.username != owner.username, name
+        assert svc.password, f"{name}: the postgres service uses password auth"
+        assert (svc.hostname, svc.port, svc.path) == (owner.hostname, owner.port, owner.path), name
 
 
 def test_temporal_address_points_at_temporal(services):

@@ -26,3 +26,26 @@ def test_bad_fleet_settings_are_refused(monkeypatch, env, name):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValidationError, match=name):
         Settings(_env_file=None)
+
+
+def test_services_connect_as_their_own_role(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgresql://owner:secret@db:5432/ballast?sslmode=require")
+    for name in ("BALLAST_DATABASE_URL", "BALLAST_SERVICE_ROLE", "BALLAST_SERVICE_DATABASE_URL",
+                 "BALLAST_SERVICE_DATABASE_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    s = Settings(_env_file=None)
+    assert s.database_url == "postgresql://owner:secret@db:5432/ballast?sslmode=require"  # migrations
+    assert s.service_db_url == "postgresql://ballast_service@db:5432/ballast?sslmode=require"  # not the owner's password
+
+    monkeypatch.setenv("BALLAST_SERVICE_ROLE", "svc")
+    monkeypatch.setenv("BALLAST_SERVICE_DATABASE_PASSWORD", "p@ss")
+    assert Settings(_env_file=None).service_db_url == "postgresql://svc:p%40ss@db:5432/ballast?sslmode=require"
+
+    monkeypatch.setenv("BALLAST_SERVICE_DATABASE_URL", "postgresql://other@elsewhere/ballast")
+    assert Settings(_env_file=None).service_db_url == "postgresql://other@elsewhere/ballast"
+
+
+def test_no_database_no_service_url(monkeypatch):
+    for name in ("DATABASE_URL", "BALLAST_DATABASE_URL", "BALLAST_SERVICE_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings(_env_file=None).service_db_url is None

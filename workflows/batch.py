@@ -20,18 +20,23 @@ from temporalio.exceptions import ActivityError, CancelledError
 with workflow.unsafe.imports_passed_through():
     from workflows.inputs import (
         BatchInput,
-        BatchRef,
+        ValidateInput,
         FinalizeInput,
         GenerateResult,
-        ItemFailure,
-        ItemGroup,
+        FailBatchInput,
+        FailItemInput,
+        GenerateInput,
         PendingInput,
         ValidateResult,
     )
 
+# Bounded: a step that keeps failing (a file Postgres will not take, a full disk) ends the
+# batch `failed` with the reason instead of leaving it in `validating` or `finalizing`.
+CONTROL_ATTEMPTS = 6
 CONTROL = dict(
     start_to_close_timeout=timedelta(minutes=10),
-    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                             maximum_attempts=CONTROL_ATTEMPTS),
 )
 # A generation that keeps killing its worker is failed after this many attempts, not forever.
 GENERATION_ATTEMPTS = 8
@@ -49,14 +54,17 @@ class BatchWorkflow:
     @workflow.run
     async def run(self, inp: BatchInput) -> str:
         self._cancel = self._cancel or inp.cancel_requested
-        ref = BatchRef(inp.batch_id)
+        ref = ValidateInput(inp.batch_id)
 
         # 1. Validate the input file once; a bad file fails the batch with line errors,
         #    a good one puts its items in the journal and the batch in progress.
         if not inp.validated:
-            checked: ValidateResult = await workflow.execute_activity(
-                "validate_batch", ref, result_type=ValidateResult, **CONTROL
-            )
+            try:
+                checked: ValidateResult = await workflow.execute_activity(
+                    "validate_batch", ref, result_type=ValidateResult, **CONTROL
+                )
+            except ActivityError as err:
+                return await self._fail(inp.batch_id, "validation_failed", f"The input file could not be validated: {_why(err)}")
             if checked.failed:
                 return "failed"
 
@@ -66,10 +74,20 @@ class BatchWorkflow:
             workflow.continue_as_new(replace(inp, validated=True, cancel_requested=self._cancel, after_idx=self._after))
 
         # 3. Write the output and error files; the batch reaches its final status.
-        await workflow.execute_activity(
-            "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), **CONTROL
-        )
-        return outcome
+        #    A cancel that landed after the items finished ends it `cancelled`: finalize
+        #    says which status the batch reached.
+        try:
+            return await workflow.execute_activity(
+                "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), result_type=str, **CONTROL
+            )
+        except ActivityError as err:
+            return await self._fail(inp.batch_id, "finalization_failed", f"The results could not be written: {_why(err)}")
+
+    async def _fail(self, batch_id: str, code: str, message: str) -> str:
+        await workflow.execute_activity("fail_batch", FailBatchInput(batch_id, code, message),
+                                        start_to_close_timeout=timedelta(minutes=1),
+                                        retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)))
+        return "failed"
 
     async def _run_items(self, inp: BatchInput) -> str:
         self._after = inp.after_idx
@@ -135,7 +153,7 @@ class BatchWorkflow:
     def _generate(self, inp: BatchInput, idxs: list[int], group: int) -> workflow.ActivityHandle:
         return workflow.start_activity(
             "generate",
-            ItemGroup(inp.batch_id, idxs),
+            GenerateInput(inp.batch_id, idxs),
             result_type=list[GenerateResult],
             task_queue=inp.engine_queue,
             activity_id=f"group-{group}",
@@ -161,7 +179,7 @@ class BatchWorkflow:
             for idx in idxs:
                 await workflow.execute_activity(
                     "fail_item",
-                    ItemFailure(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
+                    FailItemInput(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
                     **CONTROL,
                 )
             return []
@@ -169,3 +187,7 @@ class BatchWorkflow:
 
     def _now(self) -> float:
         return workflow.now().timestamp()
+
+
+def _why(err: ActivityError) -> str:
+    return str(err.cause or err)[:500]

@@ -21,7 +21,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from policy.preemption import EngineReport, Surge, pool_step
-    from workflows.inputs import ApplyFleet, FleetEvent, FleetInput, ObserveFleet
+    from workflows.inputs import ApplyFleetInput, FleetEvent, FleetInput, ObserveFleetInput
 
 FLEET_ID = "fleet"
 _LOCAL = dict(start_to_close_timeout=timedelta(seconds=10), retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)))
@@ -34,7 +34,7 @@ class FleetWorkflow:
         pools, members = dict(inp.pools), list(inp.members)
         for _ in range(inp.ticks_per_run):
             reports: list[EngineReport] = await workflow.execute_local_activity(
-                "observe_fleet", ObserveFleet(inp.stale_s), result_type=list[EngineReport], **_LOCAL)
+                "observe_fleet", ObserveFleetInput(inp.stale_s), result_type=list[EngineReport], **_LOCAL)
             pools, members, apply = decide(reports, pools, members, workflow.now().timestamp(), inp)
             if apply.caps or apply.events:
                 await workflow.execute_local_activity("apply_fleet", apply, **_LOCAL)
@@ -43,7 +43,7 @@ class FleetWorkflow:
 
 
 def decide(reports: list[EngineReport], pools: dict[str, Surge], members: list[str], now: float,
-           inp: FleetInput) -> tuple[dict[str, Surge], list[str], ApplyFleet]:
+           inp: FleetInput) -> tuple[dict[str, Surge], list[str], ApplyFleetInput]:
     """One tick, deterministic: the pools' next states, the members, and what to apply
     (only caps that differ from what the engines hold, and the events that explain them)."""
     events: list[FleetEvent] = []
@@ -72,4 +72,4 @@ def decide(reports: list[EngineReport], pools: dict[str, Surge], members: list[s
             events.append(FleetEvent(stream, "surge_ended", dict(pressure=d.pressure, engines=engines,
                                                                  duration_s=round(now - since, 3)),
                                      f"{stream}:surge:{since}:ended"))
-    return next_pools, live, ApplyFleet(caps, events)
+    return next_pools, live, ApplyFleetInput(caps, events)

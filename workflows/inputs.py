@@ -7,8 +7,13 @@ Nothing large travels here: ids and offsets only, payloads stay in the journal.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from policy.preemption import Surge, SurgePolicy
+
+BatchOutcome = Literal["completed", "cancelled", "expired", "failed"]
+ItemStatus = Literal["completed", "failed", "preempted", "superseded"]
+RequestStatus = Literal["completed", "cancelled", "failed", "abandoned"]
 
 
 @dataclass
@@ -27,7 +32,7 @@ class BatchInput:
 
 
 @dataclass
-class BatchRef:
+class ValidateInput:
     batch_id: str
 
 
@@ -47,18 +52,25 @@ class PendingInput:
 @dataclass
 class FinalizeInput:
     batch_id: str
-    status: str  # completed | cancelled | expired
+    status: BatchOutcome
     at: float
 
 
 @dataclass
-class ItemGroup:
+class FailBatchInput:
+    batch_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class GenerateInput:
     batch_id: str
     idxs: list[int]
 
 
 @dataclass
-class ItemFailure:
+class FailItemInput:
     batch_id: str
     idx: int
     message: str
@@ -68,7 +80,8 @@ class ItemFailure:
 
 @dataclass
 class GenerateResult:
-    status: str  # completed | failed | preempted
+    # superseded: a newer attempt holds the item's lease (this one is a zombie)
+    status: ItemStatus
     idx: int = -1
     tokens: int = 0
     resumed_from: int = 0  # tokens already in the journal when this attempt began
@@ -87,7 +100,7 @@ class InteractiveInput:
 
 @dataclass
 class RequestOutcome:
-    status: str  # completed | cancelled | failed | abandoned
+    status: RequestStatus
     completion_tokens: int = 0
     finish_reason: str | None = None
     ttft_ms: float | None = None  # as the API saw it: request received → first token out
@@ -95,7 +108,7 @@ class RequestOutcome:
 
 
 @dataclass
-class JournalRequest:
+class JournalRequestInput:
     request: InteractiveInput
     outcome: RequestOutcome
 
@@ -113,7 +126,7 @@ class FleetInput:
 
 
 @dataclass
-class ObserveFleet:
+class ObserveFleetInput:
     stale_s: float
 
 
@@ -126,6 +139,6 @@ class FleetEvent:
 
 
 @dataclass
-class ApplyFleet:
+class ApplyFleetInput:
     caps: list[tuple[str, int | None]]  # (engine id, batch cap; None lifts the fleet's cap)
     events: list[FleetEvent]

@@ -15,7 +15,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.inputs import InteractiveInput, JournalRequest, RequestOutcome
+    from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
 
 ABANDON_AFTER = timedelta(hours=1)
 
@@ -38,6 +38,6 @@ class InteractiveWorkflow:
         except asyncio.TimeoutError:
             self._outcome = RequestOutcome(status="abandoned")
         await workflow.execute_local_activity(
-            "journal_request", JournalRequest(inp, self._outcome), start_to_close_timeout=timedelta(seconds=30)
+            "journal_request", JournalRequestInput(inp, self._outcome), start_to_close_timeout=timedelta(seconds=30)
         )
         return self._outcome.status

@@ -134,8 +134,35 @@ def test_requests_that_cannot_run_go_to_the_error_file_naming_their_line(client)
     assert errs["too-long"]["status_code"] == 400
     assert errs["too-long"]["body"]["error"]["code"] == "context_length_exceeded"
     assert errs["too-long"]["body"]["error"]["message"].startswith("Line 2:")
-    assert errs["no-model"]["status_code"] == 400 and "Line 3:" in errs["no-model"]["body"]["error"]["message"]
+    # An unknown model is a 404, as OpenAI and vLLM answer it.
+    assert errs["no-model"]["status_code"] == 404 and "Line 3:" in errs["no-model"]["body"]["error"]["message"]
     assert errs["prompt-too-long"]["body"]["error"]["message"].startswith("Line 5:")
+
+
+def test_bad_lines_mixed_with_good_ones_sink_nothing(client):
+    """20 good lines and 7 bad ones: every good line completes, every bad one gets its own
+    400 naming its parameter and line, and the batch is not slowed into retries."""
+    good = [chat_line(f"good-{i}", f"question {i}", 8) for i in range(20)]
+    good.append(dict(chat_line("null-temperature", "q", 8), body=dict(chat_line("x", "q", 8)["body"], temperature=None)))
+    bad = {"top-p-0": ("top_p", 0), "stop-7": ("stop", 7), "hot": ("temperature", "hot"), "msgs-str": ("messages", "hi"),
+           "n-2": ("n", 2), "logprobs": ("logprobs", True)}
+    lines = list(good)
+    for cid, (param, value) in bad.items():
+        lines.insert(3 * len(lines) // 4, dict(chat_line(cid, "q", 8), body=dict(chat_line("x", "q", 8)["body"], **{param: value})))
+    raw = jsonl(lines) + (b'{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", "body": '
+                          b'{"model": "ballast-tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 8}}\n')
+    f = client.files.create(file=("mixed.jsonl", raw), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(client, b.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (21, 7)
+    assert {o["custom_id"] for o in read_jsonl(client, done.output_file_id)} == {ln["custom_id"] for ln in good}
+    errs = {e["custom_id"]: e["response"] for e in read_jsonl(client, done.error_file_id)}
+    for cid, (param, _) in bad.items():
+        assert errs[cid]["status_code"] == 400 and errs[cid]["body"]["error"]["param"] == param, errs[cid]
+    surrogate = errs["surrogate"]
+    assert surrogate["status_code"] == 400 and surrogate["body"]["error"]["code"] == "unsupported_character"
+    assert surrogate["body"]["error"]["message"].startswith(f"Line {len(lines) + 1}:")
 
 
 def _assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -55,27 +55,46 @@ async def test_streamed_chat_and_completions(client, engine):
     assert done.object == "text_completion" and done.usage.completion_tokens <= 10
 
 
-def test_bad_interactive_requests_get_400_and_admit_nothing(stack, db_url):
+def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url):
     api = httpx.Client(base_url=stack.url, timeout=30)
     before = _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished'")[0][0]
     msgs = [{"role": "user", "content": "hi"}]
+    chat = dict(model="ballast-tiny", messages=msgs)
     cases = [
-        (dict(model="ballast-tiny", messages=[{"role": "user", "content": "x" * 1100}]), "messages"),  # > context
-        (dict(model="ballast-tiny", messages=msgs, max_tokens=0), "max_tokens"),
-        (dict(model="gpt-9", messages=msgs), "model"),
-        (dict(model="ballast-tiny", messages=[{"content": "no role"}]), "messages"),
-        (dict(model="ballast-tiny", messages="hi"), "messages"),
-        (dict(model="ballast-tiny", messages=msgs, service_tier="platinum"), "service_tier"),
+        ("chat", dict(model="ballast-tiny", messages=[{"role": "user", "content": "x" * 1100}]), 400, "messages"),  # > context
+        ("chat", dict(chat, max_tokens=0), 400, "max_tokens"),
+        ("chat", dict(chat, model="gpt-9"), 404, "model"),
+        ("chat", dict(model="ballast-tiny", messages=[{"content": "no role"}]), 400, "messages[0].role"),
+        ("chat", dict(model="ballast-tiny", messages="hi"), 400, "messages"),
+        ("chat", dict(chat, service_tier="platinum"), 400, "service_tier"),
+        ("chat", dict(chat, top_p=0), 400, "top_p"),
+        ("chat", dict(chat, stream=True, stream_options="yes"), 400, "stream_options"),
+        ("chat", dict(chat, stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
+        ("chat", dict(chat, messages=[{"role": "user", "content": "nul\u0000"}]), 400, "messages[0].content"),
+        ("chat", dict(chat, frobnicate=1), 400, "frobnicate"),
+        ("completions", dict(model="ballast-tiny", prompt=[1, 2, 10**6]), 400, "prompt"),  # beyond the vocabulary
     ]
-    for body, param in cases:
-        r = api.post("/v1/chat/completions", json=body)
-        assert r.status_code == 400, (body, r.text)
+    for endpoint, body, status, param in cases:
+        r = api.post(f"/v1/{endpoint.replace('chat', 'chat/completions')}", json=body)
+        assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
-        assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+        assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (body, err)
     r = api.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
+    # A lone surrogate, as JSON allows it: refused where it is, not a cut connection.
+    r = api.post("/v1/chat/completions", content=b'{"model": "ballast-tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                 headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "messages[0].content"), r.text
     time.sleep(1.5)
     assert _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished'")[0][0] == before
+
+
+def test_nulls_mean_defaults_as_in_openais_api(stack):
+    api = httpx.Client(base_url=stack.url, timeout=60)
+    body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=None,
+                top_p=None, stop=None, seed=None, n=None)
+    r = api.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
 
 
 def test_the_openai_client_sees_the_error(client):

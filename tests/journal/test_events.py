@@ -41,14 +41,47 @@ async def test_concurrent_appenders_never_share_a_version(db):
     "sql",
     ["UPDATE events SET type = 'x'", "DELETE FROM events", "TRUNCATE events"],
 )
-async def test_journal_rejects_rewrites(db, sql):
-    async with db.begin() as c:
+async def test_journal_rejects_rewrites_even_by_its_owner(owner_db, sql):
+    # The services' role is refused these by its grants (test_roles); the trigger refuses
+    # them to every role, the owner included.
+    async with owner_db.begin() as c:
         await j.append(c, [ev("s-ro", f"ro-{sql}")])
     with pytest.raises(DBAPIError, match="append-only"):
-        async with db.begin() as c:
+        async with owner_db.begin() as c:
             await c.execute(text(sql))
-    async with db.connect() as c:
+    async with owner_db.connect() as c:
         assert await j.read_stream(c, "s-ro")
+
+
+async def test_same_key_same_event_is_a_no_op(db):
+    async with db.begin() as c:
+        [first] = await j.append(c, [ev("s-same", "same-1", type="t", a=1, b=[1, 2])])
+    async with db.begin() as c:
+        again = await j.append(c, [ev("s-same", "same-1", type="t", b=[1, 2], a=1), ev("s-same", "same-2")])
+    assert first is not None and again[0] is None and again[1] is not None
+    async with db.connect() as c:
+        assert [e.key for e in await j.read_stream(c, "s-same")] == ["same-1", "same-2"]
+
+
+@pytest.mark.parametrize("change", [
+    dict(payload={"a": 2}),
+    dict(type="other"),
+    dict(stream="s-conflict-elsewhere"),
+    dict(tenant="someone-else"),
+])
+async def test_same_key_other_content_is_a_conflict_and_writes_nothing(db, change):
+    key = f"conflict-{next(iter(change))}"
+    original = j.NewEvent(f"s-{key}", "t", {"a": 1}, key)
+    async with db.begin() as c:
+        await j.append(c, [original])
+    clash = j.NewEvent(**dict(vars(original), **change))
+    with pytest.raises(j.IdempotencyConflict, match=key) as raised:
+        async with db.begin() as c:  # the caller's transaction rolls back: the new event too
+            await j.append(c, [ev(f"s-{key}-new", f"{key}-new"), clash])
+    assert raised.value.keys == (key,)
+    async with db.connect() as c:
+        assert [(e.key, e.type, e.payload) for e in await j.read_stream(c, f"s-{key}")] == [(key, "t", {"a": 1})]
+        assert await j.read_stream(c, f"s-{key}-new") == []
 
 
 async def test_follow_never_skips_a_late_commit(db):
@@ -77,7 +110,7 @@ def test_upgrade_head_twice_is_a_no_op(db_url):
     upgrade(db_url)
 
 
-async def test_read_models_rebuild_from_events(db):
+async def test_read_models_rebuild_from_events(db, owner_db):
     batch = dict(id="batch_rebuild", tenant="t", endpoint="/v1/completions", input_file_id="file-x",
                  completion_window="24h", metadata={}, status="validating", created_at=1, expires_at=2)
     async with db.begin() as c:
@@ -102,6 +135,6 @@ async def test_read_models_rebuild_from_events(db):
     before = await snapshot()
     item = next(r for r in before[2] if r[0] == "batch_rebuild" and r[1] == 1)
     assert item[:6] == ("batch_rebuild", 1, 2, "c1", {}, "completed")
-    async with db.begin() as c:
+    async with owner_db.begin() as c:  # rebuilding empties the read models: the owner's job
         await rebuild(c)
     assert await snapshot() == before

@@ -1,4 +1,4 @@
-from policy.lifecycle import TERMINAL, can_move, cancellable
+from policy.lifecycle import TERMINAL, can_move, cancellable, finalize_plan
 
 
 def test_happy_path_and_cancel_path():
@@ -13,3 +13,35 @@ def test_stale_and_terminal_moves_are_refused():
     for status in TERMINAL:
         assert not cancellable(status)
         assert not any(can_move(status, s) for s in ("in_progress", "cancelling", "completed"))
+
+
+def test_cancel_is_a_move_only_before_finalizing():
+    assert cancellable("validating") and cancellable("in_progress")
+    # `cancelling` is answered again by the API, but it is no move.
+    for status in ("cancelling", "finalizing", *TERMINAL):
+        assert not cancellable(status)
+
+
+def test_finalize_ends_a_run_as_the_workflow_says_through_finalizing():
+    assert finalize_plan("in_progress", "completed") == ("finalizing", "completed")
+    assert finalize_plan("in_progress", "expired") == ("finalizing", "expired")
+    assert finalize_plan("finalizing", "completed") == ("finalizing", "completed")  # a retry
+    for interim, final in (("finalizing", "completed"), ("finalizing", "expired")):
+        assert can_move("in_progress", interim) and can_move(interim, final)
+        assert not cancellable(interim)  # a cancel during finalization cannot strand it
+
+
+def test_finalize_ends_a_cancelled_batch_cancelled_whatever_the_run_reached():
+    # The cancel landed after every item was done: the workflow says completed.
+    assert finalize_plan("cancelling", "completed") == ("cancelling", "cancelled")
+    assert finalize_plan("cancelling", "expired") == ("cancelling", "cancelled")
+    assert finalize_plan("cancelling", "cancelled") == ("cancelling", "cancelled")
+    assert finalize_plan("in_progress", "cancelled") == ("cancelling", "cancelled")
+    assert can_move("in_progress", "cancelling") and can_move("cancelling", "cancelled")
+    assert not can_move("cancelling", "completed")  # why the plan must say cancelled
+
+
+def test_finalize_leaves_a_final_batch_alone():
+    for status in TERMINAL:
+        for outcome in ("completed", "cancelled", "expired"):
+            assert finalize_plan(status, outcome) is None

@@ -13,7 +13,7 @@ from temporalio.worker import Replayer, Worker
 
 from policy.preemption import EngineReport, Surge, SurgePolicy
 from workflows.fleet import FleetWorkflow, decide
-from workflows.inputs import ApplyFleet, FleetInput, ObserveFleet
+from workflows.inputs import ApplyFleetInput, FleetInput, ObserveFleetInput
 
 POLICY = SurgePolicy(high=0.5, low=0.25, cool_down_s=0.3, batch_share=0.0)
 INP = FleetInput(POLICY, tick_s=0.05, stale_s=5.0, ticks_per_run=3)
@@ -40,7 +40,7 @@ def test_a_tick_journals_membership_and_surges_and_writes_only_changed_caps():
     assert apply.caps == [] and [e.type for e in apply.events] == ["engine_left"] and members == ["a"]
 
     pools, members, apply = decide([report("a", cap=0)], pools, members, 103.0, INP)
-    assert apply == ApplyFleet([], []) and pools["m"] == Surge(True, 101.0, 103.0)
+    assert apply == ApplyFleetInput([], []) and pools["m"] == Surge(True, 101.0, 103.0)
     pools, members, apply = decide([report("a", cap=0)], pools, members, 103.5, INP)
     assert apply.caps == [("a", None)]
     [ended] = apply.events
@@ -53,14 +53,14 @@ async def test_the_controller_caps_a_surging_pool_and_lifts_it_after_the_cool_do
     queue = f"fleet-{uuid.uuid4().hex[:8]}"
     chat = {"n": 0}
     caps: dict[str, int | None] = {}
-    applied: list[ApplyFleet] = []
+    applied: list[ApplyFleetInput] = []
 
     @activity.defn(name="observe_fleet")
-    async def observe(inp: ObserveFleet) -> list[EngineReport]:
+    async def observe(inp: ObserveFleetInput) -> list[EngineReport]:
         return [report("e1", chat["n"], caps.get("e1")), report("e2", 0, caps.get("e2"))]
 
     @activity.defn(name="apply_fleet")
-    async def apply(inp: ApplyFleet) -> None:
+    async def apply(inp: ApplyFleetInput) -> None:
         applied.append(inp)
         caps.update(dict(inp.caps))
 

@@ -1,0 +1,40 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": dict(message=message, type=error_type(status), param=param, code=code)}
+
+
+@dataclass(frozen=True)
+class ProtocolError:
+    """Why a request cannot run: a 4xx answer, or a batch item's error-file entry."""
+
+    status_code: int
+    code: str
+    message: str
+    param: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status_code, self.message, self.param, self.code)
+
+    def at_line(self, line: int) -> ProtocolError:
+        return ProtocolError(self.status_code, self.code, f"Line {line}: {self.message}", self.param)
+
+
+def storable(text: str, limit: int = 1000) -> str:
+    """Text safe to keep in Postgres and to show: no NUL, no lone surrogates, bounded.
+    For messages that may quote what a client sent."""
+    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\u0000")[:limit]

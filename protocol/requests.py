@@ -1,0 +1,407 @@
+"""Chat and completions requests: every OpenAI parameter is either supported end to end
+or refused with a 400 whose `param` names it. A batch line and an interactive request
+pass the same checks; what vLLM would refuse (types, ranges, nulls where a value is
+needed, context length) is refused here, before any engine sees it.
+
+Supported, and what a preemption keeps: `temperature` 0 (greedy) resumes token for token
+as the uninterrupted run; with `temperature` > 0 a resumed generation is a valid sample
+but not the same one (`seed` included: vLLM's sampler state is not carried across a
+resume). Stop strings are applied to the whole text, so one that straddles a resume is
+still honoured. Everything else a request may say is either only its default (`n` = 1,
+`logprobs` false, no tools...) or a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from protocol.errors import ProtocolError
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+ServiceTier = Literal["priority", "default", "flex"]
+SERVICE_TIERS: tuple[ServiceTier, ...] = ("priority", "default", "flex")
+ROLES = ("system", "developer", "user", "assistant")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_STOP = 4
+INT64 = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class Limits:
+    model: str  # the served model's name
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: only what the engine needs, in plain types."""
+
+    endpoint: str
+    model: str
+    messages: tuple[Message, ...] = ()  # chat
+    prompt: str | tuple[int, ...] = ""  # completions: text, or token ids
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    service_tier: ServiceTier = "default"
+    ignore_eos: bool = False  # a vLLM extension, handy for benchmarks
+
+
+class Invalid(Exception):
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.code, self.param, self.status = message, code, param, status
+
+
+def parse(endpoint: str, body: Any, limits: Limits, *, batch: bool = False) -> GenerationRequest | ProtocolError:
+    """The request, or why it cannot run (never an exception, whatever `body` holds)."""
+    try:
+        return _parse(endpoint, body, limits, batch)
+    except Invalid as e:
+        return ProtocolError(e.status, e.code, e.message, e.param)
+
+
+def _parse(endpoint: str, body: Any, limits: Limits, batch: bool) -> GenerationRequest:
+    if endpoint not in ENDPOINTS:
+        raise Invalid(f"Unsupported endpoint {endpoint!r}; use one of {', '.join(ENDPOINTS)}.", param="url")
+    if not isinstance(body, dict):
+        raise Invalid("The request body must be a JSON object.", "invalid_request")
+    unstorable(body)
+    params = _CHAT if endpoint == CHAT else _COMPLETIONS
+    for name in body:
+        if name not in params:
+            raise Invalid(f"Unrecognized request argument supplied: {name}", "unknown_parameter", name)
+    v: dict[str, Any] = {}
+    for name, check in params.items():
+        value = body.get(name)
+        try:
+            v[name] = check(value)
+        except Invalid as e:
+            if e.param is None:  # about the parameter itself: say which
+                e.param, e.message = name, f"`{name}` {e.message}"
+            raise
+    if v["model"] != limits.model:
+        raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {limits.model!r}.",
+                   "model_not_found", "model", 404)
+    max_tokens = v.get("max_completion_tokens") or v["max_tokens"]
+    if max_tokens is None and endpoint == COMPLETIONS:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens > limits.max_model_len:
+        param = "max_completion_tokens" if v.get("max_completion_tokens") else "max_tokens"
+        raise Invalid(f"`{param}` is {max_tokens}, beyond the model's context length of {limits.max_model_len} tokens.",
+                   "context_length_exceeded", param)
+    stream = bool(v["stream"])
+    if stream and batch:
+        raise Invalid("Streaming is not available inside a batch.", "unsupported_value", "stream")
+    if v["stream_options"] is not None and not stream:
+        raise Invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
+    tier = v["service_tier"] or "default"
+    stop = v["stop"]
+    return GenerationRequest(
+        endpoint=endpoint,
+        model=v["model"],
+        messages=v.get("messages") or (),
+        prompt=v.get("prompt") or "",
+        max_tokens=max_tokens,
+        temperature=1.0 if v["temperature"] is None else float(v["temperature"]),
+        top_p=1.0 if v["top_p"] is None else float(v["top_p"]),
+        seed=v["seed"],
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stream=stream,
+        include_usage=bool((v["stream_options"] or {}).get("include_usage")),
+        service_tier="default" if tier == "auto" else tier,
+        ignore_eos=bool(v["ignore_eos"]),
+    )
+
+
+# -- what a text may hold -----------------------------------------------------------
+
+
+def unstorable(value: Any, path: str = "") -> None:
+    """Refuse NUL and lone surrogates anywhere: JSON allows them, but Postgres cannot
+    store them, and a tokenizer cannot encode a lone surrogate."""
+    if isinstance(value, str):
+        bad = _bad_char(value)
+        if bad:
+            raise Invalid(f"{bad} is not supported in requests" + (f" (in `{path}`)." if path else "."),
+                       "unsupported_character", path or None)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            unstorable(k, where)
+            unstorable(item, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            unstorable(item, f"{path}[{i}]")
+
+
+def _bad_char(s: str) -> str | None:
+    if "\x00" in s:
+        return "The NUL character (\\u0000)"
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return "A lone surrogate (\\ud800-\\udfff)"
+    return None
+
+
+# -- value checks: each takes the JSON value (None when absent or null) -------------
+
+Check = Callable[[Any], Any]
+
+
+def _required(check: Check) -> Check:
+    def run(value: Any) -> Any:
+        if value is None:
+            raise Invalid("is required.", "missing_required_parameter")
+        return check(value)
+
+    return run
+
+
+def _optional(check: Check) -> Check:
+    return lambda value: None if value is None else check(value)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise Invalid("must be a string.", "invalid_type")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise Invalid("must be a boolean.", "invalid_type")
+    return value
+
+
+def _int(lo: int, hi: int | None = None) -> Check:
+    def run(value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise Invalid("must be an integer.", "invalid_type")
+        if value < lo or (hi is not None and value > hi):
+            raise Invalid(f"must be >= {lo}." if hi is None else f"must be between {lo} and {hi}.")
+        return value
+
+    return run
+
+
+def _number(lo: float, hi: float, *, lo_open: bool = False) -> Check:
+    def run(value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise Invalid("must be a number.", "invalid_type")
+        if value > hi or value < lo or (lo_open and value == lo):
+            raise Invalid(f"must be {'>' if lo_open else '>='} {lo} and <= {hi}.")
+        return value
+
+    return run
+
+
+def _only(default: Any, what: str) -> Check:
+    """A parameter accepted only at its default (or an equivalent)."""
+    defaults = default if isinstance(default, tuple) else (default,)
+
+    def same(a: Any, b: Any) -> bool:  # True is not 1 here
+        return a is b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+    def run(value: Any) -> None:
+        if not any(same(value, d) for d in defaults):
+            alts = " or ".join(json.dumps(d) for d in defaults)
+            raise Invalid(f"must be {alts} ({what}).", "unsupported_value")
+
+    return run
+
+
+def _choice(*allowed: str) -> Check:
+    def run(value: Any) -> str:
+        if value not in allowed:
+            raise Invalid(f"must be one of {', '.join(allowed)}.")
+        return value
+
+    return run
+
+
+def _stop(value: Any) -> str | list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise Invalid("must be a string or a list of strings.", "invalid_type")
+    if len(items) > MAX_STOP or any(not s for s in items):
+        raise Invalid(f"takes up to {MAX_STOP} non-empty strings.")
+    return value
+
+
+def _stream_options(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Invalid("must be an object.", "invalid_type")
+    for k, v in value.items():
+        if k != "include_usage":
+            raise Invalid(f"Unrecognized stream option: {k}", "unknown_parameter", f"stream_options.{k}")
+        if not isinstance(v, bool):
+            raise Invalid("`stream_options.include_usage` must be a boolean.", "invalid_type", "stream_options.include_usage")
+    return value
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or len(value) > 16:
+        raise Invalid("must be an object of at most 16 string pairs.", "invalid_type")
+    if not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
+        raise Invalid("keys are at most 64 characters and values strings of at most 512.")
+    return value
+
+
+def _empty_list(value: Any) -> None:
+    if not isinstance(value, list):
+        raise Invalid("must be a list.", "invalid_type")
+    if value:
+        raise Invalid("is not supported by this deployment (no tool calling).", "unsupported_parameter")
+
+
+def _response_format(value: Any) -> None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise Invalid("must be an object with a `type`.", "invalid_type")
+    if value != {"type": "text"}:
+        raise Invalid("only {\"type\": \"text\"} is supported (no structured outputs).", "unsupported_value")
+
+
+def _unsupported(value: Any) -> None:
+    raise Invalid("is not supported by this deployment.", "unsupported_parameter")
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not value:
+        raise Invalid("must be a non-empty list of messages.", "invalid_type")
+    return tuple(_message(i, m) for i, m in enumerate(value))
+
+
+def _message(i: int, m: Any) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise Invalid(f"`{where}` must be an object with `role` and `content`.", "invalid_type", where)
+    for k in m:
+        if k not in ("role", "content", "name"):
+            raise Invalid(f"`{where}.{k}` is not supported (no tool calls, audio or refusals).",
+                       "unsupported_parameter", f"{where}.{k}")
+    if m.get("role") not in ROLES:
+        raise Invalid(f"`{where}.role` must be one of {', '.join(ROLES)}.", "invalid_value", f"{where}.role")
+    if "name" in m and not isinstance(m["name"], str):
+        raise Invalid(f"`{where}.name` must be a string.", "invalid_type", f"{where}.name")
+    c = m.get("content")
+    if isinstance(c, str):
+        return Message(m["role"], c)
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   and set(p) == {"type", "text"} for p in c):
+        return Message(m["role"], "".join(p["text"] for p in c))
+    raise Invalid(f"`{where}.content` must be a string or a list of text parts.", "invalid_type", f"{where}.content")
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if min(value) < 0:
+            raise Invalid("holds a negative token id.")
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise Invalid("must be one prompt: send one request per prompt.", "unsupported_value")
+    raise Invalid("must be a string or a non-empty list of token ids.", "invalid_type")
+
+
+_COMMON: dict[str, Check] = dict(
+    model=_required(_string),
+    max_tokens=_optional(_int(1)),
+    temperature=_optional(_number(0, 2)),
+    top_p=_optional(_number(0, 1, lo_open=True)),
+    n=_optional(_only(1, "n > 1 is not supported")),
+    seed=_optional(_int(*INT64)),
+    stop=_optional(_stop),
+    stream=_optional(_bool),
+    stream_options=_optional(_stream_options),
+    service_tier=_optional(_choice("auto", *SERVICE_TIERS)),
+    # Penalties and biases change what a resumed generation would produce; not offered.
+    presence_penalty=_optional(_only((0, 0.0), "presence penalties are not supported")),
+    frequency_penalty=_optional(_only((0, 0.0), "frequency penalties are not supported")),
+    logit_bias=_optional(_only({}, "logit_bias is not supported")),
+    user=_optional(_string),
+    ignore_eos=_optional(_bool),
+)
+
+_CHAT: dict[str, Check] = dict(
+    _COMMON,
+    messages=_required(_messages),
+    max_completion_tokens=_optional(_int(1)),
+    logprobs=_optional(_only(False, "logprobs are not supported")),
+    top_logprobs=_optional(_only(0, "logprobs are not supported")),
+    store=_optional(_only(False, "store is not supported")),
+    metadata=_optional(_metadata),
+    response_format=_optional(_response_format),
+    tools=_optional(_empty_list),
+    functions=_optional(_empty_list),
+    tool_choice=_optional(_only(("none", "auto"), "tool calling is not supported")),
+    function_call=_optional(_only(("none", "auto"), "function calling is not supported")),
+    parallel_tool_calls=_optional(_bool),
+    modalities=_optional(_only((["text"],), "only text output is supported")),
+    safety_identifier=_optional(_string),
+    prompt_cache_key=_optional(_string),
+    reasoning_effort=_optional(_unsupported),
+    verbosity=_optional(_unsupported),
+    audio=_optional(_unsupported),
+    prediction=_optional(_unsupported),
+    web_search_options=_optional(_unsupported),
+    moderation=_optional(_unsupported),
+    prompt_cache_options=_optional(_unsupported),
+    prompt_cache_retention=_optional(_unsupported),
+)
+
+_COMPLETIONS: dict[str, Check] = dict(
+    _COMMON,
+    prompt=_required(_prompt),
+    echo=_optional(_only(False, "echo is not supported")),
+    suffix=_optional(_only("", "suffix is not supported")),
+    best_of=_optional(_only(1, "best_of > 1 is not supported")),
+    logprobs=_optional(_only(0, "logprobs are not supported")),
+)
+
+
+# -- what needs the engine's tokenizer ----------------------------------------------
+
+
+def check_prompt_ids(ids: list[int], max_token_id: int) -> ProtocolError | None:
+    """Token ids given as the prompt must exist in the model's vocabulary."""
+    worst = max(ids, default=0)
+    if worst > max_token_id:
+        return ProtocolError(400, "invalid_value", f"Token id {worst} is out of vocabulary (the largest is {max_token_id}).",
+                             "prompt")
+    return None
+
+
+def fit_context(req: GenerationRequest, prompt_len: int, max_model_len: int) -> int | ProtocolError:
+    """How many tokens the completion may take, or why the request does not fit."""
+    room = max_model_len - prompt_len
+    wanted = req.max_tokens
+    if room < 1 or (wanted is not None and wanted > room):
+        return ProtocolError(
+            400,
+            "context_length_exceeded",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + (wanted or 1)} tokens ({prompt_len} in the prompt, {wanted or 1} for the completion). "
+            "Please reduce the length of the prompt or the completion.",
+            "max_tokens" if wanted and room >= 1 else ("messages" if req.endpoint == CHAT else "prompt"),
+        )
+    return wanted or room

@@ -1,0 +1,43 @@
+"""/v1/models: the deployment's model plus what live engines serve, in OpenAI's shape."""
+
+from __future__ import annotations
+
+import uuid
+
+from journal import engines as je
+from tests.api.conftest import assert_openai_error
+
+
+async def _announce(db, model: str) -> str:
+    engine_id = f"test-{uuid.uuid4().hex[:8]}"
+    async with db.begin() as conn:
+        await je.announce(conn, engine_id, "http://127.0.0.1:1", model, "q", {})
+    return engine_id
+
+
+async def test_lists_the_deployments_model_first_with_a_stable_created(api):
+    first = (await api.get("/v1/models")).json()
+    assert first["object"] == "list"
+    own = first["data"][0]
+    assert set(own) == {"id", "object", "created", "owned_by"}
+    assert own["id"] == "ballast-tiny" and own["object"] == "model" and isinstance(own["created"], int)
+    assert (await api.get("/v1/models")).json()["data"][0] == own
+    assert (await api.get("/v1/models/ballast-tiny")).json() == own
+
+
+async def test_a_model_a_live_engine_serves_is_listed_and_retrievable(api, db):
+    engine_id = await _announce(db, "org/other-model")  # hub ids have a slash
+    try:
+        listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
+        assert "org/other-model" in listed and "ballast-tiny" in listed
+        got = (await api.get("/v1/models/org/other-model")).json()
+        assert got == listed["org/other-model"]
+        assert (await api.get("/v1/models/org/other-model")).json()["created"] == got["created"]
+    finally:
+        async with db.begin() as conn:
+            await je.withdraw(conn, engine_id)
+
+
+async def test_an_unknown_model_is_404_model_not_found(api):
+    assert_openai_error(await api.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
+    assert_openai_error(await api.get("/v1/models/%00%ED%A0%80"), 404, "model", "model_not_found")

@@ -1,0 +1,120 @@
+"""The request checks: OpenAI's parameters, each supported or refused by name; any JSON
+in any field gives a 400 or a valid request, never an exception."""
+
+import json
+import typing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import ProtocolError
+from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, fit_context, parse
+
+LIMITS = Limits("ballast-tiny", 1024)
+CHAT_OK = dict(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}])
+COMPLETION_OK = dict(model="ballast-tiny", prompt="hello")
+
+
+def _openai_params(module) -> list[str]:
+    return sorted(typing.get_type_hints(module.CompletionCreateParamsBase))
+
+
+def test_a_plain_request_gets_openai_defaults():
+    r = parse(CHAT, CHAT_OK, LIMITS)
+    assert r == GenerationRequest(CHAT, "ballast-tiny", messages=r.messages, max_tokens=None)
+    assert (r.temperature, r.top_p, r.service_tier, r.stream) == (1.0, 1.0, "default", False)
+    c = parse(COMPLETIONS, COMPLETION_OK, LIMITS)
+    assert c.max_tokens == 16  # the completions default, as OpenAI's and vLLM's
+
+
+@pytest.mark.parametrize("endpoint,base", [(CHAT, CHAT_OK), (COMPLETIONS, COMPLETION_OK)])
+def test_every_parameter_of_the_official_client_is_known(endpoint, base):
+    # The oracle is the official client's own list of parameters: none may be "unrecognized".
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    names = _openai_params(chat_params if endpoint == CHAT else completion_create_params)
+    assert len(names) > 10
+    for name in names:
+        for value in ("junk-value", 12345, [1], {"x": 1}):
+            got = parse(endpoint, dict(base, **{name: value}), LIMITS)
+            if isinstance(got, ProtocolError):
+                assert not (got.code == "unknown_parameter" and got.param == name), name
+                assert got.param is not None and got.param.split(".")[0].split("[")[0] == name, (name, got)
+                assert 400 <= got.status_code < 500
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("temperature", 2.5, "temperature"), ("temperature", "0.5", "temperature"), ("temperature", float("nan"), "temperature"),
+    ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"), ("n", 2, "n"), ("n", True, "n"), ("max_tokens", 0, "max_tokens"),
+    ("max_tokens", True, "max_tokens"), ("max_tokens", 5000, "max_tokens"), ("seed", 2**63, "seed"),
+    ("stop", 7, "stop"), ("stop", ["a"] * 5, "stop"), ("stop", [""], "stop"), ("stream", "yes", "stream"),
+    ("stream_options", "yes", "stream_options"), ("stream_options", {"include_usage": True}, "stream_options"),
+    ("messages", "hi", "messages"), ("messages", [], "messages"), ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "user", "content": None}], "messages[0].content"),
+    ("messages", [{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+    ("tools", [{"type": "function"}], "tools"), ("logprobs", True, "logprobs"), ("presence_penalty", 1, "presence_penalty"),
+    ("service_tier", "scale", "service_tier"), ("model", None, "model"), ("model", 3, "model"), ("bogus", 1, "bogus"),
+    ("response_format", {"type": "json_object"}, "response_format"),
+])
+def test_refusals_name_their_parameter(field, value, param):
+    got = parse(CHAT, dict(CHAT_OK, **{field: value}), LIMITS)
+    assert isinstance(got, ProtocolError), got
+    assert (got.status_code, got.param) == (400, param), got
+    assert got.message and got.code
+
+
+def test_unknown_model_is_404_and_nulls_mean_defaults():
+    assert parse(CHAT, dict(CHAT_OK, model="gpt-9"), LIMITS).status_code == 404
+    nulls = dict(CHAT_OK, temperature=None, top_p=None, max_tokens=None, stop=None, seed=None, n=None, stream=None,
+                 stream_options=None, service_tier=None, tools=None, logprobs=None)
+    assert isinstance(parse(CHAT, nulls, LIMITS), GenerationRequest)
+
+
+def test_streaming_options_and_tiers():
+    r = parse(CHAT, dict(CHAT_OK, stream=True, stream_options={"include_usage": True}, service_tier="auto"), LIMITS)
+    assert (r.stream, r.include_usage, r.service_tier) == (True, True, "default")
+    assert parse(CHAT, dict(CHAT_OK, stream=True), LIMITS, batch=True).param == "stream"
+
+
+def test_text_that_cannot_be_stored_or_encoded_is_refused_where_it_is():
+    got = parse(CHAT, dict(CHAT_OK, messages=[{"role": "user", "content": "a\ud800"}]), LIMITS)
+    assert (got.code, got.param) == ("unsupported_character", "messages[0].content")
+    got = parse(COMPLETIONS, dict(COMPLETION_OK, user="x\x00"), LIMITS)
+    assert (got.code, got.param) == ("unsupported_character", "user")
+
+
+def test_prompts_of_token_ids_and_the_context():
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=[1, 2, 3]), LIMITS).prompt == (1, 2, 3)
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=[-1]), LIMITS).param == "prompt"
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=["a", "b"]), LIMITS).code == "unsupported_value"
+    r = parse(CHAT, dict(CHAT_OK, max_tokens=100), LIMITS)
+    assert fit_context(r, 950, 1024).code == "context_length_exceeded"
+    assert fit_context(r, 10, 1024) == 100
+    assert fit_context(parse(CHAT, CHAT_OK, LIMITS), 1000, 1024) == 24  # no max_tokens: the rest of the context
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+fields = st.sampled_from(sorted(set(_openai_params(__import__("openai.types.chat.completion_create_params",
+                                                                 fromlist=["x"]))) | {"stream", "ignore_eos", "junk"}))
+
+
+@settings(max_examples=400, deadline=None)
+@given(endpoint=st.sampled_from([CHAT, COMPLETIONS]), overrides=st.dictionaries(fields, json_values, max_size=4),
+       whole=st.one_of(st.none(), json_values))
+def test_any_json_gives_a_4xx_or_a_valid_request(endpoint, overrides, whole):
+    base = CHAT_OK if endpoint == CHAT else COMPLETION_OK
+    body = dict(base, **overrides) if whole is None else whole
+    got = parse(endpoint, body, LIMITS)
+    if isinstance(got, ProtocolError):
+        assert 400 <= got.status_code < 500 and got.message
+        json.dumps(got.body())  # serialisable, as it goes on the wire
+    else:
+        assert isinstance(got, GenerationRequest)
+        assert got.max_tokens is None or 1 <= got.max_tokens <= LIMITS.max_model_len
+        assert 0 <= got.temperature <= 2 and 0 < got.top_p <= 1
