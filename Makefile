@@ -21,6 +21,8 @@ run: install
 	$(VENV)/bin/ballast up
 
 test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 bench: install
@@ -29,4 +31,4 @@ bench: install
 	$(VENV)/bin/ballast bench overhead
 
 clean:
-	rm -rf $(VENV) .ballast .pytest_cache
+	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

@@ -11,8 +11,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from sqlalchemy.exc import DataError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
 from journal.objects import ObjectStore
@@ -20,7 +22,7 @@ from policy.lifecycle import finalize_plan
 from protocol import batch as batch_file
 from protocol.errors import storable
 from protocol.requests import Limits
-from workflows.inputs import FailBatchInput, ValidateInput, FinalizeInput, FailItemInput, PendingInput, ValidateResult
+from workflows.inputs import FailBatchInput, FailItemInput, FinalizeInput, PendingInput, ValidateInput, ValidateResult
 
 
 class BatchActivities:
@@ -39,18 +41,31 @@ class BatchActivities:
             if counts["total"] or batch["status"] == "failed":  # a retry after we already decided
                 return ValidateResult(counts["total"], batch["status"] == "failed")
             file = await jb.get_file(conn, batch["input_file_id"], batch["tenant"])
+        if file is None:  # the API saw it when it created the batch: only lost data gets here
+            raise ApplicationError(f"The input file {batch['input_file_id']} is missing.", non_retryable=True)
         limits = batch_file.FileLimits(batch["endpoint"], self.limits, self.max_lines)
         # Two passes over the stored file, never all of it in memory: is it usable at
         # all, then its items, in pages, in one transaction.
-        with self.store.open(file["object_key"]) as f:
-            errors = batch_file.file_errors(f, limits)
+        try:
+            with self.store.open(file["object_key"]) as f:
+                errors = batch_file.file_errors(f, limits)
+        except FileNotFoundError as err:  # the object store lost it: no retry brings it back
+            raise ApplicationError(f"The input file {batch['input_file_id']} is missing from the object store.",
+                                   non_retryable=True) from err
+        try:
+            return await self._journal_items(ref, batch, limits, file["object_key"], errors)
+        except DataError as err:  # what Postgres will never take: retrying cannot help
+            raise ApplicationError(storable(f"Postgres refused the input: {err.orig}"), non_retryable=True) from err
+
+    async def _journal_items(self, ref: ValidateInput, batch: dict[str, Any], limits: batch_file.FileLimits,
+                             key: str, errors: list[batch_file.LineError]) -> ValidateResult:
         async with self.db.begin() as conn:
             if errors:
                 await jb.move_status(conn, ref.batch_id, "failed", time.time(),
                                      errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
             total = 0
-            with self.store.open(file["object_key"]) as f:
+            with self.store.open(key) as f:
                 for page in _pages(batch_file.scan(f, limits), 1000):
                     await jb.add_items(conn, ref.batch_id, batch["tenant"], page)
                     total += len(page)
@@ -76,9 +91,11 @@ class BatchActivities:
         body = {"error": dict(message=inp.message, type="server_error", param=None, code=inp.code)}
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id)
+            assert batch is not None, f"batch {inp.batch_id} vanished"
             item = await jb.get_item(conn, inp.batch_id, inp.idx)
             if item and item["status"] == "pending":
-                await jb.append_one(conn, jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body))
+                failed = jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body)
+                await jb.append_one(conn, failed)
 
     @activity.defn
     async def finalize_batch(self, inp: FinalizeInput) -> str:
@@ -86,6 +103,7 @@ class BatchActivities:
         returns: `inp.status`, or `cancelled` when a cancel landed first (see finalize_plan)."""
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id, lock=True)
+            assert batch is not None, f"batch {inp.batch_id} vanished"
             plan = finalize_plan(batch["status"], inp.status)
             if plan is None:
                 return batch["status"]  # a retry after we already finished

@@ -61,7 +61,7 @@ class GenerationActivities:
         info = activity.info()
         # Who writes: this activity attempt, told apart across continue-as-new runs by the
         # run id's random tail (short: it rides on every chunk).
-        runner = f"{info.workflow_run_id[-8:]}:{info.activity_id}:{info.attempt}"
+        runner = f"{(info.workflow_run_id or '')[-8:]}:{info.activity_id}:{info.attempt}"
         # Leases first, then what is journaled: whatever an older attempt wrote before we
         # took the lease is read below, and nothing it writes after can land.
         async with self.db.begin() as conn:
@@ -111,11 +111,12 @@ class GenerationActivities:
         if isinstance(ready, ProtocolError):
             await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
             return GenerateResult("failed", idx=idx)
+        assert not isinstance(req, ProtocolError)  # else `ready` is that error
         prompt, params = ready.prompt, ready.sampling
         tokens = list(item["tokens"])
         resumed_from = saved = len(tokens)  # tokens[:saved] are in the journal (or queued for it)
         reason = None
-        if not self._already_finished(tokens, params):
+        if not self._already_finished(prompt, tokens, params):
             request_id = f"{at.stream}:{at.fence}:{at.tries}:{resumed_from}"
             async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
                 try:
@@ -123,6 +124,7 @@ class GenerationActivities:
                         request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
                         temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                         stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
+                        item=at.stream, resumed_from=resumed_from,  # who and from where: for engine/gate.py
                     ):
                         tokens += step.token_ids
                         reason = step.finish_reason
@@ -146,14 +148,14 @@ class GenerationActivities:
                     await self.checkpointer.submit([*at.chunk(tokens, saved), at.preempted(len(tokens))])
                     return GenerateResult("preempted", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
-        text, reason = rq.finish(self.engine, tokens, params, reason)
+        text, reason, used = rq.finish(self.engine, prompt, tokens, params, reason)
         meta = dict(id=f"{'chatcmpl' if req.endpoint == rq.CHAT else 'cmpl'}-{jb.stable_id('', at.stream)}",
                     created=int(time.time()), model=req.model)
-        body = responses.completion(endpoint, meta, text, reason, len(prompt), len(tokens))
+        body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
         await self.checkpointer.submit([*at.chunk(tokens, saved), at.completed(body)])
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
-    def _already_finished(self, tokens: list[int], params: rq.Sampling) -> bool:
+    def _already_finished(self, prompt: list[int], tokens: list[int], params: rq.Sampling) -> bool:
         """A previous attempt produced everything but died before recording completion."""
         if not tokens:
             return False
@@ -161,7 +163,7 @@ class GenerationActivities:
             return True
         if tokens[-1] == self.engine.tokenizer.eos_token_id and not params.ignore_eos:
             return True
-        return any(s in self.engine.decode(tokens) for s in params.stop)
+        return rq.stopped(self.engine, prompt, tokens, params)
 
     async def _heartbeat(self, progress: dict[int, int]) -> None:
         # Beats even while items wait for a slot or in the engine's queue; three beats per
@@ -221,4 +223,5 @@ def _failure(err: Exception) -> ProtocolError:
     """What the error file says of an item the engine could not run."""
     if isinstance(err, ValueError):  # vLLM refuses what it cannot serve with a ValueError
         return ProtocolError(400, "invalid_request", storable(f"The engine refused the request: {err}"))
-    return ProtocolError(500, "engine_error", storable(f"The engine failed on this request: {type(err).__name__}: {err}"))
+    return ProtocolError(500, "engine_error",
+                         storable(f"The engine failed on this request: {type(err).__name__}: {err}"))

@@ -26,8 +26,9 @@ UPLOAD_SLACK = 64 * 1024
 def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db = connect(settings.service_db_url)
-        client = temporal or await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace)
+        db = connect(settings.require("service_db_url"))
+        client = temporal or await Client.connect(settings.require("temporal_address"),
+                                                  namespace=settings.temporal_namespace)
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)
         following = asyncio.create_task(directory.follow())

@@ -12,11 +12,12 @@ from pydantic import BaseModel, Field
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.deps import ServicesDep, TenantDep
+from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from policy.lifecycle import cancellable
 from protocol.requests import ENDPOINTS
+from protocol.schema import errors
 from workflows.batch import BatchWorkflow
 from workflows.inputs import BatchInput
 
@@ -37,6 +38,14 @@ def workflow_id(batch_id: str) -> str:
     return f"batch:{batch_id}"
 
 
+async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
+    """The batch as it stands now; one this request has just created or moved, so it exists."""
+    async with svc.db.connect() as conn:
+        row = await jb.get_batch(conn, batch_id)
+        assert row is not None, f"batch {batch_id} vanished"
+        return await batch_object(conn, row)
+
+
 async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
     counts = await jb.request_counts(conn, row["id"])
     out = {k: row[k] for k in (
@@ -47,7 +56,14 @@ async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
     return dict(object="batch", **out, request_counts=counts, ballast=await jb.preemptions(conn, row["id"]))
 
 
-@router.post("")
+def _links(*operations: str) -> dict:
+    """A 200 whose batch id these operations take (OpenAPI links, which schemathesis follows)."""
+    return {200: {"description": "The batch object.", "links": {
+        op: {"operationId": op, "parameters": {"batch_id": "$response.body#/id"}} for op in operations}}}
+
+
+@router.post("", operation_id="createBatch",
+             responses=_links("retrieveBatch", "cancelBatch") | errors(400, 404, 413, 503))
 async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     if body.endpoint not in ENDPOINTS:
         raise APIError(400, f"Unsupported endpoint {body.endpoint!r}; use one of {', '.join(ENDPOINTS)}.",
@@ -63,17 +79,17 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                            code="invalid_value")
     require_id("file", body.input_file_id, "input_file_id")
     now = int(time.time())
-    row = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,
-               input_file_id=body.input_file_id, completion_window=body.completion_window,
-               metadata=body.metadata, status="validating", created_at=now,
-               expires_at=now + WINDOWS[body.completion_window])
+    row: dict[str, Any] = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,
+                               input_file_id=body.input_file_id, completion_window=body.completion_window,
+                               metadata=body.metadata, status="validating", created_at=now,
+                               expires_at=now + WINDOWS[body.completion_window])
     async with svc.db.begin() as conn:
         f = await jb.get_file(conn, body.input_file_id, tenant)
         if f is None:
             raise not_found("file", body.input_file_id, "input_file_id")
         if f["purpose"] != "batch":
-            raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; a batch needs purpose 'batch'.",
-                           param="input_file_id", code="invalid_value")
+            raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; "
+                           "a batch needs purpose 'batch'.", param="input_file_id", code="invalid_value")
         await jb.create_batch(conn, row)
     s = svc.settings
     try:
@@ -89,14 +105,13 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     except Exception as err:  # the batch must not sit in `validating` forever
         log.exception("could not start batch %s", row["id"])
         async with svc.db.begin() as conn:
-            await jb.move_status(conn, row["id"], "failed", time.time(), errors=dict(
-                object="list", data=[dict(code="unavailable", message=f"could not start: {err}", param=None, line=None)]))
+            failure = dict(code="unavailable", message=f"could not start: {err}", param=None, line=None)
+            await jb.move_status(conn, row["id"], "failed", time.time(), errors=dict(object="list", data=[failure]))
         raise APIError(503, "The batch could not be scheduled; try again shortly.", code="unavailable") from err
-    async with svc.db.connect() as conn:
-        return await batch_object(conn, await jb.get_batch(conn, row["id"]))
+    return await _current(svc, row["id"])
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", operation_id="retrieveBatch", responses=_links("cancelBatch") | errors(404))
 async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("batch", batch_id, "batch_id")
     async with svc.db.connect() as conn:
@@ -106,7 +121,7 @@ async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
         return await batch_object(conn, row)
 
 
-@router.get("")
+@router.get("", operation_id="listBatches", responses=errors(400))
 async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
     if after is not None and not possible_id(after):
         rows, data = [], []  # a cursor that cannot exist pages like one that does not: nothing after it
@@ -118,7 +133,7 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
                 last_id=data[-1]["id"] if data else None, has_more=len(rows) > limit)
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", operation_id="cancelBatch", responses=errors(400, 404))
 async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
     """validating or in_progress → cancelling; cancelling again is a no-op that re-signals
     (a lost signal is re-sent by the next call); any later status is a 400."""
@@ -142,5 +157,4 @@ async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
         else:
             log.warning("cancel %s: could not signal the workflow, it finalizes as cancelled anyway: %s",
                         batch_id, err)
-    async with svc.db.connect() as conn:
-        return await batch_object(conn, await jb.get_batch(conn, batch_id))
+    return await _current(svc, batch_id)

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from api.deps import ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, require_id
 from journal import batches as jb
+from protocol.schema import errors
 
 router = APIRouter(prefix="/v1/files")
 
@@ -25,8 +26,24 @@ def file_object(row: dict[str, Any]) -> dict[str, Any]:
                 expires_at=None, status_details=None)
 
 
-@router.post("")
-async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: UploadFile, purpose: str = Form()):
+def _by_id(operation: str) -> dict:
+    return {"operationId": operation, "parameters": {"file_id": "$response.body#/id"}}
+
+
+# OpenAPI links, which schemathesis follows: an upload's id is what the other file
+# operations and a batch take.
+_UPLOADED: dict[int | str, Any] = {200: {"description": "The file object.", "links": {
+    "retrieveFile": _by_id("retrieveFile"), "downloadFile": _by_id("downloadFile"),
+    "createBatch": {"operationId": "createBatch", "requestBody": {
+        "input_file_id": "$response.body#/id", "endpoint": "/v1/chat/completions", "completion_window": "24h"}},
+}}}
+_CONTENT: dict[int | str, Any] = {200: {"description": "The file's bytes.",
+                                       "content": {"application/octet-stream": {"schema": {"type": "string"}}}}}
+
+
+@router.post("", operation_id="createFile", responses=_UPLOADED | errors(400, 413))
+async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: UploadFile,
+                 purpose: str = Form(json_schema_extra={"enum": list(UPLOAD_PURPOSES)})):  # documented, checked below
     limit = svc.settings.max_upload_bytes
     if purpose not in UPLOAD_PURPOSES:
         raise APIError(400, f"Invalid purpose {purpose!r}: this deployment accepts {', '.join(UPLOAD_PURPOSES)}.",
@@ -52,10 +69,11 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(413, f"The file exceeds the maximum upload size of {limit} bytes.", param="file", code="file_too_large")
+    return APIError(413, f"The file exceeds the maximum upload size of {limit} bytes.", param="file",
+                    code="file_too_large")
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", operation_id="retrieveFile", responses=errors(404))
 async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:
@@ -65,7 +83,8 @@ async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
     return file_object(row)
 
 
-@router.get("/{file_id}/content")
+@router.get("/{file_id}/content", operation_id="downloadFile", response_class=StreamingResponse,
+            responses=_CONTENT | errors(404))
 async def content(file_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:

@@ -18,7 +18,8 @@ router = APIRouter()
 
 
 async def _pollers(svc, queue: str, kind) -> int:
-    req = DescribeTaskQueueRequest(namespace=svc.temporal.namespace, task_queue=TaskQueue(name=queue), task_queue_type=kind)
+    req = DescribeTaskQueueRequest(namespace=svc.temporal.namespace, task_queue=TaskQueue(name=queue),
+                                   task_queue_type=kind)
     return len((await svc.temporal.workflow_service.describe_task_queue(req, timeout=timedelta(seconds=2))).pollers)
 
 
@@ -51,6 +52,7 @@ async def healthz(svc: ServicesDep):
                 _check(_pollers(svc, s.engine_queue, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)),
                 _check(_engines(svc)),
             ),
+            strict=True,
         )
     )
     ok = all(v == "ok" for v in parts.values())

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,10 @@ from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
 from policy.placement import EngineView, rank
 from policy.preemption import TIERS
-from protocol import responses
+from protocol import responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
-from workflows.inputs import InteractiveInput, RequestOutcome
+from workflows.inputs import InteractiveInput, RequestOutcome, RequestStatus
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,16 @@ def _spawn(coro) -> asyncio.Task:
     return task
 
 
-@router.post("/chat/completions")
+# The handlers read the raw body (`parse` judges it, as it judges batch lines), so
+# /openapi.json gets the request schema from `protocol.schema`.
+@router.post("/chat/completions", operation_id="createChatCompletion", responses=schema.generation_responses(),
+             openapi_extra=schema.request_body(schema.chat_request()))
 async def chat_completions(request: Request, svc: ServicesDep, tenant: TenantDep):
     return await _serve(request, svc, tenant, CHAT)
 
 
-@router.post("/completions")
+@router.post("/completions", operation_id="createCompletion", responses=schema.generation_responses(),
+             openapi_extra=schema.request_body(schema.completions_request()))
 async def completions(request: Request, svc: ServicesDep, tenant: TenantDep):
     return await _serve(request, svc, tenant, COMPLETIONS)
 
@@ -109,7 +113,7 @@ class Run:
         if not self.started:
             self.started.append(_spawn(_start_workflow(self.svc, self.record)))
 
-    async def events(self) -> AsyncIterator[tuple[str | None, dict[str, Any] | None]]:
+    async def events(self) -> AsyncGenerator[tuple[str | None, dict[str, Any] | None], None]:
         """(text delta, None) while generating, then (None, the final line). Raises
         EngineFailed when the engine reports a failure or the stream breaks."""
         try:
@@ -129,7 +133,7 @@ class Run:
             self.start_workflow()
             await self.upstream.aclose()
 
-    def finished(self, final: dict[str, Any] | None, ttft: float | None, status: str | None = None) -> None:
+    def finished(self, final: dict[str, Any] | None, ttft: float | None, status: RequestStatus | None = None) -> None:
         if final is None:
             outcome = RequestOutcome(status or "cancelled", ttft_ms=ttft)
         else:
@@ -161,7 +165,8 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
             raise APIError(502, "The engine worker did not accept the request; try again.", code="engine_error")
         e = first["error"]
         raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
-    record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id, first["prompt_tokens"])
+    record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id,
+                              first["prompt_tokens"])
     meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=req.service_tier)
     return Run(svc, record, meta, lines, upstream, t0)
 
@@ -186,7 +191,8 @@ async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response
 async def _relay(run: Run, req: GenerationRequest) -> AsyncIterator[bytes]:
     chunks = responses.Chunks(req.endpoint, run.meta)
     events = run.events()
-    final, ttft, status = None, None, None
+    final, ttft = None, None
+    status: RequestStatus | None = None
     try:
         if opening := chunks.start():
             yield opening

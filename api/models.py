@@ -15,6 +15,7 @@ from fastapi import APIRouter
 
 from api.deps import Services, ServicesDep
 from api.errors import APIError
+from protocol.schema import errors
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/models")
@@ -41,12 +42,12 @@ async def served(svc: Services) -> list[dict[str, Any]]:
     ]
 
 
-@router.get("")
+@router.get("", operation_id="listModels")
 async def list_models(svc: ServicesDep):
     return dict(object="list", data=await served(svc))
 
 
-@router.get("/{model:path}")
+@router.get("/{model:path}", operation_id="retrieveModel", responses=errors(404))
 async def retrieve_model(model: str, svc: ServicesDep):
     for m in await served(svc):
         if m["id"] == model:

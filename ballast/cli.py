@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("api", help="serve the OpenAI-compatible API")
     w = sub.add_parser("worker", help="run a Temporal worker")
     w.add_argument("kind", choices=["control", "engine"])
-    sub.add_parser("migrate", help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
+    sub.add_parser("migrate",
+                   help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("name", choices=["batch", "surge", "overhead"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from journal.migrate import upgrade
 
         _need(settings, "database_url")
-        upgrade(settings.database_url, service_url=settings.service_db_url)  # as the owner
+        upgrade(settings.require("database_url"), service_url=settings.service_db_url)  # as the owner
         return 0
     if args.cmd == "api":
         import uvicorn

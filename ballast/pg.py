@@ -81,7 +81,7 @@ class EmbeddedPostgres:
     def start(self, timeout: float = 60.0) -> EmbeddedPostgres:
         self.pgdata.mkdir(parents=True, exist_ok=True)
         if self._os_user is not None:
-            self._prepare_for_os_user()
+            self._prepare_for_os_user(self._os_user)
         self._initdb_once()
         self.port = self._choose_port()
         self.child = procs.spawn(
@@ -150,12 +150,12 @@ class EmbeddedPostgres:
         if done.returncode != 0:
             raise RuntimeError(f"initdb {self.pgdata} failed:\n{done.stdout}{done.stderr}")
 
-    def _prepare_for_os_user(self) -> None:
+    def _prepare_for_os_user(self, user: str) -> None:
         try:
-            pw = pwd.getpwnam(self._os_user)
+            pw = pwd.getpwnam(user)
         except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", self._os_user], check=True)
-            pw = pwd.getpwnam(self._os_user)
+            subprocess.run(["useradd", "--system", "--no-create-home", user], check=True)
+            pw = pwd.getpwnam(user)
         if not (self.pgdata / "PG_VERSION").exists():
             os.chown(self.pgdata, pw.pw_uid, pw.pw_gid)
         # The server must traverse every ancestor of pgdata until it has chdir'd into it;

@@ -7,6 +7,7 @@ does not outlive a parent that was SIGKILLed. `Child.stop()` signals the whole g
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pwd
@@ -193,11 +194,10 @@ def spawn(
     `user` runs the child as that user (the preexec hook runs after the uid change, which
     matters because changing credentials clears the death signal).
     """
-    log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "ab")
-    try:
+    # The child holds its own copy of the log's descriptor: ours closes once it has started.
+    with open(log_path, "ab") if log_path is not None else contextlib.nullcontext() as log:
         proc = subprocess.Popen(
             [os.fspath(a) for a in argv],
             env=dict(env) if env is not None else None,
@@ -209,9 +209,6 @@ def spawn(
             start_new_session=True,
             preexec_fn=_pdeathsig_preexec(death_signal),
         )
-    finally:
-        if log is not None:
-            log.close()  # the child holds its own copy of the descriptor
     return Child(name, proc, log_path)
 
 

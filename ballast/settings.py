@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,6 +91,9 @@ class Settings(BaseSettings):
     fleet_tick_s: float = Field(1.0, gt=0)
     announce_s: float = Field(1.0, gt=0)  # how often engine workers report
     heartbeat_timeout_s: float = 10.0
+    # A failpoint for tests and drills, off when unset: the path of a JSON control file
+    # whose token budgets hold this engine's batch generations (engine/gate.py).
+    engine_gate: Path | None = None
 
     @model_validator(mode="after")
     def _surge_band(self) -> Settings:
@@ -106,6 +110,15 @@ class Settings(BaseSettings):
         if not self.database_url:
             return None
         return as_role(self.database_url, self.service_role, self.service_database_password)
+
+    def require(self, name: Literal["database_url", "service_db_url", "temporal_address"]) -> str:
+        """A URL this process cannot run without. The CLI checks them before it starts a
+        process (`ballast up` fills them in); this turns a miss into a clear error."""
+        value: str | None = getattr(self, name)
+        if not value:
+            env = "BALLAST_TEMPORAL_ADDRESS" if name == "temporal_address" else "BALLAST_DATABASE_URL"
+            raise RuntimeError(f"{env} is not set: {name} is needed here")
+        return value
 
     @cached_property
     def model_name(self) -> str:

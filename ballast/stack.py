@@ -43,7 +43,7 @@ def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
     with ExitStack() as stack:
         try:
             children, settings = _start(settings, data, logs, stack)
-            _wait_ready(settings, children, ready_timeout)
+            _wait_ready(settings, children, logs, ready_timeout)
             _banner(settings, data, logs)
             while all(c.alive for c in children):
                 time.sleep(0.5)
@@ -88,12 +88,14 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
     _step("migrating the journal (alembic upgrade head)")
     # As the owner; the children derive the restricted role's URL from the same URL.
     owner = settings.model_copy(update=dict(database_url=env["BALLAST_DATABASE_URL"]))
-    upgrade(owner.database_url, service_url=owner.service_db_url)
+    upgrade(owner.require("database_url"), service_url=owner.service_db_url)
 
     children = []
-    for name, args in (("engine worker", ["worker", "engine"]), ("control worker", ["worker", "control"]), ("api", ["api"])):
+    parts = (("engine worker", ["worker", "engine"]), ("control worker", ["worker", "control"]), ("api", ["api"]))
+    for name, args in parts:
         _step(f"starting the {name} (log: {logs / (args[-1] + '.log')})")
-        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=env, log_path=logs / f"{args[-1]}.log")
+        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=env,
+                            log_path=logs / f"{args[-1]}.log")
         stack.callback(child.stop, 30)
         children.append(child)
     effective = settings.model_copy(update=dict(
@@ -104,8 +106,8 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
     return children, effective
 
 
-def _user(url: str) -> str:
-    return make_url(url).username
+def _user(url: str | None) -> str | None:
+    return make_url(url).username if url else None
 
 
 def _healthy(url: str) -> bool:
@@ -116,7 +118,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _wait_ready(settings: Settings, children: list[procs.Child], timeout: float) -> None:
+def _wait_ready(settings: Settings, children: list[procs.Child], logs: Path, timeout: float) -> None:
     url = f"http://{settings.api_host}:{settings.api_port}/healthz"
     _step(f"waiting for every part to be ready ({url}); the engine takes ~20-40 s to start")
     deadline = time.monotonic() + timeout
@@ -125,7 +127,7 @@ def _wait_ready(settings: Settings, children: list[procs.Child], timeout: float)
             if not c.alive:
                 raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; log {c.log_path}:\n{c.log_tail()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {timeout:.0f}s; see the logs in {children[0].log_path.parent}")
+            raise TimeoutError(f"not ready after {timeout:.0f}s; see the logs in {logs}")
         time.sleep(0.5)
 
 

@@ -31,7 +31,7 @@ def workload(n: int, seed: int = SEED) -> list[dict]:
     128-256 output tokens each, greedy, run to max_tokens."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         prompt = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(100, 500)))
         out.append(dict(model=None, prompt=prompt, max_tokens=rng.randint(128, 256), temperature=0, ignore_eos=True))
     return out
@@ -41,7 +41,8 @@ async def raw_vllm(settings: Settings, reqs: list[dict]) -> dict:
     from engine.models import resolve_model
     from engine.vllm_engine import Engine
 
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
+    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib,
+                                max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     try:
         async def one(i: int, r: dict) -> int:
             n = 0
@@ -67,13 +68,16 @@ def through_ballast(settings: Settings, reqs: list[dict], data_dir: Path, log=pr
 
 def _run_batch(api: httpx.Client, reqs: list[dict], settings: Settings) -> dict:
     lines = "".join(
-        json.dumps(dict(custom_id=f"r{i}", method="POST", url="/v1/completions", body=dict(r, model=settings.model_name)))
+        json.dumps(dict(custom_id=f"r{i}", method="POST", url="/v1/completions",
+                        body=dict(r, model=settings.model_name)))
         + "\n"
         for i, r in enumerate(reqs)
     ).encode()
     t0 = time.perf_counter()
-    fid = api.post("/v1/files", files={"file": ("bench.jsonl", lines)}, data={"purpose": "batch"}).raise_for_status().json()["id"]
-    bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions", completion_window="24h")).json()["id"]
+    fid = api.post("/v1/files", files={"file": ("bench.jsonl", lines)},
+                   data={"purpose": "batch"}).raise_for_status().json()["id"]
+    bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions",
+                                            completion_window="24h")).json()["id"]
     while (b := api.get(f"/v1/batches/{bid}").json())["status"] not in ("completed", "failed", "cancelled", "expired"):
         time.sleep(0.1)
     out = api.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines()
@@ -86,7 +90,8 @@ def _run_batch(api: httpx.Client, reqs: list[dict], settings: Settings) -> dict:
 def main(settings: Settings, requests: int = 256) -> int:
     reqs = workload(requests)
     out_tokens = sum(r["max_tokens"] for r in reqs)
-    print(f"bench batch: {requests} completions, prompts 100-500 tokens, {out_tokens} output tokens, model {settings.model_name}")
+    print(f"bench batch: {requests} completions, prompts 100-500 tokens, {out_tokens} output tokens, "
+          f"model {settings.model_name}")
     print("arm 1: raw vLLM AsyncLLM (in process) …", flush=True)
     raw = asyncio.run(raw_vllm(settings, reqs))
     print(f"  {raw['tokens']} tokens in {raw['seconds']:.2f} s", flush=True)
@@ -99,7 +104,8 @@ def main(settings: Settings, requests: int = 256) -> int:
     print(f"\nraw vLLM   {raw_tps:9.1f} tokens/s")
     print(f"Ballast    {bal_tps:9.1f} tokens/s")
     print(f"ratio      {ratio:9.3f} × raw vLLM (target ≥ 0.90)")
-    print(json.dumps(dict(bench="batch", requests=requests, output_tokens=out_tokens, raw_tokens_per_s=round(raw_tps, 1),
-                          ballast_tokens_per_s=round(bal_tps, 1), ratio=round(ratio, 3),
-                          raw_seconds=round(raw["seconds"], 3), ballast_seconds=round(bal["seconds"], 3), run=uuid.uuid4().hex[:8])))
+    print(json.dumps(dict(bench="batch", requests=requests, output_tokens=out_tokens,
+                          raw_tokens_per_s=round(raw_tps, 1), ballast_tokens_per_s=round(bal_tps, 1),
+                          ratio=round(ratio, 3), raw_seconds=round(raw["seconds"], 3),
+                          ballast_seconds=round(bal["seconds"], 3), run=uuid.uuid4().hex[:8])))
     return 0

@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ballast.settings import Settings
 from bench.stack import ballast_up
@@ -35,7 +36,8 @@ async def direct(settings: Settings, gap_s: float) -> list[float]:
     from engine.models import resolve_model
     from engine.vllm_engine import Engine
 
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
+    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib,
+                                max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     try:
         ttft = []
         for i, p in enumerate(["warm up", *PROMPTS]):
@@ -53,13 +55,15 @@ async def direct(settings: Settings, gap_s: float) -> list[float]:
 
 
 def through_ballast(api, model: str, gap_s: float) -> tuple[list[float], list[str]]:
-    ttft, ids = [], []
+    ttft: list[float] = []
+    ids: list[str] = []
     for p in ["warm up", *PROMPTS]:
         time.sleep(gap_s)
-        body = dict(model=model, messages=[dict(role="user", content=p)], max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        body = dict(model=model, messages=[dict(role="user", content=p)], max_tokens=MAX_TOKENS, temperature=0,
+                    stream=True)
         t0 = time.perf_counter()
         with api.stream("POST", "/v1/chat/completions", json=body) as r:
-            first = None
+            first: float | None = None
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -68,13 +72,13 @@ def through_ballast(api, model: str, gap_s: float) -> tuple[list[float], list[st
                 delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
                 if first is None and delta.get("content"):
                     first = time.perf_counter() - t0
+        assert first is not None, f"no content streamed back for {p!r}"
         ttft.append(first)
     return ttft[1:], list(dict.fromkeys(ids))[1:]
 
 
 async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
     from temporalio.client import Client
-
     from temporalio.service import RPCError
 
     client = await Client.connect(temporal_address)
@@ -106,14 +110,15 @@ def main(settings: Settings) -> int:
             seen[name] = _journaled_ttfts(stack.db_url, ids)
         cost = asyncio.run(control_plane_cost(stack.temporal_address, ids[-1]))
         rows = _rows_per_request(stack.db_url, ids[-1])
-    out = dict(bench="overhead", requests=len(PROMPTS), gap_s=GAP_S)
+    out: dict[str, Any] = dict(bench="overhead", requests=len(PROMPTS), gap_s=GAP_S)
     for name, _ in PACINGS:
         key = name.replace(" ", "_")
         d50, d99, b50, b99 = (1000 * pct(xs, q) for xs in (raw[name], bal[name]) for q in (50, 99))
         api_ms, engine_ms = seen[name]
         out[key] = dict(direct_ttft_p50_ms=round(d50, 2), direct_ttft_p99_ms=round(d99, 2),
                         ballast_ttft_p50_ms=round(b50, 2), ballast_ttft_p99_ms=round(b99, 2),
-                        added_p50_ms=round(b50 - d50, 2), added_p99_ms=round(b99 - d99, 2), ratio_p50=round(b50 / d50, 3),
+                        added_p50_ms=round(b50 - d50, 2), added_p99_ms=round(b99 - d99, 2),
+                        ratio_p50=round(b50 / d50, 3),
                         # p50s of what each hop saw: the client (above), the API, the engine worker.
                         api_ttft_p50_ms=round(pct(api_ms, 50), 2), engine_ttft_p50_ms=round(pct(engine_ms, 50), 2))
     out.update(temporal=cost, postgres_rows_per_request=rows)
@@ -122,9 +127,10 @@ def main(settings: Settings) -> int:
         print(f"\n{name}:")
         print(f"  direct     TTFT p50 {r['direct_ttft_p50_ms']:7.2f} ms  p99 {r['direct_ttft_p99_ms']:7.2f} ms")
         print(f"  Ballast    TTFT p50 {r['ballast_ttft_p50_ms']:7.2f} ms  p99 {r['ballast_ttft_p99_ms']:7.2f} ms")
-        print(f"  added      p50 {r['added_p50_ms']:+.2f} ms  p99 {r['added_p99_ms']:+.2f} ms  (ratio p50 {r['ratio_p50']}×)")
-        print(f"  TTFT p50 as each hop saw it: engine worker {r['engine_ttft_p50_ms']:.2f} ms, API {r['api_ttft_p50_ms']:.2f} ms,"
-              f" client {r['ballast_ttft_p50_ms']:.2f} ms")
+        print(f"  added      p50 {r['added_p50_ms']:+.2f} ms  p99 {r['added_p99_ms']:+.2f} ms"
+              f"  (ratio p50 {r['ratio_p50']}×)")
+        print(f"  TTFT p50 as each hop saw it: engine worker {r['engine_ttft_p50_ms']:.2f} ms,"
+              f" API {r['api_ttft_p50_ms']:.2f} ms, client {r['ballast_ttft_p50_ms']:.2f} ms")
     print(f"\nper request: {cost['actions']} Temporal actions ({cost}), {rows} Postgres rows")
     print(json.dumps(out))
     return 0
@@ -150,4 +156,6 @@ def _rows_per_request(db_url: str, request_id: str) -> int:
     import psycopg
 
     with psycopg.connect(db_url) as conn:
-        return conn.execute("SELECT count(*) FROM events WHERE stream = %s", (f"request:{request_id}",)).fetchone()[0]
+        row = conn.execute("SELECT count(*) FROM events WHERE stream = %s", (f"request:{request_id}",)).fetchone()
+        assert row is not None  # count(*) always has its row
+        return row[0]

@@ -21,6 +21,8 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from ballast.settings import Settings
 from engine.slots import EngineSlots
@@ -51,7 +53,7 @@ async def run_arm(engine, mode: str, duration_s: float, rate: float, backfill: i
     slots = EngineSlots(max(backfill, 1), busy_cap=0, cool_down_s=0.5, preemption=(mode == "ballast"))
     arm.slots = slots
     inflight = [0]
-    busy_since = [None]
+    busy_since = [0.0]
     stop = asyncio.Event()
 
     async def interactive(i: int) -> None:
@@ -60,7 +62,8 @@ async def run_arm(engine, mode: str, duration_s: float, rate: float, backfill: i
         inflight[0] += 1
         if inflight[0] == 1:
             busy_since[0] = t0
-        first = last = None
+        first: float | None = None
+        last: float | None = None
         n = 0
         async with slots.interactive_request():
             async for step in engine.generate(f"i-{mode}-{i}", prompt, max_tokens=32, temperature=0.0, ignore_eos=True,
@@ -73,6 +76,7 @@ async def run_arm(engine, mode: str, duration_s: float, rate: float, backfill: i
         inflight[0] -= 1
         if inflight[0] == 0:
             arm.busy_s += time.perf_counter() - busy_since[0]
+        assert first is not None and last is not None, "an interactive request produced no tokens"
         arm.ttft.append(first - t0)
         if n > 1:
             arm.tpot.append((last - first) / (n - 1))
@@ -87,7 +91,7 @@ async def run_arm(engine, mode: str, duration_s: float, rate: float, backfill: i
                 if tokens:
                     arm.reprefill += len(prompt) + len(tokens)
                 prio = TIERS["batch"] if mode == "ballast" else 0
-                async with slots.batch(rid, prio, lambda rid=rid: engine.abort(rid)):
+                async with slots.batch(rid, prio, partial(engine.abort, rid)):
                     async for step in engine.generate(rid, prompt + tokens, max_tokens=256 - len(tokens),
                                                       temperature=0.0, ignore_eos=True, priority=prio):
                         tokens += step.token_ids
@@ -135,21 +139,24 @@ async def bench(settings: Settings, duration_s: float, rate: float, backfill: in
 
     # Batch backfill fills every sequence slot, as it would on a busy fleet: without
     # preemption an interactive request waits for a batch sequence to finish.
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=backfill, nice=settings.engine_nice)
+    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=backfill,
+                                nice=settings.engine_nice)
     try:
         await run_arm(engine, "alone", 2, rate, 0, seed=1)  # warm-up
         capacity = await batch_alone(engine, backfill, 5)
-        arms = {m: await run_arm(engine, m, duration_s, rate, 0 if m == "alone" else backfill) for m in ("alone", "ballast", "fifo")}
+        arms = {m: await run_arm(engine, m, duration_s, rate, 0 if m == "alone" else backfill)
+                for m in ("alone", "ballast", "fifo")}
     finally:
         engine.shutdown()
     alone = arms["alone"]
-    out = dict(bench="surge", duration_s=duration_s, arrival_rate=rate, backfill=backfill,
-               batch_alone_tokens_per_s=round(capacity, 1))
+    out: dict[str, Any] = dict(bench="surge", duration_s=duration_s, arrival_rate=rate, backfill=backfill,
+                               batch_alone_tokens_per_s=round(capacity, 1))
     for name, a in arms.items():
         idle = max(0.0, 1 - a.busy_s / a.seconds)
         harvest = a.batch_tokens / a.seconds
         out[name] = dict(
-            requests=len(a.ttft), ttft_p50_ms=round(1000 * pct(a.ttft, 50), 1), ttft_p99_ms=round(1000 * pct(a.ttft, 99), 1),
+            requests=len(a.ttft), ttft_p50_ms=round(1000 * pct(a.ttft, 50), 1),
+            ttft_p99_ms=round(1000 * pct(a.ttft, 99), 1),
             tpot_ms=round(1000 * statistics.mean(a.tpot), 2),
             ttft_p50_ratio=round(pct(a.ttft, 50) / pct(alone.ttft, 50), 3),
             ttft_p99_ratio=round(pct(a.ttft, 99) / pct(alone.ttft, 99), 3),
@@ -158,7 +165,9 @@ async def bench(settings: Settings, duration_s: float, rate: float, backfill: in
             idle_share=round(idle, 3),
             harvest_of_idle=round(harvest / (capacity * idle), 3) if idle and name != "alone" else None,
         )
-    s = arms["ballast"].slots.stats
+    ballast_slots = arms["ballast"].slots
+    assert ballast_slots is not None  # run_arm sets it
+    s = ballast_slots.stats
     out["ballast"].update(
         preemptions=s.preemptions,
         preemption_ms_p50=round(1000 * pct(s.latencies_s, 50), 2),
@@ -169,14 +178,17 @@ async def bench(settings: Settings, duration_s: float, rate: float, backfill: in
 
 
 def main(settings: Settings, duration_s: float = 30.0, rate: float = 1.0, backfill: int = 32) -> int:
-    print(f"bench surge: {duration_s:.0f} s per arm, bursts at {rate}/s, {backfill} batch streams backfilling", flush=True)
+    print(f"bench surge: {duration_s:.0f} s per arm, bursts at {rate}/s, {backfill} batch streams backfilling",
+          flush=True)
     out = asyncio.run(bench(settings, duration_s, rate, backfill))
     print(f"\nbatch alone: {out['batch_alone_tokens_per_s']} tokens/s")
-    print(f"{'arm':8} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT':>7} {'p50×':>6} {'p99×':>6} {'TPOT×':>6} {'batch tok/s':>11} {'of idle':>8}")
+    print(f"{'arm':8} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT':>7} {'p50×':>6} {'p99×':>6} {'TPOT×':>6} "
+          f"{'batch tok/s':>11} {'of idle':>8}")
     for name in ("alone", "ballast", "fifo"):
         a = out[name]
         print(f"{name:8} {a['requests']:4d} {a['ttft_p50_ms']:7.1f}ms {a['ttft_p99_ms']:6.1f}ms {a['tpot_ms']:5.2f}ms "
-              f"{a['ttft_p50_ratio']:6.2f} {a['ttft_p99_ratio']:6.2f} {a['tpot_ratio']:6.2f} {a['batch_tokens_per_s']:11.1f} "
+              f"{a['ttft_p50_ratio']:6.2f} {a['ttft_p99_ratio']:6.2f} {a['tpot_ratio']:6.2f} "
+              f"{a['batch_tokens_per_s']:11.1f} "
               f"{a['harvest_of_idle'] if a['harvest_of_idle'] is not None else '-':>8}")
     b = out["ballast"]
     print(f"preemptions {b['preemptions']}, latency p50 {b['preemption_ms_p50']} ms p99 {b['preemption_ms_p99']} ms, "

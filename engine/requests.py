@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.text import detokenize
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, GenerationRequest, check_prompt_ids, fit_context
 
@@ -44,19 +45,23 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
     return Prepared(prompt, Sampling(room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos))
 
 
-def finish(engine, token_ids: list[int], s: Sampling, engine_reason: str | None) -> tuple[str, str]:
-    """The text and finish_reason of a (possibly resumed) generation, from all its tokens.
-
-    Stop strings are applied to the whole text, so a stop string that straddles a resume
-    point is still honoured.
-    """
-    text = engine.decode(token_ids)
-    for stop in s.stop:
-        cut = text.find(stop)
-        if cut >= 0:
-            return text[:cut], "stop"
-    if token_ids and token_ids[-1] == engine.tokenizer.eos_token_id and not s.ignore_eos:
-        return text, "stop"
+def finish(engine, prompt: list[int], token_ids: list[int], s: Sampling,
+           engine_reason: str | None) -> tuple[str, str, int]:
+    """Text, finish_reason and completion-token count of a (possibly resumed) generation,
+    from all its tokens: what vLLM's own detokenizer gives over one uninterrupted run (no
+    trailing half character; stop strings found as vLLM finds them, also one that
+    straddles a resume point)."""
+    eos = bool(token_ids) and token_ids[-1] == engine.tokenizer.eos_token_id and not s.ignore_eos
+    d = detokenize(engine.tokenizer, prompt, token_ids, stop=s.stop, stop_terminated=eos)
+    if d.stop is not None:
+        return d.text, "stop", d.num_tokens
+    if eos:
+        return d.text, "stop", len(token_ids)
     if len(token_ids) >= s.max_tokens:
-        return text, "length"
-    return text, "stop" if engine_reason in (None, "stop") else engine_reason
+        return d.text, "length", len(token_ids)
+    return d.text, "stop" if engine_reason in (None, "stop") else engine_reason, len(token_ids)
+
+
+def stopped(engine, prompt: list[int], token_ids: list[int], s: Sampling) -> bool:
+    """Whether a stop string already ended these tokens (a resume must not run on)."""
+    return bool(s.stop) and detokenize(engine.tokenizer, prompt, token_ids, stop=s.stop).stop is not None

@@ -47,7 +47,7 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
 
         async def lines():
             yield _line(prompt_tokens=len(prompt))
-            ids, sent, reason, ttft = [], [], None, None
+            ids, reason, ttft = [], None, None
             try:
                 # Counted before vLLM sees it: batch yields its slots first.
                 async with slots.interactive_request():
@@ -60,26 +60,25 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
                         reason = step.finish_reason
                         if step.text or step.token_ids:
                             ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                            sent.append(step.text)
                             yield _line(text=step.text, tokens=len(step.token_ids))
             except Exception as err:  # the client gets an error event, not a cut stream
                 log.exception("generation %s failed", job["request_id"])
                 yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",
                                          None, "engine_error"), status=500)
                 return
-            # The incremental detokenizer holds back a trailing partial character; the
-            # final text is the batch path's: all tokens decoded, stop strings applied.
-            text, reason = rq.finish(engine, ids, params, reason)
-            streamed = "".join(sent)
-            if len(text) > len(streamed) and text.startswith(streamed):
-                yield _line(text=text[len(streamed):], tokens=0)
-            yield _line(finish_reason=reason, completion_tokens=len(ids), engine_ttft_ms=ttft,
+            # One uninterrupted run: text, finish reason and count are vLLM's own.
+            yield _line(finish_reason=reason or "stop", completion_tokens=len(ids), engine_ttft_ms=ttft,
                         engine_ms=round(1000 * (time.perf_counter() - t0), 2))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def stats(_: Request):
-        return JSONResponse(slots.snapshot())
+        # Live, for operators and tests: each batch hold's item stream and its tokens so
+        # far (journaled + produced), and what the test gate holds when it is on.
+        live = dict(slots.snapshot(), holds={h.id: h.generated for h in slots.holds.values()})
+        if (gate := getattr(engine, "gate_stats", None)) is not None:
+            live["gate"] = gate()
+        return JSONResponse(live)
 
     return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats)])
 

@@ -80,7 +80,7 @@ class EngineSlots:
                     # Re-check on every change, and now and then for the cool-down to pass.
                     try:
                         await asyncio.wait_for(self._changed.wait(), timeout=0.25)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
             finally:
                 self.queued -= 1

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ballast.settings import TINY_MODEL_NAME
 
@@ -38,7 +39,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
-SPEC = {
+SPEC: dict[str, Any] = {
     "build_version": BUILD_VERSION,
     "seed": 1234,
     "vocab_size": 256 + len(SPECIAL_TOKENS),
@@ -168,7 +169,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def _write_weights(out: Path, tok: dict[str, int]) -> None:

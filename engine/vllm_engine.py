@@ -13,7 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.models import ModelSpec
 
@@ -131,11 +131,18 @@ class Engine:
         ignore_eos: bool = False,
         priority: int = 0,
         detokenize: bool = False,
+        item: str | None = None,
+        resumed_from: int = 0,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
         Cancelling the iteration (or closing it) aborts the request in vLLM, as does
         `abort(request_id)`, after which the last Step has finish_reason "abort".
+
+        `item` and `resumed_from` say whose tokens these are (a batch item's stream) and
+        how many that item had before this request; vLLM never sees them. They are for
+        wrappers of the engine: the test gate (engine/gate.py) holds items at budgets of
+        total tokens.
         """
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -216,7 +223,7 @@ def _lower_priority(pids: set[int], by: int) -> None:
             continue
 
 
-def _dtype(path: str) -> str:
+def _dtype(path: str) -> Literal["float32", "auto"]:
     """The checkpoint's own dtype when it is float32 (the tiny model), else "auto".
 
     vLLM's "auto" would run a float32 checkpoint in half precision; the tiny model's

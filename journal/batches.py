@@ -31,7 +31,8 @@ def item_stream(batch_id: str, idx: int) -> str:
 
 
 async def create_file(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await append_one(conn, NewEvent(f"file:{row['id']}", "file_created", row, f"file:{row['id']}:created", row["tenant"]))
+    await append_one(conn, NewEvent(f"file:{row['id']}", "file_created", row, f"file:{row['id']}:created",
+                                    row["tenant"]))
 
 
 async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str, Any] | None:
@@ -43,10 +44,12 @@ async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str
 
 
 async def create_batch(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await append_one(conn, NewEvent(f"batch:{row['id']}", "batch_created", row, f"batch:{row['id']}:created", row["tenant"]))
+    await append_one(conn, NewEvent(f"batch:{row['id']}", "batch_created", row, f"batch:{row['id']}:created",
+                                    row["tenant"]))
 
 
-async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = None, *, lock: bool = False) -> dict[str, Any] | None:
+async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = None, *,
+                    lock: bool = False) -> dict[str, Any] | None:
     q = select(batches).where(batches.c.id == batch_id)
     if tenant is not None:
         q = q.where(batches.c.tenant == tenant)
@@ -66,8 +69,9 @@ async def list_batches(conn: AsyncConnection, tenant: str, after: str | None, li
 
 
 async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
-    q = select(batch_items.c.status, func.count()).where(batch_items.c.batch_id == batch_id).group_by(batch_items.c.status)
-    by_status = dict((await conn.execute(q)).all())
+    q = (select(batch_items.c.status, func.count()).where(batch_items.c.batch_id == batch_id)
+         .group_by(batch_items.c.status))
+    by_status: dict[str, int] = dict((await conn.execute(q)).all())
     return dict(
         total=sum(by_status.values()),
         completed=by_status.get("completed", 0),
@@ -77,7 +81,8 @@ async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]
 
 async def preemptions(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
     """How often the batch's items yielded to interactive work, and how many did."""
-    q = select(func.coalesce(func.sum(batch_items.c.preemptions), 0), func.count().filter(batch_items.c.preemptions > 0))
+    q = select(func.coalesce(func.sum(batch_items.c.preemptions), 0),
+               func.count().filter(batch_items.c.preemptions > 0))
     total, items = (await conn.execute(q.where(batch_items.c.batch_id == batch_id))).one()
     return dict(preemptions=int(total), items_preempted=int(items))
 
@@ -95,7 +100,8 @@ async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: flo
     if not can_move(current["status"], status):
         return False
     payload = dict(batch_id=batch_id, status=status, at=int(at), **fields)
-    await append_one(conn, NewEvent(f"batch:{batch_id}", "batch_status", payload, f"batch:{batch_id}:status:{status}", current["tenant"]))
+    await append_one(conn, NewEvent(f"batch:{batch_id}", "batch_status", payload, f"batch:{batch_id}:status:{status}",
+                                    current["tenant"]))
     return True
 
 
@@ -124,7 +130,8 @@ def result_key(stream: str) -> str:
     return f"{stream}:result"
 
 
-def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any], fence: int | None = None) -> NewEvent:
+def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any],
+                         fence: int | None = None) -> NewEvent:
     s = item_stream(batch_id, idx)
     return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), result_key(s),
                     tenant, fence=fence)
@@ -149,7 +156,8 @@ async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, 
     return dict(row._mapping) if row else None
 
 
-async def load_for_generation(conn: AsyncConnection, batch_id: str, idxs: Sequence[int]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+async def load_for_generation(conn: AsyncConnection, batch_id: str,
+                              idxs: Sequence[int]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """The batch, and each item with `tokens`: what its earlier attempts journaled."""
     batch = await get_batch(conn, batch_id)
     if batch is None:
@@ -203,5 +211,6 @@ async def results(conn: AsyncConnection, batch_id: str) -> AsyncIterator[tuple[d
         m = dict(r._mapping)
         ev = None
         if m["result_position"] is not None:
-            ev = Event(m["result_position"], item_stream(batch_id, m["idx"]), 0, m.pop("ev_type"), m.pop("ev_payload"), "", "")
+            ev = Event(m["result_position"], item_stream(batch_id, m["idx"]), 0, m.pop("ev_type"),
+                       m.pop("ev_payload"), "", "")
         yield m, ev

@@ -29,7 +29,7 @@ class Checkpointer:
         self._task: asyncio.Task | None = None
         self._committing = False
 
-    async def __aenter__(self) -> "Checkpointer":
+    async def __aenter__(self) -> Checkpointer:
         self._task = asyncio.create_task(self._run(), name="checkpointer")
         return self
 

@@ -11,7 +11,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from journal.schema import engines
 
 
-async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str, stats: dict[str, Any]) -> int | None:
+async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str,
+                   stats: dict[str, Any]) -> int | None:
     """Upsert the engine's row; returns the batch cap the fleet controller set on it."""
     row = dict(id=id, url=url, model=model, queue=queue, stats=stats)
     stmt = insert(engines).values(row)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -164,7 +165,8 @@ async def read_stream(conn: AsyncConnection, stream: str, *, type: str | None = 
     return [_event(r) for r in (await conn.execute(q)).all()]
 
 
-async def follow(conn: AsyncConnection, after: tuple[int, int] = (0, 0), limit: int = 1000) -> list[tuple[tuple[int, int], Event]]:
+async def follow(conn: AsyncConnection, after: tuple[int, int] = (0, 0),
+                 limit: int = 1000) -> list[tuple[tuple[int, int], Event]]:
     """Events committed after the cursor `(txid, position)`, in commit-safe order.
 
     Rows are ordered by the writing transaction and only read below the current
@@ -193,7 +195,7 @@ async def _check_fences(conn: AsyncConnection, fenced: Sequence[NewEvent]) -> No
     if not fenced:
         return
     q = text("SELECT stream, token FROM leases WHERE stream = ANY(CAST(:s AS text[]))")
-    current = dict((await conn.execute(q, dict(s=sorted({e.stream for e in fenced})))).all())
+    current: dict[str, int] = dict((await conn.execute(q, dict(s=sorted({e.stream for e in fenced})))).all())
     for e in fenced:
         if current.get(e.stream) != e.fence:
             raise StaleAttempt(f"stale attempt on {e.stream}: fence {e.fence}, current {current.get(e.stream)}",
@@ -218,7 +220,7 @@ async def _journaled(conn: AsyncConnection, new: Sequence[NewEvent]) -> dict[str
 
 def _stale(err: DBAPIError) -> StaleAttempt | None:
     """The trigger's refusal as StaleAttempt (its DETAIL says which lease); None otherwise."""
-    if getattr(err.orig, "sqlstate", None) != STALE_SQLSTATE:
+    if not isinstance(err.orig, psycopg.Error) or err.orig.sqlstate != STALE_SQLSTATE:
         return None
     diag = err.orig.diag
     try:

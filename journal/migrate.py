@@ -46,7 +46,7 @@ def service_login(cfg: Config) -> tuple[str, str | None]:
     def pick(name: str, env: str, default: str | None) -> str | None:
         return cfg.attributes.get(name) or xargs.get(name) or os.environ.get(env) or default
 
-    role = pick("service_role", "BALLAST_SERVICE_ROLE", SERVICE_ROLE)
+    role = pick("service_role", "BALLAST_SERVICE_ROLE", None) or SERVICE_ROLE
     return role, pick("service_password", "BALLAST_SERVICE_DATABASE_PASSWORD", None)
 
 

@@ -32,7 +32,7 @@ def projects(event_type: str):
     return register
 
 
-async def project(conn: AsyncConnection, new: Sequence["Event"]) -> None:
+async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
     # Consecutive runs of one type keep the journal's order between types.
     for event_type, run in groupby(new, key=lambda e: e.type):
         fn = _projectors.get(event_type)

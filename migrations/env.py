@@ -7,8 +7,10 @@ from journal.db import sync_url
 
 
 def run_migrations_online() -> None:
-    url = sync_url(context.config.get_main_option("sqlalchemy.url"))
-    engine = create_engine(url, poolclass=pool.NullPool)
+    url = context.config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise RuntimeError("No database URL: run migrations with `ballast migrate` (journal.migrate.upgrade sets it).")
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=None)
         with context.begin_transaction():

@@ -1,8 +1,8 @@
 """Which engine worker serves an interactive request. Pure.
 
 Filters (live, serves the model) → scorers normalised to [0, 1] → a ranking, best first
-(the API falls back down it), with the engine id as the deterministic tiebreak. One scorer today, load; prompt-cache affinity
-joins it as a second weighted scorer.
+(the API falls back down it), with the engine id as the deterministic tiebreak. One scorer
+today, load; prompt-cache affinity joins it as a second weighted scorer.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ProtocolError
-from protocol.requests import Limits, Invalid, parse, unstorable
+from protocol.requests import Invalid, Limits, parse, unstorable
 
 MAX_ERRORS = 100  # OpenAI reports a bounded number of line errors, so do we
 MAX_CUSTOM_ID = 512
@@ -94,7 +94,8 @@ def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
         return LineError(n, "invalid_json_line", "Each line must be a JSON object.")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        return LineError(n, "missing_required_parameter", "Each request needs a non-empty string custom_id.", "custom_id")
+        return LineError(n, "missing_required_parameter", "Each request needs a non-empty string custom_id.",
+                         "custom_id")
     try:
         unstorable(custom_id, "custom_id")
     except Invalid as e:
@@ -105,7 +106,8 @@ def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
         return LineError(n, "invalid_method", "The method must be POST.", "method")
     if obj.get("url") != limits.endpoint:
         return LineError(n, "mismatched_endpoint",
-                         f"The url {_show(obj.get('url'))} does not match the batch's endpoint {limits.endpoint!r}.", "url")
+                         f"The url {_show(obj.get('url'))} does not match the batch's endpoint {limits.endpoint!r}.",
+                         "url")
     body = obj.get("body")
     if not isinstance(body, dict):
         return LineError(n, "missing_required_parameter", "Each request needs a JSON object body.", "body")

@@ -112,7 +112,7 @@ def _parse(endpoint: str, body: Any, limits: Limits, batch: bool) -> GenerationR
         raise Invalid("Streaming is not available inside a batch.", "unsupported_value", "stream")
     if v["stream_options"] is not None and not stream:
         raise Invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
-    tier = v["service_tier"] or "default"
+    tier: ServiceTier = v["service_tier"] if v["service_tier"] in SERVICE_TIERS else "default"  # None, "auto": default
     stop = v["stop"]
     return GenerationRequest(
         endpoint=endpoint,
@@ -126,7 +126,7 @@ def _parse(endpoint: str, body: Any, limits: Limits, batch: bool) -> GenerationR
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stream=stream,
         include_usage=bool((v["stream_options"] or {}).get("include_usage")),
-        service_tier="default" if tier == "auto" else tier,
+        service_tier=tier,
         ignore_eos=bool(v["ignore_eos"]),
     )
 
@@ -231,7 +231,7 @@ def _only(default: Any, what: str) -> Check:
 
 def _choice(*allowed: str) -> Check:
     def run(value: Any) -> str:
-        if value not in allowed:
+        if not isinstance(value, str) or value not in allowed:
             raise Invalid(f"must be one of {', '.join(allowed)}.")
         return value
 
@@ -244,7 +244,7 @@ def _stop(value: Any) -> str | list[str]:
         raise Invalid("must be a string or a list of strings.", "invalid_type")
     if len(items) > MAX_STOP or any(not s for s in items):
         raise Invalid(f"takes up to {MAX_STOP} non-empty strings.")
-    return value
+    return value if isinstance(value, str) else items
 
 
 def _stream_options(value: Any) -> dict[str, Any]:
@@ -254,7 +254,8 @@ def _stream_options(value: Any) -> dict[str, Any]:
         if k != "include_usage":
             raise Invalid(f"Unrecognized stream option: {k}", "unknown_parameter", f"stream_options.{k}")
         if not isinstance(v, bool):
-            raise Invalid("`stream_options.include_usage` must be a boolean.", "invalid_type", "stream_options.include_usage")
+            raise Invalid("`stream_options.include_usage` must be a boolean.", "invalid_type",
+                          "stream_options.include_usage")
     return value
 
 
@@ -386,8 +387,8 @@ def check_prompt_ids(ids: list[int], max_token_id: int) -> ProtocolError | None:
     """Token ids given as the prompt must exist in the model's vocabulary."""
     worst = max(ids, default=0)
     if worst > max_token_id:
-        return ProtocolError(400, "invalid_value", f"Token id {worst} is out of vocabulary (the largest is {max_token_id}).",
-                             "prompt")
+        return ProtocolError(400, "invalid_value",
+                             f"Token id {worst} is out of vocabulary (the largest is {max_token_id}).", "prompt")
     return None
 
 

@@ -54,7 +54,8 @@ def db_url(pg_server_url):
 
 def _service_url(owner_url: str) -> str:
     # Derived as the services derive theirs, so BALLAST_SERVICE_* settings apply alike.
-    return Settings().model_copy(update=dict(database_url=owner_url, service_database_url=None)).service_db_url
+    derived = Settings().model_copy(update=dict(database_url=owner_url, service_database_url=None))
+    return derived.require("service_db_url")
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,9 @@ from temporalio.client import Client
 
 from ballast import procs
 from ballast.pg import EmbeddedPostgres, create_database, drop_database
+from ballast.temporal_server import TemporalDevServer
 from journal.db import libpq_url
 from journal.db import sync_url as sqlalchemy_url  # the name these tests grew up with
-from ballast.temporal_server import TemporalDevServer
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -75,6 +75,7 @@ def test_child_dies_with_sigkilled_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
     )
+    assert parent.stdout is not None
     try:
         grandchild = int(parent.stdout.readline())
         assert not gone(grandchild)
@@ -127,7 +128,7 @@ async def test_temporal_dev_server_persists_and_stops_clean(tmp_path: Path) -> N
         await client.start_workflow("Nothing", id="persist-me", task_queue="nobody-polls")
     finally:
         server.stop()
-    assert not server.child.alive
+    assert server.child is not None and not server.child.alive
     assert procs.group_members(server.child.pid) == []
     assert (tmp_path / "temporal.db").exists()
 
@@ -139,11 +140,12 @@ async def test_temporal_dev_server_persists_and_stops_clean(tmp_path: Path) -> N
         client = await Client.connect(again.address)
         desc = await client.get_workflow_handle("persist-me").describe()
         assert desc.workflow_type == "Nothing"
+        assert again.ui_url is not None
         with urllib.request.urlopen(again.ui_url, timeout=10) as resp:
             assert resp.status == 200
     finally:
         again.stop()
-    assert procs.group_members(again.child.pid) == []
+    assert again.child is not None and procs.group_members(again.child.pid) == []
 
 
 def test_temporal_start_failure_is_clear(tmp_path: Path) -> None:
@@ -187,11 +189,12 @@ def test_embedded_postgres_persists_and_orphans_nothing(pg_dir: Path) -> None:
     try:
         assert pg.url.startswith("postgresql+psycopg://postgres@127.0.0.1:")
         with psycopg.connect(libpq_url(pg.url), autocommit=True) as conn:
-            version = conn.execute("SELECT version()").fetchone()[0]
+            [version] = conn.execute("SELECT version()").fetchall()[0]
             assert version.startswith("PostgreSQL 18"), version
-            assert conn.execute("SHOW listen_addresses").fetchone()[0] == "127.0.0.1"
+            assert conn.execute("SHOW listen_addresses").fetchall() == [("127.0.0.1",)]
             conn.execute("CREATE TABLE kept (x int)")
             conn.execute("INSERT INTO kept VALUES (42)")
+        assert pg.child is not None
         backends = procs.children_of(pg.child.pid)
         assert backends  # checkpointer, walwriter, ...
     finally:
@@ -226,6 +229,7 @@ def test_embedded_postgres_dies_with_sigkilled_parent(pg_dir: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
     )
+    assert parent.stdout is not None
     try:
         postmaster = int(parent.stdout.readline())
         assert postgres_pids_for(pg_dir / "pg") == [postmaster]
@@ -263,7 +267,7 @@ def test_create_and_drop_database() -> None:
     try:
         assert url.endswith(f"/{name}")
         with psycopg.connect(libpq_url(url)) as conn:
-            assert conn.execute("SELECT current_database()").fetchone()[0] == name
+            assert conn.execute("SELECT current_database()").fetchall() == [(name,)]
         # A session still open on the database must not stop the drop.
         lingering = psycopg.connect(libpq_url(sqlalchemy_url(url)))
     finally:

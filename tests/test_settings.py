@@ -35,7 +35,8 @@ def test_services_connect_as_their_own_role(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     s = Settings(_env_file=None)
     assert s.database_url == "postgresql://owner:secret@db:5432/ballast?sslmode=require"  # migrations
-    assert s.service_db_url == "postgresql://ballast_service@db:5432/ballast?sslmode=require"  # not the owner's password
+    # Not the owner's password:
+    assert s.service_db_url == "postgresql://ballast_service@db:5432/ballast?sslmode=require"
 
     monkeypatch.setenv("BALLAST_SERVICE_ROLE", "svc")
     monkeypatch.setenv("BALLAST_SERVICE_DATABASE_PASSWORD", "p@ss")

@@ -8,10 +8,10 @@ history small.
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any, Literal
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -20,23 +20,29 @@ from temporalio.exceptions import ActivityError, CancelledError
 with workflow.unsafe.imports_passed_through():
     from workflows.inputs import (
         BatchInput,
-        ValidateInput,
-        FinalizeInput,
-        GenerateResult,
+        BatchOutcome,
         FailBatchInput,
         FailItemInput,
+        FinalizeInput,
         GenerateInput,
+        GenerateResult,
         PendingInput,
+        ValidateInput,
         ValidateResult,
     )
 
-# Bounded: a step that keeps failing (a file Postgres will not take, a full disk) ends the
-# batch `failed` with the reason instead of leaving it in `validating` or `finalizing`.
-CONTROL_ATTEMPTS = 6
-CONTROL = dict(
+CONTROL: dict[str, Any] = dict(
+    start_to_close_timeout=timedelta(minutes=10),
+    retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30)),
+)
+# The steps whose success depends on what the user sent (the file, the results) are
+# bounded, and refuse at once what can never succeed (non-retryable): one that keeps
+# failing ends the batch `failed` with the reason instead of leaving it in `validating` or
+# `finalizing`. ~5 minutes of attempts outlasts a database restart.
+INPUT_STEP: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=10),
     retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-                             maximum_attempts=CONTROL_ATTEMPTS),
+                             maximum_attempts=14),
 )
 # A generation that keeps killing its worker is failed after this many attempts, not forever.
 GENERATION_ATTEMPTS = 8
@@ -61,10 +67,11 @@ class BatchWorkflow:
         if not inp.validated:
             try:
                 checked: ValidateResult = await workflow.execute_activity(
-                    "validate_batch", ref, result_type=ValidateResult, **CONTROL
+                    "validate_batch", ref, result_type=ValidateResult, **INPUT_STEP
                 )
             except ActivityError as err:
-                return await self._fail(inp.batch_id, "validation_failed", f"The input file could not be validated: {_why(err)}")
+                return await self._fail(inp.batch_id, "validation_failed",
+                                        f"The input file could not be validated: {_why(err)}")
             if checked.failed:
                 return "failed"
 
@@ -78,10 +85,11 @@ class BatchWorkflow:
         #    says which status the batch reached.
         try:
             return await workflow.execute_activity(
-                "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), result_type=str, **CONTROL
+                "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), result_type=str, **INPUT_STEP
             )
         except ActivityError as err:
-            return await self._fail(inp.batch_id, "finalization_failed", f"The results could not be written: {_why(err)}")
+            return await self._fail(inp.batch_id, "finalization_failed",
+                                    f"The results could not be written: {_why(err)}")
 
     async def _fail(self, batch_id: str, code: str, message: str) -> str:
         await workflow.execute_activity("fail_batch", FailBatchInput(batch_id, code, message),
@@ -89,7 +97,7 @@ class BatchWorkflow:
                                         retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)))
         return "failed"
 
-    async def _run_items(self, inp: BatchInput) -> str:
+    async def _run_items(self, inp: BatchInput) -> BatchOutcome | Literal["continue"]:
         self._after = inp.after_idx
         queue: deque[int] = deque()
         running: dict[int, tuple[workflow.ActivityHandle, list[int]]] = {}  # by group number
@@ -103,6 +111,9 @@ class BatchWorkflow:
         def room() -> int:
             in_flight = sum(len(idxs) for _, idxs in running.values())
             return min(inp.concurrency - in_flight, inp.items_per_run - started)
+
+        def woken() -> bool:
+            return (stopping() and not cancelled_sent) or any(h.done() for h, _ in running.values())
 
         while True:
             # Refill the queue a page ahead of the slots, so engines never wait on us.
@@ -126,10 +137,9 @@ class BatchWorkflow:
                 break
             try:
                 await workflow.wait_condition(
-                    lambda: (stopping() and not cancelled_sent) or any(h.done() for h, _ in running.values()),
-                    timeout=None if cancelled_sent else max(1.0, inp.expires_at - self._now()),
+                    woken, timeout=None if cancelled_sent else max(1.0, inp.expires_at - self._now()),
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # the completion window closed: stopping() now says so
             if stopping() and not cancelled_sent:
                 cancelled_sent = True
@@ -179,7 +189,8 @@ class BatchWorkflow:
             for idx in idxs:
                 await workflow.execute_activity(
                     "fail_item",
-                    FailItemInput(batch_id, idx, f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
+                    FailItemInput(batch_id, idx,
+                                  f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
                     **CONTROL,
                 )
             return []

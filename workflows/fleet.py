@@ -15,6 +15,7 @@ about to be placed on, and holds it out until the pool is calm.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -24,7 +25,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import ApplyFleetInput, FleetEvent, FleetInput, ObserveFleetInput
 
 FLEET_ID = "fleet"
-_LOCAL = dict(start_to_close_timeout=timedelta(seconds=10), retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)))
+_LOCAL: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=10),
+                              retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=5)))
 
 
 @workflow.defn(name="Fleet")
@@ -66,7 +68,8 @@ def decide(reports: list[EngineReport], pools: dict[str, Surge], members: list[s
         stream = f"fleet:{pool}"
         if d.started:
             events.append(FleetEvent(stream, "surge_started", dict(pressure=d.pressure, engines=engines,
-                                                                   batch_cap=dict(d.caps)), f"{stream}:surge:{now}:started"))
+                                                                   batch_cap=dict(d.caps)),
+                                     f"{stream}:surge:{now}:started"))
         if d.ended:
             since = pools[pool].since or now
             events.append(FleetEvent(stream, "surge_ended", dict(pressure=d.pressure, engines=engines,

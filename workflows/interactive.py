@@ -9,7 +9,6 @@ request whose API replica dies mid-stream is journaled as abandoned when the tim
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
@@ -35,9 +34,11 @@ class InteractiveWorkflow:
     async def run(self, inp: InteractiveInput) -> str:
         try:
             await workflow.wait_condition(lambda: self._outcome is not None, timeout=ABANDON_AFTER)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._outcome = RequestOutcome(status="abandoned")
+        outcome = self._outcome
+        assert outcome is not None  # the signal set it, or the timeout did
         await workflow.execute_local_activity(
-            "journal_request", JournalRequestInput(inp, self._outcome), start_to_close_timeout=timedelta(seconds=30)
+            "journal_request", JournalRequestInput(inp, outcome), start_to_close_timeout=timedelta(seconds=30)
         )
-        return self._outcome.status
+        return outcome.status

@@ -35,7 +35,8 @@ def _login_into_settings() -> None:
     # settings, bound as values, so neither is ever spliced into SQL text.
     role, password = service_login(context.config)
     op.get_bind().execute(
-        sa.text("SELECT set_config('ballast.service_role', :r, true), set_config('ballast.service_password', :p, true)"),
+        sa.text("SELECT set_config('ballast.service_role', :r, true),"
+                " set_config('ballast.service_password', :p, true)"),
         dict(r=role, p=password or ""),
     )
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Collection
 
 import pytest
 from sqlalchemy import text
@@ -27,7 +28,7 @@ class Gated:
     """The real engine, except that chosen requests pause after a few steps until
     released, or raise: a generation held open at a known point, on any machine."""
 
-    def __init__(self, engine, *, hold_after: int | None = None, fail: set[str] = frozenset()):
+    def __init__(self, engine, *, hold_after: int | None = None, fail: Collection[str] = frozenset()):
         self._engine, self.hold_after, self.fail = engine, hold_after, fail
         self.held = asyncio.Event()
         self.release = asyncio.Event()
@@ -115,7 +116,8 @@ async def test_a_stale_attempt_is_refused_once_a_newer_one_holds_the_lease(db, e
     assert [r.status for r in stale] == ["superseded"]
     async with db.connect() as conn:
         rows = (await conn.execute(text(
-            "SELECT type, payload->>'runner', fence FROM events WHERE stream = :s ORDER BY version"), dict(s=stream))).all()
+            "SELECT type, payload->>'runner', fence FROM events WHERE stream = :s ORDER BY version"),
+            dict(s=stream))).all()
     results = [r for r in rows if r.type in ("item_completed", "item_failed")]
     assert len(results) == 1 and results[0].fence == 2
     runners = [r[1] for r in rows if r.type == "item_chunk"]

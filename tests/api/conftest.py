@@ -5,6 +5,7 @@ Temporal is real only for the tests that ask for it."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import httpx
 import pytest
@@ -38,7 +39,7 @@ def settings(tmp_path) -> Settings:
 
 def build(settings: Settings, db, temporal) -> httpx.AsyncClient:
     app = create_app(settings, temporal=temporal)
-    engines = EngineDirectory(db) if not isinstance(db, Untouchable) else db
+    engines: Any = EngineDirectory(db) if not isinstance(db, Untouchable) else db  # or a stand-in
     app.state.services = Services(settings, db, temporal, ObjectStore(settings.object_store_url), engines,
                                   httpx.AsyncClient())
     # raise_app_exceptions: an error that escapes every handler fails the test loudly.

@@ -20,7 +20,7 @@ from journal import batches as jb
 from journal.objects import ObjectStore
 from protocol.requests import Limits
 from tests.api.conftest import assert_openai_error
-from workflows.inputs import FinalizeInput, ValidateInput
+from workflows.inputs import BatchOutcome, FinalizeInput, ValidateInput
 
 N = 3
 CUSTOM_IDS = [f"c{i}" for i in range(N)]
@@ -47,7 +47,7 @@ async def _validate(acts, batch_id: str) -> None:
     await ActivityEnvironment().run(acts.validate_batch, ValidateInput(batch_id))
 
 
-async def _finalize(acts, batch_id: str, outcome: str) -> str:
+async def _finalize(acts, batch_id: str, outcome: BatchOutcome) -> str:
     return await ActivityEnvironment().run(acts.finalize_batch, FinalizeInput(batch_id, outcome, 1.0))
 
 

@@ -52,7 +52,8 @@ def _raw(body: str):
     ('"text"', "metadata"),
 ])
 async def test_metadata_postgres_cannot_hold_is_400_naming_it(api, file_id, metadata, param):
-    body = f'{{"input_file_id": "{file_id}", "endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {metadata}}}'
+    body = (f'{{"input_file_id": "{file_id}", "endpoint": "/v1/chat/completions", "completion_window": "24h", '
+            f'"metadata": {metadata}}}')
     assert_openai_error(await api.post("/v1/batches", **_raw(body)), 400, param)
 
 
@@ -79,7 +80,8 @@ async def test_wrong_values_and_types_in_a_batch_are_400(api, file_id, change, p
 
 @pytest.mark.parametrize("content", [b"{not json", b"[]", b'"x"', b"\xff\xfe", b"null"])
 async def test_a_batch_body_that_is_not_an_object_is_400(api, content):
-    assert_openai_error(await api.post("/v1/batches", content=content, headers={"content-type": "application/json"}), 400)
+    r = await api.post("/v1/batches", content=content, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
 
 
 @pytest.mark.parametrize("params, param", [
@@ -105,7 +107,8 @@ async def test_uploads_missing_a_part_or_with_another_purpose_are_400(api):
     assert_openai_error(await api.post("/v1/files", files=one), 400, "purpose")
     assert_openai_error(await api.post("/v1/files", files=one, data={"purpose": "fine-tune"}), 400, "purpose")
     assert_openai_error(await api.post("/v1/files", files=one, data={"purpose": "batch\x00"}), 400, "purpose")
-    assert_openai_error(await api.post("/v1/files", files={"file": ("a.jsonl", b"")}, data={"purpose": "batch"}), 400, "file")
+    empty = {"file": ("a.jsonl", b"")}
+    assert_openai_error(await api.post("/v1/files", files=empty, data={"purpose": "batch"}), 400, "file")
     assert_openai_error(await api.post("/v1/files", json={"purpose": "batch"}), 400)
     assert_openai_error(await api.post("/v1/files", content=b"--nope\r\n", headers={
         "content-type": "multipart/form-data; boundary=XX"}), 400)
@@ -114,7 +117,8 @@ async def test_uploads_missing_a_part_or_with_another_purpose_are_400(api):
 @pytest.mark.parametrize("filename", [b"a\x00b.jsonl", b"caf\xc3\xa9\x00.jsonl"])
 async def test_a_filename_postgres_cannot_hold_is_400_and_nothing_is_kept(api, settings, filename):
     body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
-            b'--XX\r\nContent-Disposition: form-data; name="file"; filename="' + filename + b'"\r\n\r\n{}\n\r\n--XX--\r\n')
+            b'--XX\r\nContent-Disposition: form-data; name="file"; filename="' + filename
+            + b'"\r\n\r\n{}\n\r\n--XX--\r\n')
     r = await api.post("/v1/files", content=body, headers={"content-type": "multipart/form-data; boundary=XX"})
     assert_openai_error(r, 400, "file")
     assert not list((settings.data_dir / "objects").rglob("*.*")), "an object was kept"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from api.app import UPLOAD_SLACK, LimitBody
+from api.app import UPLOAD_SLACK, LimitBody, _TooLarge
 from journal.schema import files
 from tests.api.conftest import REQUEST_LIMIT, UPLOAD_LIMIT, assert_openai_error, build
 
@@ -110,7 +110,7 @@ async def test_a_response_already_begun_is_not_followed_by_a_second():
         sent.append(message)
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    with pytest.raises(Exception):
+    with pytest.raises(_TooLarge):  # the cut-off, re-raised: a response had begun
         await LimitBody(app, upload_limit=100, request_limit=25)(scope, receive, send)
     assert [m["type"] for m in sent] == ["http.response.start"] and sent[0]["status"] == 200
     assert len(body) == 2  # stopped reading at the cap

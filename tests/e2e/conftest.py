@@ -1,11 +1,20 @@
 """The real stack as processes: engine worker (vLLM), control worker and API, on the test's
-Postgres database and Temporal dev server. Shared by every end-to-end test."""
+Postgres database and Temporal dev server. Shared by every end-to-end test.
+
+No test here depends on how fast the engine runs. A test that needs batch work in flight
+at a moment holds it there with the engine gate (`stack.gate`, engine/gate.py: every
+engine worker of a stack runs with one, unlimited unless a test holds) and waits for the
+state it needs as the engine reports it (`stack.wait_held`, `stack.wait_stats`) or as the
+journal records it, never for a guessed while.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -14,6 +23,34 @@ import pytest
 from ballast import procs
 
 UPLOAD_LIMIT = 256 * 1024
+WAIT_S = 240  # how long a wait on an observed state may take before the test fails: a hang guard, not a speed bet
+
+
+class Gate:
+    """The engine gate's control file: hold the stack's batch generations at token budgets.
+
+    A budget counts an item's total tokens (journaled + produced); at it the item's
+    generation waits, still holding its batch slot, until the budget grows or it is
+    preempted or cancelled (then it journals exactly the budget). Written atomically.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.release()
+
+    def hold(self, budget: int | Mapping[str, int | None]) -> None:
+        """`budget`: a token count for every batch item, or counts by item stream
+        (`journal.batches.item_stream`) with an optional "default" for the others."""
+        self._write(budget if isinstance(budget, int) else dict(budget))
+
+    def release(self) -> None:
+        """Unlimited: nothing is held."""
+        self._write(None)
+
+    def _write(self, budget) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(dict(budget=budget)))
+        os.replace(tmp, self.path)
 
 
 class Stack:
@@ -21,22 +58,50 @@ class Stack:
         self.root = root
         self.env = env
         self.url = f"http://127.0.0.1:{env['BALLAST_API_PORT']}"
+        self.gate = Gate(Path(env["BALLAST_ENGINE_GATE"]))
         self.children: dict[str, procs.Child] = {}
+        self.engine_url = ""
         self._engines = 0
 
-    def start(self, name: str, *args: str) -> procs.Child:
-        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=self.env,
+    def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> procs.Child:
+        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=dict(self.env, **(env or {})),
                             log_path=self.root / "logs" / f"{name}.log")
         self.children[name] = child
         return child
 
     def start_engine(self) -> procs.Child:
+        """An engine worker (the stack's current one) on a port of its own: `engine_url`."""
         self._engines += 1
-        return self.start(f"engine-{self._engines}", "worker", "engine")
+        port = self.env.get("BALLAST_ENGINE_PORT") or str(procs.free_port())
+        self.engine_url = f"http://127.0.0.1:{port}"
+        return self.start(f"engine-{self._engines}", "worker", "engine", env=dict(BALLAST_ENGINE_PORT=port))
 
     @property
     def engine(self) -> procs.Child:
         return self.children[f"engine-{self._engines}"]
+
+    def stats(self) -> dict:
+        """The current engine worker's live /stats: slots, each batch hold's tokens, the gate."""
+        return httpx.get(self.engine_url + "/stats", timeout=10).json()
+
+    def wait_stats(self, until: Callable[[dict], bool], what: str, timeout: float = WAIT_S) -> dict:
+        """Poll the engine's live /stats until `until(stats)`; the stats that satisfied it."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(base_url=self.engine_url, timeout=10) as http:
+            while not until(stats := http.get("/stats").json()):
+                assert time.monotonic() < deadline, f"{what}: {stats}"
+                time.sleep(0.02)
+        return stats
+
+    def wait_held(self, budgets: Mapping[str, int], timeout: float = WAIT_S) -> dict:
+        """Until every item named holds exactly its budget at the gate (its generation is
+        running, waiting there, its batch slot held)."""
+
+        def holding(stats: dict) -> bool:
+            at = {r["item"]: r["tokens"] for r in stats["gate"]["requests"] if r["held"]}
+            return all(at.get(item) == n for item, n in budgets.items())
+
+        return self.wait_stats(holding, "not every item held at its budget", timeout)
 
     def healthy(self) -> bool:
         try:
@@ -79,6 +144,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_QUEUE=f"engine-{tag}",
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
+        BALLAST_ENGINE_GATE=str(root / "gate.json"),  # unlimited until a test holds
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)
@@ -101,6 +167,15 @@ def stack(tmp_path_factory, db_url, temporal_address, tiny_model):
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture
+def gate(stack):
+    """The shared stack's engine gate, released again after the test, whatever happened."""
+    try:
+        yield stack.gate
+    finally:
+        stack.gate.release()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import uuid
 import httpx
 import pytest
 
+from journal.batches import item_stream
 from tests.e2e.conftest import UPLOAD_LIMIT
 
 pytestmark = pytest.mark.e2e
@@ -49,13 +50,17 @@ def read_jsonl(client, file_id) -> list[dict]:
 
 
 async def greedy(engine, content: str, max_tokens: int, ignore_eos: bool = False) -> str:
-    """vLLM's own greedy output for the prompt, computed here, independently of Ballast."""
-    ids = engine.render_chat([dict(role="user", content=content)])
-    tokens: list[int] = []
+    """vLLM's own greedy output for the prompt, computed here, independently of Ballast:
+    the prompt rendered by the tokenizer's own chat template, the text by vLLM's own
+    detokenizer as it streams (not Ballast's rendering or decoding)."""
+    ids = engine.tokenizer.apply_chat_template([dict(role="user", content=content)], tokenize=True,
+                                               add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+    text: list[str] = []
     async for step in engine.generate(f"ref-{uuid.uuid4().hex}", ids, max_tokens=max_tokens, temperature=0.0,
-                                      ignore_eos=ignore_eos):
-        tokens += step.token_ids
-    return engine.decode(tokens)
+                                      ignore_eos=ignore_eos, detokenize=True):
+        text.append(step.text)
+    return "".join(text)
 
 
 async def test_openai_client_runs_a_50_line_batch_to_vllms_greedy_output(client, engine, stack, temporal_address):
@@ -72,8 +77,9 @@ async def test_openai_client_runs_a_50_line_batch_to_vllms_greedy_output(client,
     out = await asyncio.to_thread(read_jsonl, client, done.output_file_id)
     assert [o["custom_id"] for o in out] == [f"item-{i}" for i in range(50)]  # input order
 
-    expected = await asyncio.gather(*(greedy(engine, p, ln["body"]["max_tokens"]) for p, ln in zip(prompts, lines)))
-    for o, want, ln in zip(out, expected, lines):
+    expected = await asyncio.gather(*(greedy(engine, p, ln["body"]["max_tokens"])
+                                      for p, ln in zip(prompts, lines, strict=True)))
+    for o, want, ln in zip(out, expected, lines, strict=True):
         body = o["response"]["body"]
         assert o["response"]["status_code"] == 200 and o["error"] is None
         assert body["object"] == "chat.completion" and body["model"] == "ballast-tiny"
@@ -143,14 +149,17 @@ def test_bad_lines_mixed_with_good_ones_sink_nothing(client):
     """20 good lines and 7 bad ones: every good line completes, every bad one gets its own
     400 naming its parameter and line, and the batch is not slowed into retries."""
     good = [chat_line(f"good-{i}", f"question {i}", 8) for i in range(20)]
-    good.append(dict(chat_line("null-temperature", "q", 8), body=dict(chat_line("x", "q", 8)["body"], temperature=None)))
-    bad = {"top-p-0": ("top_p", 0), "stop-7": ("stop", 7), "hot": ("temperature", "hot"), "msgs-str": ("messages", "hi"),
-           "n-2": ("n", 2), "logprobs": ("logprobs", True)}
+    good.append(dict(chat_line("null-temperature", "q", 8),
+                     body=dict(chat_line("x", "q", 8)["body"], temperature=None)))
+    bad = {"top-p-0": ("top_p", 0), "stop-7": ("stop", 7), "hot": ("temperature", "hot"),
+           "msgs-str": ("messages", "hi"), "n-2": ("n", 2), "logprobs": ("logprobs", True)}
     lines = list(good)
     for cid, (param, value) in bad.items():
-        lines.insert(3 * len(lines) // 4, dict(chat_line(cid, "q", 8), body=dict(chat_line("x", "q", 8)["body"], **{param: value})))
+        lines.insert(3 * len(lines) // 4,
+                     dict(chat_line(cid, "q", 8), body=dict(chat_line("x", "q", 8)["body"], **{param: value})))
     raw = jsonl(lines) + (b'{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", "body": '
-                          b'{"model": "ballast-tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 8}}\n')
+                          b'{"model": "ballast-tiny", "messages": [{"role": "user", "content": "\\ud800"}], '
+                          b'"max_tokens": 8}}\n')
     f = client.files.create(file=("mixed.jsonl", raw), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     done = wait_for(client, b.id)
@@ -180,22 +189,26 @@ def test_bad_requests_get_4xx_in_openai_shape(stack):
     _assert_openai_error(api.get("/v1/files/file-nope/content"), 404)
     _assert_openai_error(api.get("/v1/batches/batch_nope"), 404)
     _assert_openai_error(api.post("/v1/batches/batch_nope/cancel"), 404)
-    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "fine-tune"}), 400, "purpose")
-    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"{}\n")}), 400, "purpose")
-    _assert_openai_error(api.post("/v1/files", files={"file": ("a.jsonl", b"")}, data={"purpose": "batch"}), 400, "file")
+    one, empty = {"file": ("a.jsonl", b"{}\n")}, {"file": ("a.jsonl", b"")}
+    _assert_openai_error(api.post("/v1/files", files=one, data={"purpose": "fine-tune"}), 400, "purpose")
+    _assert_openai_error(api.post("/v1/files", files=one), 400, "purpose")
+    _assert_openai_error(api.post("/v1/files", files=empty, data={"purpose": "batch"}), 400, "file")
     big = b"x" * (UPLOAD_LIMIT + 1)
     _assert_openai_error(api.post("/v1/files", files={"file": ("big.jsonl", big)}, data={"purpose": "batch"}), 413)
     # Chunked, without Content-Length: caught while copying, and nothing is kept.
     _assert_openai_error(
-        api.post("/v1/files", content=_chunked_multipart(big), headers={"content-type": "multipart/form-data; boundary=XX"}), 413
+        api.post("/v1/files", content=_chunked_multipart(big),
+                 headers={"content-type": "multipart/form-data; boundary=XX"}), 413
     )
-    fid = api.post("/v1/files", files={"file": ("a.jsonl", jsonl([chat_line("a", "x", 4)]))}, data={"purpose": "batch"}).json()["id"]
+    fid = api.post("/v1/files", files={"file": ("a.jsonl", jsonl([chat_line("a", "x", 4)]))},
+                   data={"purpose": "batch"}).json()["id"]
     ok = dict(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
     _assert_openai_error(api.post("/v1/batches", json=dict(ok, endpoint="/v1/embeddings")), 400, "endpoint")
     _assert_openai_error(api.post("/v1/batches", json=dict(ok, completion_window="1h")), 400, "completion_window")
     _assert_openai_error(api.post("/v1/batches", json=dict(ok, input_file_id="file-nope")), 404, "input_file_id")
     _assert_openai_error(api.post("/v1/batches", json={"endpoint": "/v1/completions"}), 400)
-    _assert_openai_error(api.post("/v1/batches", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _assert_openai_error(api.post("/v1/batches", content=b"{not json",
+                                  headers={"content-type": "application/json"}), 400)
     _assert_openai_error(api.get("/v1/batches", params={"limit": 0}), 400, "limit")
 
 
@@ -217,11 +230,18 @@ def test_list_batches_pages_newest_first(client):
         wait_for(client, i)
 
 
-def test_cancel_mid_run_keeps_the_items_already_done(client, db_url):
+def test_cancel_mid_run_keeps_the_items_already_done(client, stack, gate, db_url):
+    held_at = 40  # the short items finish below it; the long ones are held mid-run until cancelled
+    gate.hold(held_at)
     lines = [chat_line(f"short-{i}", f"short {i}", 4) for i in range(4)]
-    lines += [chat_line(f"long-{i}", f"long {i}", 1000, ignore_eos=True) for i in range(40)]
+    lines += [chat_line(f"long-{i}", f"long {i}", 200, ignore_eos=True) for i in range(40)]
     batch = submit(client, lines)
     wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 4, timeout=120)
+    # Every long item in flight is mid-run, a fact. (A workflow run has at most
+    # BALLAST_BATCH_ITEMS_PER_RUN items in flight; the rest would start after continue-as-new.)
+    in_flight = int(stack.env["BALLAST_BATCH_ITEMS_PER_RUN"])
+    longs = {item_stream(batch.id, i): held_at for i in range(4, in_flight)}
+    stack.wait_held(longs)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = wait_for(client, batch.id, timeout=120)
@@ -231,10 +251,12 @@ def test_cancel_mid_run_keeps_the_items_already_done(client, db_url):
     errs = read_jsonl(client, done.error_file_id)
     assert errs and all(e["error"]["code"] == "batch_cancelled" for e in errs)
     assert len(out) + len(errs) == 44
-    # The cancelled generations flushed what they had produced.
-    flushed = _sql(db_url, "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s",
-                   s=f"item:{batch.id}:%")[0][0]
-    assert flushed > 0
+    assert {e["custom_id"] for e in errs} == {f"long-{i}" for i in range(40)}
+    # The cancelled generations flushed exactly what they had produced; the rest never ran.
+    flushed = _sql(db_url, """SELECT stream, sum(jsonb_array_length(payload->'token_ids')) FROM events
+                              WHERE type = 'item_chunk' AND stream LIKE %(s)s GROUP BY stream""",
+                   s=f"item:{batch.id}:%")
+    assert {s: n for s, n in flushed if s not in {item_stream(batch.id, i) for i in range(4)}} == longs
     with pytest.raises(Exception, match="Cannot cancel"):
         client.batches.cancel(batch.id)
 

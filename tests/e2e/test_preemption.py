@@ -1,4 +1,8 @@
-"""Batch yielding to interactive surges, again and again, on a stack of its own."""
+"""Batch yielding to interactive surges, again and again, on a stack of its own.
+
+Where preemptions land is decided by the tests, not by how fast the engine runs: batch
+generations are held at token budgets by the engine gate (engine/gate.py), and every wait
+is on a state the engine or the journal reports."""
 
 from __future__ import annotations
 
@@ -10,17 +14,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
 import pytest
 from openai import OpenAI
 
 from ballast import pg
+from journal.batches import item_stream
 from journal.migrate import upgrade
-from tests.e2e.conftest import start_stack
+from tests.e2e.conftest import WAIT_S, start_stack
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 from tests.e2e.test_interactive import Surges
 
 pytestmark = pytest.mark.e2e
+
+LENGTH = 160  # tokens per item: the gate, not the length, keeps items in flight
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +59,30 @@ def burst(url: str, n: int = 2) -> list[int]:
         return [r.status_code for r in pool.map(lambda _: http.post("/v1/chat/completions", json=CHAT), range(n))]
 
 
-async def long_batch(stack, tag: str, prompts: list[str]):
-    """A batch of 1000-token greedy generations, one per prompt: (client, batch)."""
+async def long_batch(stack, tag: str, prompts: list[str], max_tokens: int = LENGTH):
+    """A batch of greedy generations of `max_tokens` each, one per prompt: (client, batch).
+    Not long to keep them in flight (the gate does that), long enough to hold anywhere."""
     client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
-    lines = [chat_line(f"{tag}-{i}", p, 1000, ignore_eos=True) for i, p in enumerate(prompts)]
+    lines = [chat_line(f"{tag}-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
     return client, await asyncio.to_thread(submit, client, lines)
 
 
-async def engine_batch(db_url: str, until, what: str) -> None:
-    """Poll the engine's live /stats (not its once-a-second report) until `until(batch
-    generations holding slots)`."""
-    [(engine_url,)] = _sql(db_url, "SELECT url FROM engines")
-    deadline = time.monotonic() + 60
-    async with httpx.AsyncClient(timeout=10) as http:
-        while not until((stats := (await http.get(engine_url + "/stats")).json())["batch"]):
-            assert time.monotonic() < deadline, f"{what}: {stats}"
-            await asyncio.sleep(0.02)
+async def journaled(db_url: str, sql: str, until, what: str, **params) -> int:
+    """Poll the journal (one connection: a new one per poll forks a backend) until
+    `until(count)`, where `sql` counts something; the count that satisfied it."""
+    deadline = time.monotonic() + WAIT_S
+    with polling(db_url) as conn:
+        while not until(n := conn.execute(sql, params).fetchone()[0]):
+            assert time.monotonic() < deadline, f"{what}: {n}"
+            await asyncio.sleep(0.01)
+    return n
 
 
-async def all_generating(db_url: str, batch_id: str, n: int) -> None:
-    """Until every unfinished item of the batch holds a slot on the engine."""
-    done = "SELECT count(*) FROM events WHERE type = 'item_completed' AND stream LIKE %s"
-    with polling(db_url) as conn:  # one connection: a new one per poll forks a backend
-        await engine_batch(db_url, lambda held: held >= n - conn.execute(done, (f"item:{batch_id}:%",)).fetchone()[0],
-                           "batch never came back")
+def preempted_offsets(db_url: str, batch_id: str) -> dict[str, list[int]]:
+    """Each preempted item's journaled preemption offsets, in order."""
+    return dict(_sql(db_url, """SELECT stream, array_agg((payload->>'offset')::int ORDER BY position) FROM events
+                                WHERE type = 'item_preempted' AND stream LIKE %(s)s GROUP BY stream""",
+                     s=f"item:{batch_id}:%"))
 
 
 def polling(db_url: str):
@@ -106,36 +112,48 @@ def assert_nothing_lost_and_never_two_at_once(db_url: str, batch_id: str) -> Non
         assert [o for o, _, _ in cs] == [sum(n for _, n, _ in cs[:i]) for i in range(len(cs))], stream
         runs = [r for i, (_, _, r) in enumerate(cs) if i == 0 or cs[i - 1][2] != r]
         assert len(runs) == len(set(runs)), (stream, runs)
-    assert _sql(db_url, """SELECT stream FROM events WHERE stream LIKE %(s)s AND type IN ('item_completed', 'item_failed')
+    assert _sql(db_url, """SELECT stream FROM events
+                           WHERE stream LIKE %(s)s AND type IN ('item_completed', 'item_failed')
                            GROUP BY stream HAVING count(*) > 1""", s=like) == []
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, engine, k):
-    """k bursts, each once every item is generating again and has run for a random while:
-    every item is preempted exactly k times, at offsets of its own, and still finishes
-    token-for-token as its uninterrupted greedy run; nothing produced was lost."""
+    """k bursts of chat, each once every item holds exactly the next of its own random,
+    increasing offsets at the gate: every item is preempted exactly k times, exactly at
+    those offsets, and still finishes token-for-token as its uninterrupted greedy run;
+    nothing produced was lost, and no item ever had two runners."""
     stack, db_url = quiet
-    # 32 at once (every slot) share the engine's steps: each makes ~200 tokens/s, not ~1500
-    # as 6 would, so that k rounds of yield-and-resume fit well within 1000.
-    prompts = [f"preempt me {k}.{i}" for i in range(32)]
-    client, batch = await long_batch(stack, "p", prompts)
+    n = 32  # every slot: one burst preempts all of them at once
+    prompts = [f"preempt me {k}.{i}" for i in range(n)]
     rng = random.Random(k)
-    for _ in range(k):
-        await all_generating(db_url, batch.id, 32)
-        await asyncio.sleep(rng.uniform(0.02, 0.2))
-        assert await asyncio.to_thread(burst, stack.url) == [200, 200]
-        await engine_batch(db_url, lambda held: held == 0, "batch did not yield")  # every generation yielded
-    b = await asyncio.to_thread(wait_for, client, batch.id)
+    preempted = "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
+    try:
+        stack.gate.hold(0)  # nothing of the batch gets ahead of the offsets chosen for it
+        client, batch = await long_batch(stack, "p", prompts)
+        items = [item_stream(batch.id, i) for i in range(n)]
+        chosen = {it: sorted(rng.sample(range(1, LENGTH), k)) for it in items}
+        for r in range(k):
+            budgets = {it: offsets[r] for it, offsets in chosen.items()}
+            stack.gate.hold(budgets)
+            # Every item generating (a batch slot held), exactly at its offset: then chat comes.
+            await asyncio.to_thread(stack.wait_held, budgets)
+            assert await asyncio.to_thread(burst, stack.url) == [200, 200]
+            so_far = n * (r + 1)
+            await journaled(db_url, preempted, lambda got, so_far=so_far: got >= so_far, "not every item yielded",
+                            s=f"item:{batch.id}:%")
+        stack.gate.release()
+        b = await asyncio.to_thread(wait_for, client, batch.id)
+    finally:
+        stack.gate.release()
     assert b.status == "completed", b
-    offsets = _sql(db_url, """SELECT stream, array_agg((payload->>'offset')::int ORDER BY position) FROM events
-                              WHERE type = 'item_preempted' AND stream LIKE %(s)s GROUP BY stream""", s=f"item:{batch.id}:%")
-    assert b.model_extra["ballast"] == {"preemptions": 32 * k, "items_preempted": 32}, offsets
-    assert len(offsets) == 32 and all(len(o) == k and o == sorted(o) for _, o in offsets), offsets
-    assert len({tuple(o) for _, o in offsets}) > 1  # offsets of their own, not one schedule for all
+    offsets = preempted_offsets(db_url, batch.id)
+    assert offsets == chosen  # preempted exactly k times each, exactly where the test chose
+    assert b.model_extra["ballast"] == {"preemptions": n * k, "items_preempted": n}, offsets
+    assert len({tuple(o) for o in offsets.values()}) > 1  # offsets of their own, not one schedule for all
 
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
-    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
+    expected = await asyncio.gather(*(greedy(engine, p, LENGTH, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
     assert_nothing_lost_and_never_two_at_once(db_url, batch.id)
 
@@ -143,36 +161,45 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
 async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_calms(quiet, engine):
     """Bursts of 8 chat requests (pressure ≥ 0.1) with calm spells of ~1 s between
     them: longer than the engine's own cool-down (0.5 s), which alone would let batch back
-    in each time, shorter than the pool's (2 s). The controller keeps batch out throughout."""
+    in each time, shorter than the pool's (2 s). The batch is held in flight at the gate
+    until the surge has capped the engine, then released: from then on only the controller
+    keeps it out, and it does, throughout."""
     stack, db_url = quiet
-    prompts = [f"fleet {i}: {'x' * (i % 5)}" for i in range(24)]
-    client, batch = await long_batch(stack, "f", prompts)
-    like = f"item:{batch.id}:%"
+    n, held_at = 24, 60
+    prompts = [f"fleet {i}: {'x' * (i % 5)}" for i in range(n)]
     chunks = "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
-    deadline = time.monotonic() + 60
-    while _sql(db_url, chunks, s=like)[0][0] == 0:  # generating
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
     surge = "SELECT type, payload, committed_at FROM events WHERE stream = 'fleet:ballast-tiny' ORDER BY position"
-    with Surges(stack.url, gaps=(0.8, 1.2), burst=8, max_tokens=64) as surges:
-        deadline = time.monotonic() + 60
-        while not _sql(db_url, surge):
-            assert time.monotonic() < deadline, "no surge"
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(5)
-    assert set(surges.statuses) == {200}
-    b = await asyncio.to_thread(wait_for, client, batch.id)  # only once the pool has calmed
-    assert b.status == "completed" and b.model_extra["ballast"]["preemptions"] >= 1
+    try:
+        stack.gate.hold(held_at)
+        client, batch = await long_batch(stack, "f", prompts)
+        like = f"item:{batch.id}:%"
+        await asyncio.to_thread(stack.wait_held, {item_stream(batch.id, i): held_at for i in range(n)})
+        with Surges(stack.url, gaps=(0.8, 1.2), burst=8, max_tokens=64) as surges:
+            await journaled(db_url, "SELECT count(*) FROM events WHERE stream = 'fleet:ballast-tiny'",
+                            lambda got: got > 0, "no surge")
+            # The controller's cap has reached the engine and every batch generation there
+            # has yielded (flushed, slot freed): now let the batch go, as far as the gate goes.
+            await asyncio.to_thread(stack.wait_stats, lambda s: s["fleet_cap"] == 0 and s["batch"] == 0,
+                                    "the fleet's cap did not empty the engine")
+            [(released_at,)] = _sql(db_url, "SELECT now()")
+            stack.gate.release()
+            await asyncio.sleep(5)  # several calm spells, each long enough for the engine's own cool-down
+        assert set(surges.statuses) == {200}
+        b = await asyncio.to_thread(wait_for, client, batch.id)  # only once the pool has calmed
+    finally:
+        stack.gate.release()
+    assert b.status == "completed" and b.model_extra["ballast"] == {"preemptions": n, "items_preempted": n}, b
+    assert set(map(tuple, preempted_offsets(db_url, batch.id).values())) == {(held_at,)}
     [(t0, started, began), (t1, ended, finished)] = _sql(db_url, surge)[:2]
     [(engine_id,)] = _sql(db_url, "SELECT id FROM engines")
     assert (t0, t1) == ("surge_started", "surge_ended")
     assert started["engines"] == [engine_id] and started["batch_cap"] == {engine_id: 0} and started["pressure"] >= 0.1
     assert ended["duration_s"] > 5  # held through every calm spell while the bursts went on
 
-    # From a second after the cap went out (preempted generations flush, the engine reads
-    # its cap within 0.5 s) until the surge ended, batch produced nothing: held out.
-    during = _sql(db_url, chunks + " AND committed_at > %(a)s::timestamptz + interval '1 second' AND committed_at < %(b)s",
-                  s=like, a=began, b=finished)[0][0]
+    # Released while the pool surged, the batch produced nothing until the surge ended: held
+    # out by the controller alone. Then it ran to the end.
+    during = _sql(db_url, chunks + " AND committed_at > %(a)s AND committed_at < %(b)s",
+                  s=like, a=released_at, b=finished)[0][0]
     after = _sql(db_url, chunks + " AND committed_at > %(b)s", s=like, b=finished)[0][0]
     assert during == 0 and after > 0, (during, after)
     assert _sql(db_url, "SELECT batch_cap FROM engines")[0][0] is None  # lifted
@@ -180,41 +207,47 @@ async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_c
         db_url, "SELECT stream, type, payload FROM events WHERE stream = 'fleet'")
 
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
-    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
+    expected = await asyncio.gather(*(greedy(engine, p, LENGTH, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
 
 
 async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
-    """The worker dies while its generations are yielding (some have journaled their
-    preemption, others are still flushing). Destructive: the stack's engine worker is
-    replaced, so this runs last in the module. A fresh worker finishes every item exactly
-    once, never two runners on one item, and the outputs are still greedy-exact."""
+    """The worker dies while its generations are yielding (once the first has journaled its
+    preemption; others may still be flushing). Every item is held at an offset of its own
+    when the chat comes, so each is provably mid-generation. Destructive: the stack's
+    engine worker is replaced, so this runs last in the module. A fresh worker finishes
+    every item exactly once, never two runners on one item, and the outputs are still
+    greedy-exact."""
     stack, db_url = quiet
-    prompts = [f"kill me {i}" for i in range(16)]
-    client, batch = await long_batch(stack, "x", prompts)
-    like = f"item:{batch.id}:%"
+    n = 16
+    prompts = [f"kill me {i}" for i in range(n)]
+    rng = random.Random(16)
     preempted = "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
-    await all_generating(db_url, batch.id, 16)
-    victim = stack.engine
-    chat = asyncio.create_task(asyncio.to_thread(burst, stack.url))
     try:
-        deadline = time.monotonic() + 30
-        with polling(db_url) as conn:  # polled every few ms: one connection, not a backend fork each time
-            while conn.execute(preempted, dict(s=like)).fetchone()[0] == 0:
-                assert time.monotonic() < deadline, f"no preemption; chat: {chat}"
-                await asyncio.sleep(0.005)
+        stack.gate.hold(0)
+        client, batch = await long_batch(stack, "x", prompts)
+        budgets = {item_stream(batch.id, i): rng.randrange(1, LENGTH) for i in range(n)}
+        stack.gate.hold(budgets)
+        await asyncio.to_thread(stack.wait_held, budgets)
+        victim = stack.engine
+        chat = asyncio.create_task(asyncio.to_thread(burst, stack.url))
+        await journaled(db_url, preempted, lambda got: got > 0, f"no preemption; chat: {chat}", s=f"item:{batch.id}:%")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.proc.wait(10)
-        at_kill = _sql(db_url, preempted, s=like)[0][0]
+        at_kill = _sql(db_url, preempted, s=f"item:{batch.id}:%")[0][0]
     finally:
-        stack.start_engine()
+        stack.gate.release()
+        stack.start_engine()  # whatever happened here
     await chat  # whatever the chat got from a dying engine; it is not what is under test
     await asyncio.to_thread(stack.wait_healthy)
     b = await asyncio.to_thread(wait_for, client, batch.id)
-    assert b.status == "completed" and b.request_counts.completed == 16, b
-    assert 1 <= at_kill <= 16
+    assert b.status == "completed" and b.request_counts.completed == n, b
+    assert 1 <= at_kill <= n
+    # Each item preempted before the kill was preempted exactly where it was held.
+    offsets = preempted_offsets(db_url, batch.id)
+    assert offsets and all(o[0] == budgets[it] for it, o in offsets.items()), (offsets, budgets)
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
-    assert [o["custom_id"] for o in out] == [f"x-{i}" for i in range(16)]
-    expected = await asyncio.gather(*(greedy(engine, p, 1000, ignore_eos=True) for p in prompts))
+    assert [o["custom_id"] for o in out] == [f"x-{i}" for i in range(n)]
+    expected = await asyncio.gather(*(greedy(engine, p, LENGTH, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
     assert_nothing_lost_and_never_two_at_once(db_url, batch.id)

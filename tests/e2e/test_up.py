@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
-from pathlib import Path
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -93,8 +93,10 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         assert ui.status_code == 200  # the Temporal Web UI is reachable
         line = dict(custom_id="only", method="POST", url="/v1/completions",
                     body=dict(model=tiny_model.name, prompt="persist me", max_tokens=8, temperature=0))
-        fid = api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")}, data={"purpose": "batch"}).json()["id"]
-        bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions", completion_window="24h")).json()["id"]
+        fid = api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")},
+                       data={"purpose": "batch"}).json()["id"]
+        bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions",
+                                                completion_window="24h")).json()["id"]
         deadline = time.monotonic() + 120
         while (b := api.get(f"/v1/batches/{bid}").json())["status"] != "completed":
             assert time.monotonic() < deadline and b["status"] not in ("failed", "cancelled"), b

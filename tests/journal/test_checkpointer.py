@@ -34,7 +34,8 @@ async def test_twins_share_a_commit_and_a_conflicting_twin_fails_alone(db):
         results = [await outcome(f) for f in (first, twin, clash, other)]
     assert results == [[None], [None], IdempotencyConflict, [None]]
     async with db.connect() as c:
-        assert [e.payload for e in await read_stream(c, s)] == [{"offset": 0, "runner": "a"}, {"offset": 1, "runner": "a"}]
+        payloads = [e.payload for e in await read_stream(c, s)]
+        assert payloads == [{"offset": 0, "runner": "a"}, {"offset": 1, "runner": "a"}]
 
 
 async def test_a_conflict_with_the_journal_fails_only_its_event(db):

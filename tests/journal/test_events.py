@@ -118,7 +118,8 @@ async def test_read_models_rebuild_from_events(db, owner_db):
             j.NewEvent("file:file-x", "file_created", dict(id="file-x", tenant="t", purpose="batch", filename="a",
                                                           bytes=3, object_key="k", created_at=1), "rb-file"),
             j.NewEvent("batch:batch_rebuild", "batch_created", batch, "rb-batch"),
-            j.NewEvent("batch:batch_rebuild", "batch_status", dict(batch_id="batch_rebuild", status="in_progress", at=5), "rb-s1"),
+            j.NewEvent("batch:batch_rebuild", "batch_status",
+                       dict(batch_id="batch_rebuild", status="in_progress", at=5), "rb-s1"),
             *[j.NewEvent(f"item:batch_rebuild:{i}", "item_created",
                          dict(batch_id="batch_rebuild", idx=i, line=i + 1, custom_id=f"c{i}", body={}), f"rb-i{i}")
               for i in range(3)],

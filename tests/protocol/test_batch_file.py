@@ -26,8 +26,9 @@ def test_a_clean_file_parses_in_order_skipping_blank_lines():
 
 
 def test_file_level_errors_name_their_lines():
-    raw = [line("a"), b"{oops", line("a"), line("c", url="/v1/embeddings"), b"[1]", line(""), b'{"custom_id":"z","method":"GET"}',
-           b'{"custom_id": "\\u0000x", "method": "POST"}', b'{"custom_id": "\\ud800", "method": "POST"}']
+    raw = [line("a"), b"{oops", line("a"), line("c", url="/v1/embeddings"), b"[1]", line(""),
+           b'{"custom_id":"z","method":"GET"}', b'{"custom_id": "\\u0000x", "method": "POST"}',
+           b'{"custom_id": "\\ud800", "method": "POST"}']
     errors = file_errors(raw, FileLimits("/v1/chat/completions", LIMITS.request, max_lines=50))
     assert [(e.line, e.code) for e in errors] == [
         (2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_endpoint"),
@@ -59,8 +60,8 @@ def test_request_level_errors_stay_with_their_request():
 
 
 def test_text_postgres_cannot_store_fails_its_line_not_the_file():
-    raw = [line("a"), b'{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "ballast-tiny",'
-                      b' "messages": [{"role": "user", "content": "x\\ud800"}]}}',
+    raw = [line("a"), b'{"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", '
+                      b'"body": {"model": "ballast-tiny", "messages": [{"role": "user", "content": "x\\ud800"}]}}',
            line("c", messages=[{"role": "user", "content": "nul\u0000"}])]
     items, errors = parse(raw)
     assert errors == []

@@ -46,15 +46,18 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
 
 
 @pytest.mark.parametrize("field,value,param", [
-    ("temperature", 2.5, "temperature"), ("temperature", "0.5", "temperature"), ("temperature", float("nan"), "temperature"),
+    ("temperature", 2.5, "temperature"), ("temperature", "0.5", "temperature"),
+    ("temperature", float("nan"), "temperature"),
     ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"), ("n", 2, "n"), ("n", True, "n"), ("max_tokens", 0, "max_tokens"),
     ("max_tokens", True, "max_tokens"), ("max_tokens", 5000, "max_tokens"), ("seed", 2**63, "seed"),
     ("stop", 7, "stop"), ("stop", ["a"] * 5, "stop"), ("stop", [""], "stop"), ("stream", "yes", "stream"),
     ("stream_options", "yes", "stream_options"), ("stream_options", {"include_usage": True}, "stream_options"),
-    ("messages", "hi", "messages"), ("messages", [], "messages"), ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
+    ("messages", "hi", "messages"), ("messages", [], "messages"),
+    ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
     ("messages", [{"role": "user", "content": None}], "messages[0].content"),
     ("messages", [{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
-    ("tools", [{"type": "function"}], "tools"), ("logprobs", True, "logprobs"), ("presence_penalty", 1, "presence_penalty"),
+    ("tools", [{"type": "function"}], "tools"), ("logprobs", True, "logprobs"),
+    ("presence_penalty", 1, "presence_penalty"),
     ("service_tier", "scale", "service_tier"), ("model", None, "model"), ("model", 3, "model"), ("bogus", 1, "bogus"),
     ("response_format", {"type": "json_object"}, "response_format"),
 ])

@@ -44,7 +44,8 @@ def test_a_tick_journals_membership_and_surges_and_writes_only_changed_caps():
     pools, members, apply = decide([report("a", cap=0)], pools, members, 103.5, INP)
     assert apply.caps == [("a", None)]
     [ended] = apply.events
-    assert ended.type == "surge_ended" and ended.payload["duration_s"] == 2.5 and ended.key == "fleet:m:surge:101.0:ended"
+    assert ended.type == "surge_ended" and ended.payload["duration_s"] == 2.5
+    assert ended.key == "fleet:m:surge:101.0:ended"
     assert pools == {"m": Surge()}
 
 

@@ -1,0 +1,166 @@
+"""JSON schemas of what this deployment accepts, for /openapi.json: the chat and
+completions request bodies, and OpenAI's error object. Pure data.
+
+The handlers read raw JSON (`protocol.requests.parse` judges it, so a batch line and an
+interactive request meet the same rules), which leaves FastAPI nothing to describe; these
+schemas say the same thing as `parse`, parameter by parameter: a parameter accepted only
+at its default has that default as its only value, one not supported at all only `null`.
+`tests/api/test_schema.py` holds the two to the same parameter names, and fuzzes the one
+against the other. What a schema cannot say is in the descriptions: the model must be the
+served one (else 404), a `max_tokens` beyond the context length is a 400, and integers
+are written as integers (JSON Schema's `integer` admits 16.0; `parse` does not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.requests import INT64, MAX_STOP, ROLES, SERVICE_TIERS
+
+Schema = dict[str, Any]
+
+_NULL: Schema = {"type": "null"}
+
+
+def _opt(schema: Schema) -> Schema:
+    """Optional parameters may be absent or null alike (`parse` reads both as absent)."""
+    return {"anyOf": [schema, _NULL]}
+
+
+def _only(value: Any, why: str) -> Schema:
+    return _opt({"const": value, "description": why})
+
+
+# Text anywhere in a request: Postgres cannot hold NUL (nor a tokenizer encode a lone
+# surrogate, which JSON text cannot carry unescaped anyway).
+_TEXT: Schema = {"type": "string", "pattern": "^[^\\u0000]*$"}
+
+
+def _string(description: str | None = None, **more: Any) -> Schema:
+    return _TEXT | more | ({"description": description} if description else {})
+
+
+_NOT_SUPPORTED = {**_NULL, "description": "Not supported by this deployment: absent or null only."}
+_TEXT_PART: Schema = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                      "properties": {"type": {"const": "text"}, "text": _TEXT}}
+
+_COMMON: dict[str, Schema] = dict(
+    model=_string("The served model's name (GET /v1/models); another one is a 404."),
+    max_tokens=_opt({"type": "integer", "minimum": 1,
+                     "description": "At most the model's context length (else a 400)."}),
+    temperature=_opt({"type": "number", "minimum": 0, "maximum": 2}),
+    top_p=_opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    n=_only(1, "n > 1 is not supported."),
+    seed=_opt({"type": "integer", "minimum": INT64[0], "maximum": INT64[1]}),
+    stop=_opt({"anyOf": [_string(minLength=1),
+                         {"type": "array", "maxItems": MAX_STOP, "items": _string(minLength=1)}]}),
+    stream=_opt({"type": "boolean"}),
+    stream_options=_opt({"type": "object", "additionalProperties": False,
+                         "properties": {"include_usage": {"type": "boolean"}},
+                         "description": "Only with `stream`: true."}),
+    service_tier=_opt({"enum": ["auto", *SERVICE_TIERS]}),
+    presence_penalty=_only(0, "Penalties are not supported."),
+    frequency_penalty=_only(0, "Penalties are not supported."),
+    logit_bias=_opt({"type": "object", "maxProperties": 0, "description": "Not supported: empty only."}),
+    user=_opt(_string()),
+    ignore_eos=_opt({"type": "boolean", "description": "vLLM's extension: generate max_tokens whatever comes."}),
+)
+
+_CHAT: dict[str, Schema] = dict(
+    _COMMON,
+    messages={"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"], "additionalProperties": False,
+        "properties": {
+            "role": {"enum": list(ROLES)},
+            "content": {"anyOf": [_TEXT, {"type": "array", "items": _TEXT_PART}]},
+            "name": _TEXT,
+        }}},
+    max_completion_tokens=_opt({"type": "integer", "minimum": 1}),
+    logprobs=_only(False, "Logprobs are not supported."),
+    top_logprobs=_only(0, "Logprobs are not supported."),
+    store=_only(False, "Stored completions are not supported."),
+    metadata=_opt({"type": "object", "maxProperties": 16, "propertyNames": _string(maxLength=64),
+                   "additionalProperties": _string(maxLength=512)}),
+    response_format=_opt({"type": "object", "required": ["type"], "additionalProperties": False,
+                          "properties": {"type": {"const": "text"}},
+                          "description": "Text only: no structured outputs."}),
+    tools=_opt({"type": "array", "maxItems": 0, "description": "No tool calling: empty only."}),
+    functions=_opt({"type": "array", "maxItems": 0, "description": "No function calling: empty only."}),
+    tool_choice=_opt({"enum": ["none", "auto"]}),
+    function_call=_opt({"enum": ["none", "auto"]}),
+    parallel_tool_calls=_opt({"type": "boolean"}),
+    modalities=_only(["text"], "Text output only."),
+    safety_identifier=_opt(_string()),
+    prompt_cache_key=_opt(_string()),
+    **{name: _NOT_SUPPORTED for name in (
+        "reasoning_effort", "verbosity", "audio", "prediction", "web_search_options", "moderation",
+        "prompt_cache_options", "prompt_cache_retention")},
+)
+
+_COMPLETIONS: dict[str, Schema] = dict(
+    _COMMON,
+    prompt={"anyOf": [_TEXT,
+                      {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                       "description": "Token ids, within the model's vocabulary."}],
+            "description": "One prompt: a text, or token ids."},
+    echo=_only(False, "echo is not supported."),
+    suffix=_only("", "suffix is not supported."),
+    best_of=_only(1, "best_of > 1 is not supported."),
+    logprobs=_only(0, "Logprobs are not supported."),
+)
+
+_WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrogate, anywhere. "
+          "`stream_options` needs `stream`: true. Integers are written as integers: 16, not 16.0.")
+
+
+def _request(title: str, properties: dict[str, Schema], required: list[str]) -> Schema:
+    return {"title": title, "type": "object", "description": _WHOLE, "required": required,
+            "additionalProperties": False, "properties": properties,
+            # stream_options without stream is a 400 (`parse` says so too).
+            "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+            "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
+def chat_request() -> Schema:
+    return _request("CreateChatCompletionRequest", _CHAT, ["model", "messages"])
+
+
+def completions_request() -> Schema:
+    return _request("CreateCompletionRequest", _COMPLETIONS, ["model", "prompt"])
+
+
+def request_body(schema: Schema) -> dict[str, Any]:
+    """For a route's `openapi_extra`: a required JSON body with this schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+ERROR: Schema = {
+    "title": "Error", "type": "object", "required": ["error"], "additionalProperties": False,
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+_WHY = {400: "The request is invalid; `error.param` names what.", 404: "Not found.",
+        413: "The body is too large.", 502: "The engine worker failed; try again.",
+        503: "Unavailable for now; try again."}
+
+
+def errors(*statuses: int) -> dict[int | str, Any]:
+    """For a route's `responses=`: these statuses, and any other 4xx, in OpenAI's error
+    shape. Declaring "4XX" also keeps FastAPI from documenting its 422, which this API
+    never sends (its validation errors are 400s)."""
+    content = {"application/json": {"schema": ERROR}}
+    out: dict[int | str, Any] = {s: {"description": _WHY[s], "content": content} for s in statuses}
+    out["4XX"] = {"description": "The request was refused; the error says why.", "content": content}
+    return out
+
+
+def generation_responses() -> dict[int | str, Any]:
+    """For the chat and completions routes' `responses=`."""
+    ok = {"description": "The completion; with `stream`: true, server-sent events ending in `data: [DONE]` "
+                         "(a failure after the first event is an error event, then `data: [DONE]`).",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    return {200: ok, **errors(400, 404, 413, 502, 503)}

@@ -1,0 +1,184 @@
+"""A failure on the engine's side reaches the client in OpenAI's shape, never as a cut
+connection: mid-stream as an error event then `data: [DONE]`, before the first token as a
+502 (or the engine's own 4xx, passed through).
+
+In process: the app with one fake engine worker, an `httpx.MockTransport` that answers
+POST /v1/generate with scripted NDJSON (engine/server.py's protocol), and a fake Temporal
+that records the request's workflow (started in the background after the first token,
+then signalled with the outcome). Postgres must not be reached on this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from api import interactive
+from api.app import create_app
+from api.deps import Services
+from journal.objects import ObjectStore
+from policy.placement import EngineView
+from tests.api.conftest import Untouchable, assert_openai_error
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+BODIES = {
+    CHAT: dict(model="ballast-tiny", messages=[dict(role="user", content="hi")], max_tokens=4),
+    COMPLETIONS: dict(model="ballast-tiny", prompt="hi", max_tokens=4),
+}
+ACCEPTED = {"prompt_tokens": 3}
+TOKEN = {"text": "a", "tokens": 1}
+FINISH = {"finish_reason": "length", "completion_tokens": 1}
+# What engine/server.py sends when generation fails after it was admitted.
+FAILED: dict[str, Any] = {
+    "error": {"message": "The engine failed while generating: RuntimeError.", "type": "server_error", "param": None,
+              "code": "engine_error"},
+    "status": 500,
+}
+BROKEN = httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+class OneEngine:
+    """The engine directory: one live engine serving the model."""
+
+    async def live(self):
+        return [EngineView("engine-1", "http://engine.test", "ballast-tiny", 0, 0, 4)]
+
+
+class Workflows:
+    """Temporal, as far as the interactive path uses it: start, then signal the outcome."""
+
+    def __init__(self):
+        self.started, self.outcomes = [], []
+
+    async def start_workflow(self, run, record, **_):
+        self.started.append(record)
+        return self
+
+    async def signal(self, _, outcome):
+        self.outcomes.append(outcome)
+
+
+def engine(*lines: dict, then: Exception | None = None) -> httpx.MockTransport:
+    """An engine worker that streams `lines` as NDJSON, then breaks with `then` or just ends."""
+
+    async def stream():
+        for line in lines:
+            yield (json.dumps(line) + "\n").encode()
+            await asyncio.sleep(0)
+        if then is not None:
+            raise then
+
+    def generate(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("POST", "/v1/generate")
+        return httpx.Response(200, content=stream(), headers={"content-type": "application/x-ndjson"})
+
+    return httpx.MockTransport(generate)
+
+
+@pytest.fixture
+def workflows():
+    return Workflows()
+
+
+@pytest.fixture
+def serve(settings, workflows):
+    """`serve(engine)`: a client of the app (use it in `async with`), whose one engine worker is `engine`."""
+
+    def make(transport: httpx.MockTransport) -> httpx.AsyncClient:
+        app = create_app(settings, temporal=workflows)
+        db: Any = Untouchable("postgres")
+        engines: Any = OneEngine()  # stands in for the EngineDirectory
+        app.state.services = Services(settings, db, workflows, ObjectStore(settings.object_store_url), engines,
+                                      httpx.AsyncClient(transport=transport))
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test")
+
+    return make
+
+
+async def settled():
+    """Wait for the fire-and-forget work (workflow start, outcome signal) to be done."""
+    for _ in range(200):
+        if not interactive._background:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"background work still pending: {interactive._background}")
+
+
+def events(r: httpx.Response) -> list:
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    out = []
+    for block in r.text.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error_event(event: dict, message: str) -> None:
+    assert set(event) == {"error"}, event
+    assert event["error"] == dict(message=message, type="server_error", param=None, code="engine_error"), event
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("lines, then, message", [
+    ((ACCEPTED, TOKEN, FAILED), None, FAILED["error"]["message"]),
+    ((ACCEPTED, TOKEN), BROKEN, "The engine worker's stream broke (RemoteProtocolError)."),
+    ((ACCEPTED, TOKEN), None, "The engine worker ended the stream early."),
+], ids=["error-line", "connection-cut", "early-end"])
+async def test_a_stream_that_fails_midway_ends_with_an_error_event(serve, workflows, endpoint, lines, then, message):
+    async with serve(engine(*lines, then=then)) as api:
+        r = await api.post(endpoint, json=dict(BODIES[endpoint], stream=True))
+    got = events(r)
+    *chunks, error, done = got
+    # What was generated reached the client, then the error, then the end: no finish, no usage.
+    text = [c["choices"][0] for c in chunks]
+    assert "".join(c.get("text") or c.get("delta", {}).get("content", "") for c in text) == "a", got
+    assert all(c["finish_reason"] is None for c in text), got
+    assert_error_event(error, message)
+    assert done == "[DONE]"
+    await settled()
+    assert len(workflows.started) == 1 and [o.status for o in workflows.outcomes] == ["failed"]
+
+
+@pytest.mark.parametrize("lines, then, message", [
+    ((ACCEPTED, TOKEN, FAILED), None, FAILED["error"]["message"]),
+    ((ACCEPTED, TOKEN), BROKEN, "The engine worker's stream broke (RemoteProtocolError)."),
+    ((ACCEPTED,), None, "The engine worker ended the stream early."),
+], ids=["error-line", "connection-cut", "early-end"])
+async def test_a_failure_before_the_answer_is_whole_is_a_502(serve, workflows, lines, then, message):
+    async with serve(engine(*lines, then=then)) as api:
+        r = await api.post(CHAT, json=BODIES[CHAT])
+    err = assert_openai_error(r, 502, code="engine_error")
+    assert (err["message"], err["type"]) == (message, "server_error")
+    await settled()
+    assert [o.status for o in workflows.outcomes] == ["failed"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_engines_refusal_is_passed_through(serve, workflows, stream):
+    refusal = {"error": {"message": "This model's maximum context length is 1024 tokens.",
+                         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"},
+               "status": 400}
+    async with serve(engine(refusal)) as api:
+        r = await api.post(CHAT, json=dict(BODIES[CHAT], stream=stream))
+    err = assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
+    assert err["message"] == refusal["error"]["message"]
+    await settled()
+    assert workflows.started == []  # never admitted: no request workflow
+
+
+async def test_a_whole_stream_ends_with_finish_and_done(serve, workflows):
+    """The fake engine speaks the protocol: without a failure, the stream ends as usual."""
+    async with serve(engine(ACCEPTED, TOKEN, FINISH)) as api:
+        r = await api.post(CHAT, json=dict(BODIES[CHAT], stream=True, stream_options={"include_usage": True}))
+    *_, finish, usage, done = events(r)
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"] == dict(prompt_tokens=3, completion_tokens=1, total_tokens=4)
+    assert done == "[DONE]"
+    await settled()
+    assert [o.status for o in workflows.outcomes] == ["completed"]
