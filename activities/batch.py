@@ -17,6 +17,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
+from journal.leases import acquire
 from journal.objects import ObjectStore
 from policy.lifecycle import finalize_plan
 from protocol import batch as batch_file
@@ -88,7 +89,11 @@ class BatchActivities:
 
     @activity.defn
     async def fail_item(self, inp: FailItemInput) -> None:
-        body = {"error": dict(message=inp.message, type="server_error", param=None, code=inp.code)}
+        body = {"error": dict(message=storable(inp.message), type="server_error", param=None, code=inp.code)}
+        # The last word on the item: take its lease first, so that no generation attempt
+        # still running somewhere can write after this.
+        async with self.db.begin() as conn:
+            await acquire(conn, jb.item_stream(inp.batch_id, inp.idx), "fail_item")
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id)
             assert batch is not None, f"batch {inp.batch_id} vanished"

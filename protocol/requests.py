@@ -192,9 +192,21 @@ def _bool(value: Any) -> bool:
     return value
 
 
+def _whole(value: Any) -> int | None:
+    """An integer as JSON Schema (and vLLM's pydantic) sees one: 16 or 16.0, never true."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def _int(lo: int, hi: int | None = None) -> Check:
-    def run(value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
+    def run(raw: Any) -> int:
+        value = _whole(raw)
+        if value is None:
             raise Invalid("must be an integer.", "invalid_type")
         if value < lo or (hi is not None and value > hi):
             raise Invalid(f"must be >= {lo}." if hi is None else f"must be between {lo} and {hi}.")
@@ -315,10 +327,12 @@ def _message(i: int, m: Any) -> Message:
 def _prompt(value: Any) -> str | tuple[int, ...]:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        if min(value) < 0:
+    given = [_whole(t) for t in value] if isinstance(value, list) else []
+    ids = [t for t in given if t is not None]
+    if ids and len(ids) == len(given):
+        if min(ids) < 0:
             raise Invalid("holds a negative token id.")
-        return tuple(value)
+        return tuple(ids)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
         raise Invalid("must be one prompt: send one request per prompt.", "unsupported_value")
     raise Invalid("must be a string or a non-empty list of token ids.", "invalid_type")

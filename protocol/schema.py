@@ -7,8 +7,7 @@ schemas say the same thing as `parse`, parameter by parameter: a parameter accep
 at its default has that default as its only value, one not supported at all only `null`.
 `tests/api/test_schema.py` holds the two to the same parameter names, and fuzzes the one
 against the other. What a schema cannot say is in the descriptions: the model must be the
-served one (else 404), a `max_tokens` beyond the context length is a 400, and integers
-are written as integers (JSON Schema's `integer` admits 16.0; `parse` does not).
+served one (else 404), and a `max_tokens` beyond the context length is a 400.
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ _COMPLETIONS: dict[str, Schema] = dict(
 )
 
 _WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrogate, anywhere. "
-          "`stream_options` needs `stream`: true. Integers are written as integers: 16, not 16.0.")
+          "`stream_options` needs `stream`: true.")
 
 
 def _request(title: str, properties: dict[str, Schema], required: list[str]) -> Schema:

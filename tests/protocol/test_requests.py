@@ -121,3 +121,9 @@ def test_any_json_gives_a_4xx_or_a_valid_request(endpoint, overrides, whole):
         assert isinstance(got, GenerationRequest)
         assert got.max_tokens is None or 1 <= got.max_tokens <= LIMITS.max_model_len
         assert 0 <= got.temperature <= 2 and 0 < got.top_p <= 1
+
+
+def test_whole_floats_are_integers_as_in_json_schema_and_vllm():
+    r = parse(COMPLETIONS, dict(COMPLETION_OK, prompt=[1.0, 2], max_tokens=16.0, seed=3.0), LIMITS)
+    assert (r.prompt, r.max_tokens, r.seed) == ((1, 2), 16, 3)
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, max_tokens=16.5), LIMITS).param == "max_tokens"
