@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from protocol.errors import error_type
+from protocol.errors import bad_char, error_type, storable
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ def not_found(kind: str, id: str, param: str | None = None) -> APIError:
 # at all): caught here they are a 400 or a 404, at the database they were a 500.
 
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def possible_id(value: str) -> bool:
@@ -48,16 +47,15 @@ def require_id(kind: str, id: str, param: str) -> None:
 
 def check_text(value: str, param: str, what: str | None = None) -> str:
     """`value` if Postgres can hold it as text or inside JSONB, else a 400 naming `param`."""
-    if m := _UNSTORABLE.search(value):
-        bad = "NUL characters" if m.group() == "\x00" else "unpaired surrogates"
-        raise APIError(400, f"{what or param} must not contain {bad}.", param=param, code="invalid_value")
+    if bad := bad_char(value):
+        raise APIError(400, f"{bad} is not allowed in {what or param}.", param=param, code="invalid_value")
     return value
 
 
 def _utf8(text: str | None) -> str | None:
     # Messages and params may quote client text: a lone surrogate is shown escaped, not
     # sent as bytes that are not UTF-8.
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return None if text is None else storable(text, limit=None)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

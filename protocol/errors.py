@@ -34,7 +34,19 @@ class ProtocolError:
         return ProtocolError(self.status_code, self.code, f"Line {line}: {self.message}", self.param)
 
 
-def storable(text: str, limit: int = 1000) -> str:
-    """Text safe to keep in Postgres and to show: no NUL, no lone surrogates, bounded.
-    For messages that may quote what a client sent."""
-    return text.encode("utf-8", "replace").decode("utf-8").replace("\x00", "\\u0000")[:limit]
+def bad_char(text: str) -> str | None:
+    """What of `text` Postgres cannot hold (NUL anywhere, lone surrogates in JSONB, which
+    are not UTF-8 at all), described for an error message; None when it can hold it all."""
+    if "\x00" in text:
+        return "The NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "A lone surrogate (\\ud800-\\udfff)"
+    return None
+
+
+def storable(text: str, limit: int | None = 1000) -> str:
+    """Text safe to keep in Postgres and to send as UTF-8: NUL and lone surrogates shown
+    escaped, bounded. For messages that may quote what a client sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\u0000")[:limit]

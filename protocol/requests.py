@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, bad_char
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -138,7 +138,7 @@ def unstorable(value: Any, path: str = "") -> None:
     """Refuse NUL and lone surrogates anywhere: JSON allows them, but Postgres cannot
     store them, and a tokenizer cannot encode a lone surrogate."""
     if isinstance(value, str):
-        bad = _bad_char(value)
+        bad = bad_char(value)
         if bad:
             raise Invalid(f"{bad} is not supported in requests" + (f" (in `{path}`)." if path else "."),
                        "unsupported_character", path or None)
@@ -150,16 +150,6 @@ def unstorable(value: Any, path: str = "") -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             unstorable(item, f"{path}[{i}]")
-
-
-def _bad_char(s: str) -> str | None:
-    if "\x00" in s:
-        return "The NUL character (\\u0000)"
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return "A lone surrogate (\\ud800-\\udfff)"
-    return None
 
 
 # -- value checks: each takes the JSON value (None when absent or null) -------------
