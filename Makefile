@@ -29,6 +29,8 @@ bench: install
 	$(VENV)/bin/ballast bench batch
 	$(VENV)/bin/ballast bench surge
 	$(VENV)/bin/ballast bench overhead
+	$(VENV)/bin/ballast bench admission
+	$(VENV)/bin/ballast bench fairness
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

@@ -2,6 +2,13 @@
 
 Every one is idempotent: its journal appends carry keys derived from the batch and item,
 and the files it writes are replaced whole under ids derived the same way.
+
+Quota: validation estimates the batch's tokens (each item's input estimate + max_tokens,
+`policy.admission.estimate`) and, if the tenant's open batches plus this one would pass
+its `batch_queue_tokens` limit, fails the batch with `token_limit_exceeded`; else it
+reserves them in the ledger (`batch:<id>`) in the transaction that puts the batch in
+progress. Items are never refused for capacity: they wait. Each item settles as its
+result is journaled (journal/projections.py); the batch's end refunds the reservation.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
+from journal import ledger
 from journal.leases import acquire
 from journal.objects import ObjectStore
+from policy.admission import ANY_MODEL, Refuse, admit_batch, describe_batch, estimate
 from policy.lifecycle import finalize_plan
 from protocol import batch as batch_file
-from protocol.errors import storable
-from protocol.requests import Limits
+from protocol.errors import ProtocolError, storable
+from protocol.requests import Limits, parse
 from workflows.inputs import FailBatchInput, FailItemInput, FinalizeInput, PendingInput, ValidateInput, ValidateResult
 
 
@@ -57,6 +66,12 @@ class BatchActivities:
             return await self._journal_items(ref, batch, limits, file["object_key"], errors)
         except DataError as err:  # what Postgres will never take: retrying cannot help
             raise ApplicationError(storable(f"Postgres refused the input: {err.orig}"), non_retryable=True) from err
+        except OverQuota as over:  # nothing of the items was kept: the batch fails whole
+            error = dict(code="token_limit_exceeded", message=over.message, param=None, line=None)
+            async with self.db.begin() as conn:
+                await jb.move_status(conn, ref.batch_id, "failed", time.time(),
+                                     errors=dict(object="list", data=[error]))
+            return ValidateResult(0, True)
 
     async def _journal_items(self, ref: ValidateInput, batch: dict[str, Any], limits: batch_file.FileLimits,
                              key: str, errors: list[batch_file.LineError]) -> ValidateResult:
@@ -65,15 +80,43 @@ class BatchActivities:
                 await jb.move_status(conn, ref.batch_id, "failed", time.time(),
                                      errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
-            total = 0
+            total, input_tokens, output_tokens = 0, 0, 0
             with self.store.open(key) as f:
                 for page in _pages(batch_file.scan(f, limits), 1000):
                     await jb.add_items(conn, ref.batch_id, batch["tenant"], page)
                     total += len(page)
+                    for item in page:
+                        i, o = self._estimate(batch["endpoint"], item)
+                        input_tokens, output_tokens = input_tokens + i, output_tokens + o
+            await self._enqueue(conn, ref.batch_id, batch["tenant"], input_tokens, output_tokens)
             # Unless a cancel came first (then the lifecycle refuses the move).
             await jb.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
+
+    def _estimate(self, endpoint: str, item: batch_file.Item) -> tuple[int, int]:
+        """(input, output) tokens the item may take; 0 for one that will not run."""
+        if item.error is not None:
+            return 0, 0
+        req = parse(endpoint, item.body, self.limits, batch=True)
+        return (0, 0) if isinstance(req, ProtocolError) else estimate(req, self.limits.max_model_len)
+
+    async def _enqueue(self, conn, batch_id: str, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        """Reserve the batch's tokens, or raise OverQuota past the tenant's enqueued-token
+        limit. Serialised per tenant, so two batches cannot both take the last room."""
+        model = self.limits.model
+        await ledger.lock_tenant(conn, tenant)
+        sets = [s for s in (await ledger.load_limits(conn, tenant)).get(tenant, ())
+                if s.model in (ANY_MODEL, model) and s.batch_queue_tokens is not None]
+        if sets:
+            open_tokens = await ledger.open_batch_tokens(conn, tenant)
+            scopes = [(s, sum(open_tokens.values()) if s.model == ANY_MODEL else open_tokens.get(model, 0))
+                      for s in sets]
+            decision = admit_batch(input_tokens + output_tokens, scopes)
+            if isinstance(decision, Refuse):
+                raise OverQuota(describe_batch(decision, tenant, model))
+        await ledger.insert(conn, [ledger.Entry(ledger.RESERVE, ledger.batch_subject(batch_id), tenant, model,
+                                                ledger.BATCH_TIER, input_tokens, output_tokens)])
 
     @activity.defn
     async def fail_batch(self, inp: FailBatchInput) -> None:
@@ -81,6 +124,7 @@ class BatchActivities:
         error = dict(code=inp.code, message=storable(inp.message), param=None, line=None)
         async with self.db.begin() as conn:
             await jb.move_status(conn, inp.batch_id, "failed", time.time(), errors=dict(object="list", data=[error]))
+            await ledger.refund(conn, ledger.batch_subject(inp.batch_id))
 
     @activity.defn
     async def pending_items(self, inp: PendingInput) -> list[int]:
@@ -137,6 +181,7 @@ class BatchActivities:
             # finalizing batch, and cancelling only leads here), so this move holds.
             if not await jb.move_status(conn, inp.batch_id, final, inp.at, **fields):
                 raise RuntimeError(f"batch {inp.batch_id} left {interim} before it could end {final}")
+            await ledger.refund(conn, ledger.batch_subject(inp.batch_id))  # its enqueued tokens are free again
         return final
 
     def _result_line(self, batch_id: str, final: str, item: dict[str, Any], ev) -> tuple[str, bytes]:
@@ -153,6 +198,12 @@ class BatchActivities:
             + ', "error": null}\n'
         )
         return ("output" if status == 200 else "error"), line.encode()
+
+
+class OverQuota(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def _pages(items: Iterator[batch_file.Item | batch_file.LineError], size: int) -> Iterator[list[batch_file.Item]]:

@@ -11,12 +11,15 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities.requests import RequestActivities
-from api import batches, errors, files, health, interactive, models
-from api.deps import Services
+from api import admin, batches, errors, files, health, interactive, models
+from api.admission import Admission
+from api.auth import Authenticate, KeyCache
+from api.deps import REQUIRE_KEY, Services
 from api.engines import EngineDirectory
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
+from protocol import schema
 from workflows.interactive import InteractiveWorkflow
 
 # Multipart framing on top of the file itself.
@@ -32,7 +35,9 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)
         following = asyncio.create_task(directory.follow())
-        app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http)
+        admission = await Admission(db, settings).start()  # limits and the quota ledger
+        app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http,
+                                      keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
         # Interactive request workflows start eagerly here, in this process: no dispatch.
         acts = RequestActivities(db)
         worker = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
@@ -43,16 +48,18 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
             finally:
                 following.cancel()
                 await http.aclose()
+        await admission.stop()  # what is still unwritten reaches the ledger
         await db.dispose()
 
     app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan)
     errors.install(app)
 
     app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes)
-    app.include_router(files.router)
-    app.include_router(batches.router)
-    app.include_router(interactive.router)
-    app.include_router(models.router)
+    app.add_middleware(Authenticate)  # outermost: no body is read for a caller without a key
+    # Every /v1 route needs a tenant's key; /healthz and /openapi.json stay open.
+    for v1 in (files, batches, interactive, models):
+        app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
+    app.include_router(admin.router)
     app.include_router(health.router)
     return app
 

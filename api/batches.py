@@ -15,6 +15,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, possible_id, require_id
 from journal import batches as jb
+from journal import tenants
 from policy.lifecycle import cancellable
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
@@ -91,12 +92,14 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
             raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; "
                            "a batch needs purpose 'batch'.", param="input_file_id", code="invalid_value")
         await jb.create_batch(conn, row)
+        owner = await tenants.get_tenant(conn, tenant)
     s = svc.settings
     try:
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
             BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s,
-                       s.batch_items_per_run, s.batch_group_size),
+                       s.batch_items_per_run, s.batch_group_size, tenant=tenant,
+                       fairness_weight=float(owner["weight"] if owner else 1)),
             id=workflow_id(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

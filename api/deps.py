@@ -6,13 +6,18 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import httpx
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
+from api.admission import Admission
+from api.auth import KeyCache, authenticate
 from api.engines import EngineDirectory
+from api.errors import APIError
 from ballast.settings import Settings
 from journal.objects import ObjectStore
+from journal.tenants import Principal
 
 
 @dataclass
@@ -23,16 +28,43 @@ class Services:
     store: ObjectStore
     engines: EngineDirectory
     http: httpx.AsyncClient  # to engine workers' streaming endpoints
+    keys: KeyCache  # API key → tenant, bounded-stale (api/auth.py)
+    admission: Admission | None = None  # limits and the quota ledger (api/admission.py); None: admit all
 
 
 def _services(request: Request) -> Services:
     return request.app.state.services
 
 
-def _tenant(request: Request) -> str:
-    # One tenant until API keys map to tenants (the quotas work); the key is not checked.
-    return "default"
+# -- who is calling: `Authorization: Bearer <key>` -------------------------------------
+
+# For /openapi.json (the security scheme); the key itself is checked by `api.auth`.
+_bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer sk-ballast-…`.")
+
+
+async def _principal(request: Request,
+                     _documented: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]) -> Principal:
+    # The Authenticate middleware has checked the key before the body was read; a route
+    # it does not cover still gets the same check here.
+    found = getattr(request.state, "principal", None)
+    if found is None:
+        found = await authenticate(_services(request).keys, request.headers.get("authorization"))
+    return found
+
+
+def _tenant(principal: Annotated[Principal, Depends(_principal)]) -> str:
+    return principal.tenant
+
+
+def _admin(principal: Annotated[Principal, Depends(_principal)]) -> Principal:
+    if not principal.admin:
+        raise APIError(403, "This endpoint needs an admin key.", code="admin_key_required")
+    return principal
 
 
 ServicesDep = Annotated[Services, Depends(_services)]
+PrincipalDep = Annotated[Principal, Depends(_principal)]
 TenantDep = Annotated[str, Depends(_tenant)]
+AdminDep = Annotated[Principal, Depends(_admin)]
+# For a router: every route in it needs a tenant's key, whether or not it reads the tenant.
+REQUIRE_KEY = Depends(_principal)

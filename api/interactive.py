@@ -1,15 +1,19 @@
 """/v1/chat/completions and /v1/completions: interactive requests, streamed or not.
 
-The path of a request, one step per function: check it (`protocol.requests`) → place it on
-an engine worker (local, bounded-stale view) and open its token stream there → relay the
-stream (SSE) or collect it (JSON). Once the engine has accepted it, the request's
-workflow is started eagerly in the background and signalled with the outcome at the end:
-Temporal is never between the client and a token.
+The path of a request, one step per function: check it (`protocol.requests`) → admit it
+(`api/admission.py`: the tenant's limits against a local, bounded-stale view of usage; a
+429 here happens before any engine work) → place it on an engine worker (local,
+bounded-stale view) and open its token stream there, correcting the reservation to the
+prompt's real size → relay the stream (SSE) or collect it (JSON) → release the
+reservation the moment it ends, however it ends (done, failed, client gone). Once the
+engine has accepted it, the request's workflow is started eagerly in the background and
+signalled with the outcome at the end: Temporal is never between the client and a token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -23,8 +27,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from temporalio.common import WorkflowIDReusePolicy
 
+from api.admission import Ticket
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
+from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView, rank
 from policy.preemption import TIERS
 from protocol import responses, schema
@@ -66,9 +72,16 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
     req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len))
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
-    run = await _open(svc, tenant, req, body, t0)
+    rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
+    ticket = await _admit(svc, tenant, req, rid)
+    try:
+        run = await _open(svc, tenant, req, body, t0, rid, ticket)
+    except BaseException:
+        if ticket is not None:
+            ticket.cancel()  # no engine took it: nothing used, all refunded
+        raise
     if req.stream:
-        return StreamingResponse(_relay(run, req), media_type="text/event-stream")
+        return _Streamed(run, _relay(run, req))
     return await _collect(run, req)
 
 
@@ -88,7 +101,36 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-# -- 2. placement and the engine's stream -------------------------------------------
+# -- 2. admission ----------------------------------------------------------------------
+
+
+async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str) -> Ticket | None:
+    """Reserve the request's tokens against the tenant's limits, or refuse it with a 429
+    naming the limit. The prompt's size is estimated here (no tokenizer in the API) and
+    corrected once the engine reports it."""
+    if svc.admission is None:
+        return None
+    s = svc.settings
+    input_tokens, _ = estimate(req, s.max_model_len)
+    busy = req.service_tier == "flex" and await _fleet_busy(svc)
+    got = await svc.admission.reserve(rid, tenant, s.model_name, req.service_tier, input_tokens, req.max_tokens,
+                                      fleet_busy=busy)
+    if isinstance(got, Refuse):
+        raise APIError(429, describe(got, tenant, s.model_name, req.service_tier),
+                       code="resource_unavailable" if got.limit == "capacity" else "rate_limit_exceeded",
+                       headers={"Retry-After": str(got.retry_after_s)})
+    return got
+
+
+async def _fleet_busy(svc: Services) -> bool:
+    """Every engine serving the model is busy with interactive work (at the fleet's surge
+    threshold): flex yields first."""
+    s = svc.settings
+    views = [v for v in await svc.engines.live() if v.model == s.model_name]
+    return bool(views) and all(v.interactive >= s.surge_high * v.max_seqs for v in views)
+
+
+# -- 3. placement and the engine's stream -------------------------------------------
 
 
 @dataclass
@@ -101,7 +143,10 @@ class Run:
     lines: AsyncIterator[str]
     upstream: httpx.Response
     t0: float
+    ticket: Ticket | None = None
     started: list[asyncio.Task] = field(default_factory=list)
+    tokens: int = 0  # completion tokens streamed so far
+    done: bool = False  # finished: its outcome is on its way to the journal
 
     @property
     def prompt_tokens(self) -> int:
@@ -124,6 +169,7 @@ class Run:
                 if "finish_reason" in msg:
                     yield None, msg
                     return
+                self.tokens += msg.get("tokens", 0)
                 yield msg["text"], None
                 self.start_workflow()
             raise EngineFailed("The engine worker ended the stream early.")
@@ -134,12 +180,28 @@ class Run:
             await self.upstream.aclose()
 
     def finished(self, final: dict[str, Any] | None, ttft: float | None, status: RequestStatus | None = None) -> None:
+        """Once, however the request ended: release its reservation now, journal the outcome
+        in the background. A request cut short records the tokens it had produced."""
+        if self.done:
+            return
+        self.done = True
         if final is None:
-            outcome = RequestOutcome(status or "cancelled", ttft_ms=ttft)
+            outcome = RequestOutcome(status or "cancelled", self.tokens, ttft_ms=ttft)
         else:
             outcome = RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft,
                                      final.get("engine_ttft_ms"))
-        _spawn(_finish(self.svc, self.started, outcome))
+        if self.ticket is not None:
+            self.ticket.release(self.prompt_tokens, outcome.completion_tokens)
+        _spawn(_finish(self.svc, self.started, outcome, self.ticket))
+
+    async def abandon(self) -> None:
+        """The client left before the relay ran (or while it waited to send): close the
+        engine's stream and finish as cancelled. Nothing once finished."""
+        if self.done:
+            return
+        self.start_workflow()  # the engine accepted it: it has a record like any other
+        await self.upstream.aclose()
+        self.finished(None, None, "cancelled")
 
     def ttft(self) -> float:
         return round(1000 * (time.perf_counter() - self.t0), 2)
@@ -149,10 +211,14 @@ class EngineFailed(Exception):
     pass
 
 
-async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float) -> Run:
+async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
+                ticket: Ticket | None = None) -> Run:
     s = svc.settings
-    rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
-    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier])
+    # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
+    # (engine/fairness.py); `priority` stays for engine workers that predate it. Weight 1 for
+    # now: the key lookup does not carry the tenant's weight to the request path yet.
+    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
+               tier=req.service_tier, weight=1)
     engine, upstream = await _connect(svc, job)
     lines = upstream.aiter_lines()
     try:
@@ -167,8 +233,12 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
         raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
     record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id,
                               first["prompt_tokens"])
+    if ticket is not None:
+        ticket.correct(first["prompt_tokens"])  # the engine's count replaces the estimate
+        record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,
+                                     holder=ticket.holder, admitted_at=ticket.at)
     meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=req.service_tier)
-    return Run(svc, record, meta, lines, upstream, t0)
+    return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 
 async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response]:
@@ -185,10 +255,27 @@ async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response
                    code="engine_unavailable", headers={"Retry-After": "5"})
 
 
-# -- 3. relay or collect ------------------------------------------------------------
+# -- 4. relay or collect ------------------------------------------------------------
 
 
-async def _relay(run: Run, req: GenerationRequest) -> AsyncIterator[bytes]:
+class _Streamed(StreamingResponse):
+    """The SSE response. However the client goes, the run finishes once: the relay's own
+    `finally` finishes it, and where the relay never ran (the client left first) or was
+    left waiting at a `yield`, closing it here does."""
+
+    def __init__(self, run: Run, relay: AsyncGenerator[bytes, None]):
+        super().__init__(relay, media_type="text/event-stream")
+        self.run, self.relay = run, relay
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.aclose()
+            await self.run.abandon()
+
+
+async def _relay(run: Run, req: GenerationRequest) -> AsyncGenerator[bytes, None]:
     chunks = responses.Chunks(req.endpoint, run.meta)
     events = run.events()
     final, ttft = None, None
@@ -228,6 +315,9 @@ async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
     except EngineFailed as err:
         run.finished(None, ttft, "failed")
         raise APIError(502, str(err), code="engine_error") from err
+    except BaseException:  # the client went away (the handler is cancelled)
+        run.finished(None, ttft, "cancelled")
+        raise
     assert final is not None
     run.finished(final, ttft)
     return JSONResponse(responses.completion(req.endpoint, run.meta, "".join(text), final["finish_reason"],
@@ -241,9 +331,16 @@ async def _start_workflow(svc: Services, record: InteractiveInput):
     )
 
 
-async def _finish(svc: Services, started: list[asyncio.Task], outcome: RequestOutcome) -> None:
+async def _finish(svc: Services, started: list[asyncio.Task], outcome: RequestOutcome,
+                  ticket: Ticket | None = None) -> None:
     try:
         handle = await started[0]
+    except Exception:  # no workflow: nothing will journal or settle it
+        log.exception("could not start the workflow of a request")
+        if ticket is not None:
+            ticket.unjournaled()
+        return
+    try:
         await handle.signal(InteractiveWorkflow.finished, outcome)
     except Exception:  # the response is already out; the workflow journals it as abandoned
         log.exception("could not record the outcome of a request")

@@ -1,4 +1,4 @@
-"""`ballast up | api | worker {control,engine} | migrate | bench ...`"""
+"""`ballast up | api | worker {control,engine} | migrate | tenants ... | bench ...`"""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
+from ballast import tenants_cli
 from ballast.settings import Settings
 
 
@@ -28,10 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("kind", choices=["control", "engine"])
     sub.add_parser("migrate",
                    help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
+    tenants_cli.add_parser(sub)
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("name", choices=["batch", "surge", "overhead"])
+    b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
-    b.add_argument("--seconds", type=float, default=30.0, help="surge: seconds per arm")
+    b.add_argument("--seconds", type=float, default=None,
+                   help="surge: seconds per arm (30); fairness: seconds of backlog per arm (20)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         _need(settings, "database_url")
         upgrade(settings.require("database_url"), service_url=settings.service_db_url)  # as the owner
         return 0
+    if args.cmd == "tenants":
+        return tenants_cli.main(args, settings)
     if args.cmd == "api":
         import uvicorn
 
@@ -78,7 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "surge":
             from bench.surge import main as bench_surge
 
-            return bench_surge(settings, duration_s=args.seconds)
+            return bench_surge(settings, duration_s=args.seconds or 30.0)
+        if args.name == "fairness":
+            from bench.fairness import main as bench_fairness
+
+            return bench_fairness(settings, seconds=args.seconds or 20.0)
+        if args.name == "admission":
+            from bench.admission import main as bench_admission
+
+            return bench_admission(settings)
         from bench.overhead import main as bench_overhead
 
         return bench_overhead(settings)

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # How long an API process trusts what it looked up about a key: a revoked key stops
+    # working within this bound (at once in the process that revoked it).
+    key_cache_s: float = Field(5.0, ge=0)
 
     # Model: a local directory (or hub id where the network allows). Unset: the tiny model.
     model: str | None = None
@@ -76,10 +79,19 @@ class Settings(BaseSettings):
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
     batch_group_size: int = 16  # items per generation activity
     checkpoint_tokens: int = 32  # journal a generation's tokens every N (and always before it yields)
+    # Interactive requests' turn on an engine within a tier: "vtc", the tenant served least
+    # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a
+    # sequence slot frees; "fcfs": by arrival (engine/fairness.py).
+    fair_share: Literal["vtc", "fcfs"] = "vtc"
     # Preemption: batch sequences allowed on an engine while interactive work is in
     # flight, and how long demand must stay low before batch gets its slots back.
     batch_busy_cap: int = 0
     batch_cool_down_s: float = 2.0
+    # Batch's floor: squeezed below batch_min_share of an engine's slots (by chat or a
+    # surge) for longer than batch_starve_after_s, batch gets that share back, so
+    # continuous chat slows batch down but never stops it. 0 disables the floor.
+    batch_min_share: float = Field(0.05, ge=0, le=1)
+    batch_starve_after_s: float = Field(30.0, ge=0)
     # The fleet controller (workflows/fleet.py): a pool surges when an engine's pressure
     # (interactive + queued against its slots, or KV-cache use under chat) reaches
     # surge_high, and calms after staying under surge_low for surge_cool_down_s; while it
@@ -91,6 +103,19 @@ class Settings(BaseSettings):
     fleet_tick_s: float = Field(1.0, gt=0)
     announce_s: float = Field(1.0, gt=0)  # how often engine workers report
     heartbeat_timeout_s: float = 10.0
+    # Admission (api/admission.py, policy/admission.py): decisions from a local view of
+    # usage, re-read every admission_refresh_s (the reconciler folds the ledger as often);
+    # reserve rows written every admission_flush_s; the reservations of a process not
+    # seen for admission_holder_ttl_s expire. "sync": one transaction per decision (the
+    # baseline: exact, a database round trip per request). A tier is shed once a
+    # tenant's usage reaches its fraction of a limit: flex first, then default.
+    admission_mode: Literal["local", "sync"] = "local"
+    admission_refresh_s: float = Field(1.0, gt=0)
+    admission_flush_s: float = Field(0.1, gt=0)
+    admission_holder_ttl_s: float = Field(30.0, gt=0)
+    admission_headroom_priority: float = Field(1.0, gt=0, le=1)
+    admission_headroom_default: float = Field(0.95, gt=0, le=1)
+    admission_headroom_flex: float = Field(0.8, gt=0, le=1)
     # A failpoint for tests and drills, off when unset: the path of a JSON control file
     # whose token budgets hold this engine's batch generations (engine/gate.py).
     engine_gate: Path | None = None
@@ -101,6 +126,21 @@ class Settings(BaseSettings):
             raise ValueError(f"BALLAST_SURGE_LOW ({self.surge_low}) must not exceed BALLAST_SURGE_HIGH "
                              f"({self.surge_high}): a pool would leave a surge before it could enter one")
         return self
+
+    @model_validator(mode="after")
+    def _headroom_order(self) -> Settings:
+        if not (self.admission_headroom_flex <= self.admission_headroom_default <= self.admission_headroom_priority):
+            raise ValueError("BALLAST_ADMISSION_HEADROOM_FLEX <= _DEFAULT <= _PRIORITY must hold: tiers shed flex "
+                             "first, priority last")
+        return self
+
+    @property
+    def admission_staleness_s(self) -> float:
+        """How late one API process may see another's admissions: the overshoot bound's S
+        (2 × flush + 3 × refresh: policy/admission.py)."""
+        from policy.admission import staleness_s
+
+        return staleness_s(self.admission_flush_s, self.admission_refresh_s)
 
     @property
     def service_db_url(self) -> str | None:

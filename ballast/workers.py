@@ -18,6 +18,7 @@ from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
 from activities.fleet import FleetActivities
+from activities.quota import QuotaActivities
 from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
@@ -26,7 +27,8 @@ from policy.preemption import SurgePolicy
 from protocol.requests import Limits
 from workflows.batch import BatchWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
-from workflows.inputs import FleetInput
+from workflows.inputs import FleetInput, QuotaInput
+from workflows.quota import QUOTA_ID, QuotaReconciler
 
 if TYPE_CHECKING:
     from engine.gate import GatedEngine
@@ -50,16 +52,18 @@ async def control_worker(settings: Settings) -> None:
         Limits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
     )
     fleet = FleetActivities(db)
+    quota = QuotaActivities(db)
     worker = Worker(
         client,
         task_queue=settings.control_queue,
-        workflows=[BatchWorkflow, FleetWorkflow],
+        workflows=[BatchWorkflow, FleetWorkflow, QuotaReconciler],
         activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.fail_batch, acts.finalize_batch,
-                    fleet.observe_fleet, fleet.apply_fleet],
+                    fleet.observe_fleet, fleet.apply_fleet, quota.reconcile_quota],
     )
     log.info("control worker polling %s", settings.control_queue)
     try:
         await start_fleet(client, settings)
+        await start_quota(client, settings)
         await _run_until_signalled(worker)
     finally:
         await db.dispose()
@@ -76,9 +80,19 @@ async def start_fleet(client: Client, settings: Settings) -> None:
     )
 
 
+async def start_quota(client: Client, settings: Settings) -> None:
+    """The quota reconciler, like the fleet controller: one per control queue."""
+    await client.start_workflow(
+        QuotaReconciler.run, QuotaInput(settings.admission_refresh_s, settings.admission_holder_ttl_s),
+        id=f"{QUOTA_ID}:{settings.control_queue}", task_queue=settings.control_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
 async def engine_worker(settings: Settings) -> None:
     # vLLM is imported here, not at module level: the control plane never needs it.
     from activities.generate import GenerationActivities
+    from engine.fairness import FairShare
     from engine.models import resolve_model
     from engine.server import EmbeddedServer, create_app
     from engine.slots import EngineSlots
@@ -96,11 +110,13 @@ async def engine_worker(settings: Settings) -> None:
         engine = GatedEngine(engine, settings.engine_gate)
     client = await Client.connect(settings.require("temporal_address"), namespace=settings.temporal_namespace)
     db = connect(settings.require("service_db_url"))
-    slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s)
+    slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
+                        min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s)
     port = settings.engine_port or procs.free_port(settings.engine_host)
     url = settings.engine_url or f"http://{settings.engine_host}:{port}"
     engine_id = f"{socket.gethostname()}-{os.getpid()}"
-    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots), host=settings.engine_host, port=port,
+    fair = FairShare(settings.fair_share, settings.max_num_seqs)
+    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots, fair), host=settings.engine_host, port=port,
                                            log_level="warning", lifespan="off"))
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)

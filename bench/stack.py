@@ -38,6 +38,8 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
         procs.wait_until(lambda: _healthy(api), 300, "ballast up to be healthy", child=up, interval=0.5)
+        # The key `ballast up` made for tenant `default` on this fresh data dir.
+        api.headers["Authorization"] = "Bearer " + (data_dir / "api-key").read_text().strip()
         pg_port = (data_dir / "pg.port").read_text().strip()
         yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres")
     finally:

@@ -10,7 +10,9 @@ or, instead of all of that, {"error": {...}, "status": 400} before anything is a
 a failure after that ends the stream with an {"error": {...}, "status": 500} line.
 
 Interactive requests count against the engine's slots (`EngineSlots`), which is what makes
-batch work yield to them within an engine step.
+batch work yield to them within an engine step, and take their turn by tenant fair share
+(`FairShare`, engine/fairness.py): the job names its `tenant`, `tier` and `weight`, and the
+engine worker sets the vLLM priority itself (a job without them: the API's `priority`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from engine import requests as rq
+from engine.fairness import FairShare
 from engine.slots import EngineSlots
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import Limits, parse
@@ -34,11 +37,14 @@ from protocol.requests import Limits, parse
 log = logging.getLogger(__name__)
 
 
-def create_app(engine, slots: EngineSlots) -> Starlette:
+def create_app(engine, slots: EngineSlots, fair: FairShare | None = None) -> Starlette:
+    fair = fair or FairShare("fcfs", slots.max_seqs)
+
     async def generate(request: Request):
         t0 = time.perf_counter()
         job = await request.json()
         endpoint, priority = job["endpoint"], int(job["priority"])
+        tenant, tier, weight = str(job.get("tenant", "")), job.get("tier"), float(job.get("weight") or 1)
         req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len))
         ready = req if isinstance(req, ProtocolError) else rq.prepare(engine, req)
         if isinstance(ready, ProtocolError):
@@ -50,13 +56,15 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
             ids, reason, ttft = [], None, None
             try:
                 # Counted before vLLM sees it: batch yields its slots first.
-                async with slots.interactive_request():
+                async with (slots.interactive_request(),
+                            fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
                     async for step in engine.generate(
                         job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
                         top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
-                        ignore_eos=params.ignore_eos, priority=priority, detokenize=True,
+                        ignore_eos=params.ignore_eos, priority=turn.priority, detokenize=True,
                     ):
                         ids += step.token_ids
+                        turn.produced(len(step.token_ids))
                         reason = step.finish_reason
                         if step.text or step.token_ids:
                             ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
@@ -75,7 +83,8 @@ def create_app(engine, slots: EngineSlots) -> Starlette:
     async def stats(_: Request):
         # Live, for operators and tests: each batch hold's item stream and its tokens so
         # far (journaled + produced), and what the test gate holds when it is on.
-        live = dict(slots.snapshot(), holds={h.id: h.generated for h in slots.holds.values()})
+        live = dict(slots.snapshot(), holds={h.id: h.generated for h in slots.holds.values()},
+                    fairness=fair.snapshot())
         if (gate := getattr(engine, "gate_stats", None)) is not None:
             live["gate"] = gate()
         return JSONResponse(live)

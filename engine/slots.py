@@ -5,7 +5,9 @@ they run on vLLM; when interactive demand rises the cap from `policy.preemption`
 and the victims it names are aborted in vLLM at once (their slot and KV blocks are free at
 the engine's next step). Each victim's generation then flushes its tokens to the journal
 and yields; batch waits here until the cap, with hysteresis, lets it back in. The fleet
-controller may cap batch lower still while the engine's pool surges (`direct`).
+controller may cap batch lower still while the engine's pool surges (`direct`). Neither
+keeps batch below its minimum share (`min_share` of the slots) for longer than
+`starve_after_s`: continuous chat slows batch down, it never stops it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from policy.preemption import Demand, Running, SlotState, batch_slots, victims
+from policy.preemption import Demand, Floor, Running, SlotState, batch_slots, min_slots, starvation_floor, victims
 
 
 @dataclass
@@ -39,14 +41,18 @@ class SlotStats:
 
 
 class EngineSlots:
-    def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0,
-                 preemption: bool = True, clock: Callable[[], float] = time.monotonic, report_window: int = 3):
+    def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0, min_share: float = 0.0,
+                 starve_after_s: float = 30.0, preemption: bool = True, clock: Callable[[], float] = time.monotonic,
+                 report_window: int = 3):
         self.max_seqs = max_seqs
         self.busy_cap = busy_cap
         self.cool_down_s = cool_down_s
         self.preemption = preemption  # False: FIFO, batch keeps what it holds (a benchmark arm)
         self.clock = clock
         self.state = SlotState(cap=max_seqs)
+        self.floor = Floor(min_slots(min_share, max_seqs))
+        self.starve_after_s = starve_after_s
+        self._cap = max_seqs
         self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
         self.interactive_peak = 0  # most in flight at once since the last report
@@ -97,14 +103,15 @@ class EngineSlots:
 
     @property
     def cap(self) -> int:
-        """Batch sequences allowed now: the engine's own cap, or the fleet's if lower."""
-        return self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
+        """Batch sequences allowed now: the engine's own cap, or the fleet's if lower, but
+        not below batch's floor once it has starved for `starve_after_s`."""
+        return self._cap
 
     async def direct(self, fleet_cap: int | None) -> None:
         """Apply the fleet controller's cap (None lifts it)."""
         if fleet_cap != self.fleet_cap:
             self.fleet_cap = fleet_cap
-            await self._rebalance()
+        await self._rebalance()  # also when unchanged: the floor's grace may have passed
 
     def snapshot(self) -> dict:
         return dict(interactive=self.interactive, batch=len(self.holds), batch_queued=self.queued, batch_cap=self.cap,
@@ -121,7 +128,10 @@ class EngineSlots:
 
     def _update_cap(self) -> None:
         demand = Demand(self.interactive, self.max_seqs, self.busy_cap)
-        self.state = batch_slots(demand, self.state, self.clock(), self.cool_down_s)
+        now = self.clock()
+        self.state = batch_slots(demand, self.state, now, self.cool_down_s)
+        cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
+        self._cap, self.floor = starvation_floor(cap, self.floor, now, self.starve_after_s)
 
     async def _rebalance(self) -> None:
         async with self._changed:

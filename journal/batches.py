@@ -62,7 +62,8 @@ async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = N
 async def list_batches(conn: AsyncConnection, tenant: str, after: str | None, limit: int) -> list[dict[str, Any]]:
     q = select(batches).where(batches.c.tenant == tenant)
     if after is not None:
-        cursor = select(batches.c.seq).where(batches.c.id == after).scalar_subquery()
+        # The cursor is the tenant's own batch or none: another tenant's id pages like an unknown one.
+        cursor = select(batches.c.seq).where(batches.c.id == after, batches.c.tenant == tenant).scalar_subquery()
         q = q.where(batches.c.seq < cursor)
     q = q.order_by(batches.c.seq.desc()).limit(limit)
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]

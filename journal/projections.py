@@ -3,10 +3,16 @@
 Each projector handles one event type for a list of events (so a 50,000-line batch's
 items project as a few bulk statements). `rebuild` replays the whole journal into empty
 read models and must give the same rows: the read models hold nothing events do not.
+
+One projection is not a read model: an item's result (`item_completed`, `item_failed`)
+settles the item in the quota ledger, in the same transaction, whichever path journals it
+(a generation's checkpoint, `fail_item`, an item refused at validation). The ledger is
+append-only and its rows idempotent, so a replay adds nothing that is there already.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -15,6 +21,7 @@ from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from journal import ledger
 from journal.schema import batch_items, batches, events, files
 
 if TYPE_CHECKING:
@@ -99,11 +106,28 @@ async def _item_finished(conn, evs, status: str):
 @projects("item_completed")
 async def _item_completed(conn, evs):
     await _item_finished(conn, evs, "completed")
+    await ledger.settle_items(conn, [_used(e, _usage(e.payload.get("body_json"))) for e in evs])
 
 
 @projects("item_failed")
 async def _item_failed(conn, evs):
     await _item_finished(conn, evs, "failed")
+    await ledger.settle_items(conn, [_used(e, {}) for e in evs])
+
+
+def _usage(body_json: str | None) -> dict:
+    """The response body's `usage` (OpenAI's: prompt_tokens, completion_tokens)."""
+    try:
+        body = json.loads(body_json) if body_json else {}
+    except ValueError:
+        return {}
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return usage if isinstance(usage, dict) else {}
+
+
+def _used(e: Event, usage: dict) -> ledger.ItemUsage:
+    return ledger.ItemUsage(e.tenant, e.payload["batch_id"], e.payload["idx"], int(usage.get("prompt_tokens", 0)),
+                            int(usage.get("completion_tokens", 0)))
 
 
 @projects("item_preempted")

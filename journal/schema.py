@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
+    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -119,4 +121,86 @@ leases = Table(
     Column("token", BigInteger, nullable=False),
     Column("holder", Text, nullable=False),
     Column("acquired_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# -- tenants and their keys (migration 0005) -------------------------------------------
+# Not projections: the admin API and `ballast tenants` write them directly.
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("weight", Integer, nullable=False, server_default="1"),  # fair share within a tier
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("tenant", Text, ForeignKey("tenants.id"), nullable=False),
+    Column("hash", Text, nullable=False, unique=True),  # sha256 hex of the key; the key itself is never stored
+    Column("prefix", Text, nullable=False),
+    Column("name", Text, nullable=True),
+    Column("admin", Boolean, nullable=False, server_default="false"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("revoked_at", DateTime(timezone=True), nullable=True),
+)
+
+# Per tenant and model ('*': every model); NULL: no limit on that dimension.
+limits = Table(
+    "limits",
+    metadata,
+    Column("tenant", Text, ForeignKey("tenants.id"), primary_key=True),
+    Column("model", Text, primary_key=True, server_default="*"),
+    Column("requests_per_min", BigInteger),
+    Column("input_tokens_per_min", BigInteger),
+    Column("output_tokens_per_min", BigInteger),
+    Column("concurrent_requests", BigInteger),
+    Column("tokens_per_day", BigInteger),
+    Column("batch_queue_tokens", BigInteger),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# -- the quota ledger (migration 0005; journal/ledger.py) ------------------------------
+# Append-only, like `events`: one row per reserve / settle / refund / expire of a subject
+# (request:<id>, batch:<id>, item:<id>:<idx>); `idempotency_key` is `<kind>:<subject>`.
+ledger = Table(
+    "ledger",
+    metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=True),
+    Column("tenant", Text, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("tier", Text, nullable=False),  # priority | default | flex | batch
+    Column("subject", Text, nullable=False),
+    Column("kind", Text, nullable=False),  # reserve | settle | refund | expire
+    Column("input_tokens", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("holder", Text, nullable=True),  # the admitting process, for expiry
+    Column("idempotency_key", Text, nullable=False, unique=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# The reconciler's fold of the ledger, per tenant × model × window × admitting process.
+quota_usage = Table(
+    "quota_usage",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("model", Text, primary_key=True),
+    Column("window", Text, primary_key=True),  # minute | day
+    Column("starts_at", DateTime(timezone=True), primary_key=True),
+    Column("holder", Text, primary_key=True, server_default=""),
+    Column("requests", BigInteger, nullable=False, server_default="0"),
+    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("in_flight", BigInteger, nullable=False, server_default="0"),
+    Column("batch_queue_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("folded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Processes that admit, and when each was last seen (its reservations expire after a TTL).
+admission_holders = Table(
+    "admission_holders",
+    metadata,
+    Column("holder", Text, primary_key=True),
+    Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

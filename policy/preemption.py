@@ -10,6 +10,9 @@ Two levels. Per engine, within an engine step (the engine worker applies these):
   batch thrash between preempted and resumed.
 - `victims`: which running batch generations to preempt when they hold more slots than
   the cap allows: lowest tier first, then least progress lost, then newest, then id.
+- `starvation_floor`: a minimum share batch keeps once it has been squeezed below it for
+  `starve_after_s`. Short surges take every slot (chat latency first); continuous chat
+  cannot take them forever (batch still progresses at its floor).
 
 Per pool, every controller tick (`workflows/fleet.py` applies this):
 - `pool_step`: from the engines' reports, is the pool surging? A pool enters a surge when
@@ -67,6 +70,31 @@ def batch_slots(d: Demand, prev: SlotState, now: float, cool_down_s: float = 2.0
     if now - calm_since >= cool_down_s:
         return SlotState(wanted, None)
     return SlotState(prev.cap, calm_since)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Batch's guaranteed share, and since when the cap has been below it."""
+
+    min_slots: int = 0
+    squeezed_since: float | None = None
+
+
+def starvation_floor(cap: int, floor: Floor, now: float, starve_after_s: float) -> tuple[int, Floor]:
+    """The cap to apply (`cap`, or the floor once batch has starved long enough) and the
+    floor's state for the next call."""
+    # 1. At or above the floor: nothing to guarantee, and the squeeze is over.
+    if cap >= floor.min_slots:
+        return cap, Floor(floor.min_slots)
+    # 2. Below it: count how long, and hold batch to the floor once that passes the grace.
+    since = floor.squeezed_since if floor.squeezed_since is not None else now
+    squeezed = Floor(floor.min_slots, since)
+    return (floor.min_slots if now - since >= starve_after_s else cap), squeezed
+
+
+def min_slots(share: float, max_seqs: int) -> int:
+    """Slots of a `share` of `max_seqs`, at least one for any share above zero."""
+    return 0 if share <= 0 else max(1, min(max_seqs, int(share * max_seqs)))
 
 
 def victims(running: list[Running], cap: int) -> list[str]:

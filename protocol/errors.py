@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
           404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error"}
 

@@ -437,3 +437,13 @@ def test_compose_cli_accepts_the_file(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_only_the_api_is_published_beyond_this_host(services):
+    """Postgres, Temporal and its UI have no login of their own: loopback only, if at all."""
+    for name, service in services.items():
+        for entry in service.get("ports") or []:
+            host_ip = entry.get("host_ip", "") if isinstance(entry, dict) else (
+                str(entry).rsplit(":", 2)[0] if str(entry).count(":") == 2 else "")
+            if name != "api":
+                assert host_ip == "127.0.0.1", f"{name} publishes {entry} beyond this host"

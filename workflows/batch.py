@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import Priority, RetryPolicy
 from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
@@ -46,6 +46,9 @@ INPUT_STEP: dict[str, Any] = dict(
 )
 # A generation that keeps killing its worker is failed after this many attempts, not forever.
 GENERATION_ATTEMPTS = 8
+# Temporal priority keys run 1 (first) to 5; unset is 3. Batch generations yield to anything
+# queued at the default.
+BATCH_PRIORITY_KEY = 4
 
 
 @workflow.defn(name="Batch")
@@ -176,6 +179,11 @@ class BatchWorkflow:
             ),
             # Wait for the generations to flush their tokens before we move on.
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+            # Behind any higher-priority work on the engine queue; between tenants' batches,
+            # shared by weight (matching's fairness), so one tenant's huge batch does not
+            # hold every engine until it drains.
+            priority=Priority(priority_key=BATCH_PRIORITY_KEY, fairness_key=inp.tenant,
+                              fairness_weight=inp.fairness_weight),
         )
 
     async def _settle(self, batch_id: str, idxs: list[int], handle: workflow.ActivityHandle) -> list[int]:
@@ -198,6 +206,7 @@ class BatchWorkflow:
 
     def _now(self) -> float:
         return workflow.now().timestamp()
+
 
 
 def _why(err: ActivityError) -> str:

@@ -25,6 +25,9 @@ class BatchInput:
     heartbeat_timeout_s: float = 10.0
     items_per_run: int = 1000  # then continue-as-new: keeps each history a few thousand events
     group_size: int = 16  # items per generation activity
+    # Whose batch: engine queues interleave tenants' generations by weight (fairness keys).
+    tenant: str = "default"
+    fairness_weight: float = 1.0
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1
@@ -96,6 +99,12 @@ class InteractiveInput:
     endpoint: str
     engine_id: str
     prompt_tokens: int
+    # The admission's reservation (api/admission.py), for the ledger rows the journaling
+    # transaction writes: None where the request was not admitted through one.
+    reserved_input: int | None = None
+    reserved_output: int | None = None
+    holder: str | None = None  # the admitting process
+    admitted_at: float | None = None  # unix seconds: the reservation's window
 
 
 @dataclass
@@ -142,3 +151,24 @@ class FleetEvent:
 class ApplyFleetInput:
     caps: list[tuple[str, int | None]]  # (engine id, batch cap; None lifts the fleet's cap)
     events: list[FleetEvent]
+
+
+@dataclass
+class QuotaInput:
+    """The quota reconciler's settings (workflows/quota.py)."""
+
+    tick_s: float = 1.0
+    holder_ttl_s: float = 30.0  # an admitting process not seen this long: its reservations expire
+    ticks_per_run: int = 300  # then continue-as-new (a handful of history events per tick)
+
+
+@dataclass
+class ReconcileInput:
+    holder_ttl_s: float
+    tick_s: float = 1.0  # the period it runs at: a tick taking half of it is logged
+
+
+@dataclass
+class ReconcileResult:
+    rows: int  # quota_usage rows written
+    expired: int  # reservations expired

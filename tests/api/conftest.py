@@ -1,6 +1,11 @@
 """The FastAPI app in process (httpx's ASGI transport, no sockets, no lifespan), wired by
 hand: the real journal on the test database and a real object store under tmp_path;
-Temporal is real only for the tests that ask for it."""
+Temporal is real only for the tests that ask for it.
+
+Every client carries an API key: `api` and `temporal_api` one of tenant `default`, made in
+the test database as the admin API makes them; `other_api` one of a tenant of its own.
+`bare_api` has no database, so its one key is known to its key cache beforehand.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +16,13 @@ import httpx
 import pytest
 
 from api.app import create_app
+from api.auth import KeyCache
 from api.deps import Services
 from api.engines import EngineDirectory
 from ballast.settings import Settings
+from journal import tenants
 from journal.objects import ObjectStore
+from journal.tenants import Principal
 
 UPLOAD_LIMIT = 64 * 1024
 REQUEST_LIMIT = 16 * 1024
@@ -37,26 +45,63 @@ def settings(tmp_path) -> Settings:
                     max_request_bytes=REQUEST_LIMIT, control_queue=f"api-test-{uuid.uuid4().hex[:8]}")
 
 
-def build(settings: Settings, db, temporal) -> httpx.AsyncClient:
+BARE_KEY = "sk-ballast-bare-api-key-known-without-a-database"
+
+
+def known_keys(known: dict[str, Principal], ttl_s: float = 60.0) -> KeyCache:
+    """A key cache that asks a dict, not Postgres."""
+
+    async def lookup(plaintext: str) -> Principal | None:
+        return known.get(plaintext)
+
+    return KeyCache(lookup, ttl_s)
+
+
+def build(settings: Settings, db, temporal, key: str | None = None) -> httpx.AsyncClient:
+    """The app on `db` (or a stand-in) and a client of it sending `key` (None: no key)."""
     app = create_app(settings, temporal=temporal)
     engines: Any = EngineDirectory(db) if not isinstance(db, Untouchable) else db  # or a stand-in
+    keys = (known_keys({BARE_KEY: Principal("default", "key_bare")}) if isinstance(db, Untouchable)
+            else KeyCache.over(db, settings.key_cache_s))
     app.state.services = Services(settings, db, temporal, ObjectStore(settings.object_store_url), engines,
-                                  httpx.AsyncClient())
+                                  httpx.AsyncClient(), keys=keys)
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     # raise_app_exceptions: an error that escapes every handler fails the test loudly.
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test", headers=headers)
+
+
+async def new_key(db, tenant: str, *, admin: bool = False) -> str:
+    """A key of `tenant` (created if new), made in the database as the admin API makes it."""
+    async with db.begin() as conn:
+        await tenants.ensure_tenant(conn, tenant)
+        return (await tenants.create_key(conn, tenant, "tests", admin))[1]
+
+
+@pytest.fixture(scope="session")
+async def default_key(db) -> str:
+    return await new_key(db, "default")
 
 
 @pytest.fixture
-async def api(settings, db):
-    """Real Postgres; Temporal must not be reached."""
-    async with build(settings, db, Untouchable("temporal")) as client:
+async def api(settings, db, default_key):
+    """Real Postgres; Temporal must not be reached. Tenant `default`."""
+    async with build(settings, db, Untouchable("temporal"), default_key) as client:
+        yield client
+
+
+@pytest.fixture
+async def other_api(settings, db):
+    """As `api`, for a tenant of its own (`other_api.tenant`), new in each test."""
+    tenant = "other-" + uuid.uuid4().hex[:8]
+    async with build(settings, db, Untouchable("temporal"), await new_key(db, tenant)) as client:
+        client.tenant = tenant
         yield client
 
 
 @pytest.fixture
 async def bare_api(settings):
     """Neither Postgres nor Temporal may be reached: input refused at the edge."""
-    async with build(settings, Untouchable("postgres"), Untouchable("temporal")) as client:
+    async with build(settings, Untouchable("postgres"), Untouchable("temporal"), BARE_KEY) as client:
         yield client
 
 
@@ -68,8 +113,8 @@ async def temporal_client(temporal_address):
 
 
 @pytest.fixture
-async def temporal_api(settings, db, temporal_client):
-    async with build(settings, db, temporal_client) as client:
+async def temporal_api(settings, db, temporal_client, default_key):
+    async with build(settings, db, temporal_client, default_key) as client:
         yield client
 
 

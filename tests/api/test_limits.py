@@ -117,28 +117,29 @@ async def test_a_response_already_begun_is_not_followed_by_a_second():
 
 
 @contextlib.asynccontextmanager
-async def serve(settings, db, temporal):
+async def serve(settings, db, temporal, key):
     """The app behind a real uvicorn socket: chunked transfer encoding, HTTP framing."""
     import uvicorn
 
-    app = build(settings, db, temporal)._transport.app
+    in_process = build(settings, db, temporal, key)
+    app, headers = in_process._transport.app, in_process.headers
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=headers) as client:
             yield client
     finally:
         server.should_exit = True
         await task
 
 
-async def test_over_a_real_socket(settings, db):
+async def test_over_a_real_socket(settings, db, default_key):
     from tests.api.conftest import Untouchable
 
-    async with serve(settings, db, Untouchable("temporal")) as http:
+    async with serve(settings, db, Untouchable("temporal"), default_key) as http:
         # Chunked, well past the cap: the client still reads the 413.
         r = await http.post("/v1/chat/completions", content=chunked(40 * REQUEST_LIMIT, 65536), headers=JSON)
         assert "content-length" not in r.request.headers

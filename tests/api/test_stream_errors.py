@@ -21,8 +21,9 @@ from api import interactive
 from api.app import create_app
 from api.deps import Services
 from journal.objects import ObjectStore
+from journal.tenants import Principal
 from policy.placement import EngineView
-from tests.api.conftest import Untouchable, assert_openai_error
+from tests.api.conftest import BARE_KEY, Untouchable, assert_openai_error, known_keys
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BODIES = {
@@ -93,8 +94,10 @@ def serve(settings, workflows):
         db: Any = Untouchable("postgres")
         engines: Any = OneEngine()  # stands in for the EngineDirectory
         app.state.services = Services(settings, db, workflows, ObjectStore(settings.object_store_url), engines,
-                                      httpx.AsyncClient(transport=transport))
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test")
+                                      httpx.AsyncClient(transport=transport),
+                                      keys=known_keys({BARE_KEY: Principal("default", "key_bare")}))
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test",
+                                 headers={"Authorization": f"Bearer {BARE_KEY}"})
 
     return make
 

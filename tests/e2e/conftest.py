@@ -6,21 +6,28 @@ at a moment holds it there with the engine gate (`stack.gate`, engine/gate.py: e
 engine worker of a stack runs with one, unlimited unless a test holds) and waits for the
 state it needs as the engine reports it (`stack.wait_held`, `stack.wait_stats`) or as the
 journal records it, never for a guessed while.
+
+Every /v1 call needs an API key: each stack makes one, of tenant `default`, in its
+database (`stack.key`); `stack.http()` and the `client` fixture send it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ballast import procs
+from journal import tenants
+from journal.db import connect
 
 UPLOAD_LIMIT = 256 * 1024
 WAIT_S = 240  # how long a wait on an observed state may take before the test fails: a hang guard, not a speed bet
@@ -53,15 +60,42 @@ class Gate:
         os.replace(tmp, self.path)
 
 
+def make_key(db_url: str, tenant: str = "default") -> str:
+    """A new key of `tenant` (made if new) in the database at `db_url`."""
+
+    async def make() -> str:
+        db = connect(db_url, pool_size=1)
+        try:
+            async with db.begin() as conn:
+                await tenants.ensure_tenant(conn, tenant)
+                return (await tenants.create_key(conn, tenant, "e2e"))[1]
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:  # its own event loop, whoever calls
+        return pool.submit(asyncio.run, make()).result()
+
+
 class Stack:
-    def __init__(self, root: Path, env: dict[str, str]):
+    def __init__(self, root: Path, env: dict[str, str], key: str):
         self.root = root
         self.env = env
         self.url = f"http://127.0.0.1:{env['BALLAST_API_PORT']}"
+        self.key = key
+        self.headers = {"Authorization": f"Bearer {key}"}
         self.gate = Gate(Path(env["BALLAST_ENGINE_GATE"]))
         self.children: dict[str, procs.Child] = {}
         self.engine_url = ""
         self._engines = 0
+
+    def http(self, timeout: float = 60) -> httpx.Client:
+        """A client of the stack's API, with its key."""
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+    def openai(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0)
 
     def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> procs.Child:
         child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=dict(self.env, **(env or {})),
@@ -148,7 +182,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)
-    s = Stack(root, env)
+    s = Stack(root, env, make_key(db_url))
     try:
         s.start_engine()
         s.start("control", "worker", "control")
@@ -180,6 +214,4 @@ def gate(stack):
 
 @pytest.fixture
 def client(stack):
-    from openai import OpenAI
-
-    return OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
+    return stack.openai()

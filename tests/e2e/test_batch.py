@@ -105,6 +105,13 @@ async def test_openai_client_runs_a_50_line_batch_to_vllms_greedy_output(client,
         history = await tc.get_workflow_handle(wid, run_id=run.run_id).fetch_history()
         await Replayer(workflows=[BatchWorkflow]).replay_workflow(history)
         assert len(history.events) < 16 * 8  # no per-token events: a handful per item
+        # Generations queue behind default-priority work and are shared between tenants by
+        # weight: the stack's key is of tenant `default`, weight 1.
+        generations = [e.activity_task_scheduled_event_attributes for e in history.events
+                       if e.activity_task_scheduled_event_attributes.activity_type.name == "generate"]
+        assert generations
+        assert {(g.priority.priority_key, g.priority.fairness_key, g.priority.fairness_weight)
+                for g in generations} == {(4, "default", 1.0)}
 
 
 def test_an_invalid_file_fails_validation_with_line_errors(client):
@@ -184,7 +191,7 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
 
 
 def test_bad_requests_get_4xx_in_openai_shape(stack):
-    api = httpx.Client(base_url=stack.url, timeout=30)
+    api = stack.http(timeout=30)
     _assert_openai_error(api.get("/v1/files/file-nope"), 404)
     _assert_openai_error(api.get("/v1/files/file-nope/content"), 404)
     _assert_openai_error(api.get("/v1/batches/batch_nope"), 404)

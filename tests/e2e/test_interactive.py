@@ -8,7 +8,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
@@ -71,7 +70,7 @@ async def _requests_settled(temporal_address: str, db_url: str) -> int:
 
 
 async def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url, temporal_address):
-    api = httpx.Client(base_url=stack.url, timeout=30)
+    api = stack.http(timeout=30)
     before = await _requests_settled(temporal_address, db_url)
     msgs = [{"role": "user", "content": "hi"}]
     chat = dict(model="ballast-tiny", messages=msgs)
@@ -106,7 +105,7 @@ async def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url,
 
 
 def test_nulls_mean_defaults_as_in_openais_api(stack):
-    api = httpx.Client(base_url=stack.url, timeout=60)
+    api = stack.http(timeout=60)
     body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=None,
                 top_p=None, stop=None, seed=None, n=None)
     r = api.post("/v1/chat/completions", json=body)
@@ -122,8 +121,8 @@ class Surges:
     """Bursts of interactive requests at random moments, from a thread of their own, until
     stopped: the batch under test must yield to each one."""
 
-    def __init__(self, url: str, gaps=(0.15, 0.5), burst: int = 2, seed: int = 3, max_tokens: int = 4):
-        self.url, self.gaps, self.burst, self.rng = url, gaps, burst, random.Random(seed)
+    def __init__(self, stack, gaps=(0.15, 0.5), burst: int = 2, seed: int = 3, max_tokens: int = 4):
+        self.stack, self.gaps, self.burst, self.rng = stack, gaps, burst, random.Random(seed)
         self.max_tokens = max_tokens
         self.statuses: list[int] = []
         self._stop = threading.Event()
@@ -140,7 +139,7 @@ class Surges:
     def _run(self) -> None:
         body = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=self.max_tokens,
                     temperature=0)
-        with httpx.Client(base_url=self.url, timeout=60) as http, ThreadPoolExecutor(self.burst) as pool:
+        with self.stack.http(timeout=60) as http, ThreadPoolExecutor(self.burst) as pool:
             while not self._stop.wait(self.rng.uniform(*self.gaps)):
                 rs = list(pool.map(lambda _: http.post("/v1/chat/completions", json=body), range(self.burst)))
                 self.statuses += [r.status_code for r in rs]
@@ -155,7 +154,7 @@ async def test_a_surge_while_a_batch_ends_leaves_it_consistent(client, stack, ga
     lines = [chat_line(f"e-{i}", f"ending {i}", 200 if cancel else 40, ignore_eos=True) for i in range(20)]
     batch = await asyncio.to_thread(submit, client, lines)
     preempted = "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
-    with Surges(stack.url, gaps=(0.3, 0.9), burst=3) as surges:  # calm spells let batch back in
+    with Surges(stack, gaps=(0.3, 0.9), burst=3) as surges:  # calm spells let batch back in
         deadline = time.monotonic() + WAIT_S
         while _sql(db_url, preempted, s=f"item:{batch.id}:%")[0][0] == 0:
             assert time.monotonic() < deadline, "no preemption"

@@ -13,9 +13,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from openai import OpenAI
 
 from ballast import pg
 from journal.batches import item_stream
@@ -53,16 +51,16 @@ def quiet(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
 CHAT = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
 
 
-def burst(url: str, n: int = 2) -> list[int]:
+def burst(stack, n: int = 2) -> list[int]:
     """A burst of chat: on arrival each request preempts every batch generation on the engine."""
-    with httpx.Client(base_url=url, timeout=60) as http, ThreadPoolExecutor(n) as pool:
+    with stack.http(timeout=60) as http, ThreadPoolExecutor(n) as pool:
         return [r.status_code for r in pool.map(lambda _: http.post("/v1/chat/completions", json=CHAT), range(n))]
 
 
 async def long_batch(stack, tag: str, prompts: list[str], max_tokens: int = LENGTH):
     """A batch of greedy generations of `max_tokens` each, one per prompt: (client, batch).
     Not long to keep them in flight (the gate does that), long enough to hold anywhere."""
-    client = OpenAI(base_url=stack.url + "/v1", api_key="test-key", max_retries=0)
+    client = stack.openai()
     lines = [chat_line(f"{tag}-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
     return client, await asyncio.to_thread(submit, client, lines)
 
@@ -115,6 +113,16 @@ def assert_nothing_lost_and_never_two_at_once(db_url: str, batch_id: str) -> Non
     assert _sql(db_url, """SELECT stream FROM events
                            WHERE stream LIKE %(s)s AND type IN ('item_completed', 'item_failed')
                            GROUP BY stream HAVING count(*) > 1""", s=like) == []
+    # The quota books: a preempted, resumed item settles once, for every token its chunks
+    # journaled (SQL over the journal, not the code that settles).
+    settled = _sql(db_url, """SELECT l.subject, l.output_tokens,
+            (SELECT coalesce(sum(jsonb_array_length(c.payload->'token_ids')), 0) FROM events c
+              WHERE c.stream = l.subject AND c.type = 'item_chunk')
+            FROM ledger l WHERE l.kind = 'settle' AND l.subject LIKE %(s)s""", s=like)
+    results = _sql(db_url, """SELECT count(*) FROM events
+                              WHERE stream LIKE %(s)s AND type IN ('item_completed', 'item_failed')""", s=like)[0][0]
+    assert len(settled) == results > 0
+    assert all(out == chunked for _, out, chunked in settled), settled
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -138,7 +146,7 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
             stack.gate.hold(budgets)
             # Every item generating (a batch slot held), exactly at its offset: then chat comes.
             await asyncio.to_thread(stack.wait_held, budgets)
-            assert await asyncio.to_thread(burst, stack.url) == [200, 200]
+            assert await asyncio.to_thread(burst, stack) == [200, 200]
             so_far = n * (r + 1)
             await journaled(db_url, preempted, lambda got, so_far=so_far: got >= so_far, "not every item yielded",
                             s=f"item:{batch.id}:%")
@@ -174,7 +182,7 @@ async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_c
         client, batch = await long_batch(stack, "f", prompts)
         like = f"item:{batch.id}:%"
         await asyncio.to_thread(stack.wait_held, {item_stream(batch.id, i): held_at for i in range(n)})
-        with Surges(stack.url, gaps=(0.8, 1.2), burst=8, max_tokens=64) as surges:
+        with Surges(stack, gaps=(0.8, 1.2), burst=8, max_tokens=64) as surges:
             await journaled(db_url, "SELECT count(*) FROM events WHERE stream = 'fleet:ballast-tiny'",
                             lambda got: got > 0, "no surge")
             # The controller's cap has reached the engine and every batch generation there
@@ -230,7 +238,7 @@ async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
         stack.gate.hold(budgets)
         await asyncio.to_thread(stack.wait_held, budgets)
         victim = stack.engine
-        chat = asyncio.create_task(asyncio.to_thread(burst, stack.url))
+        chat = asyncio.create_task(asyncio.to_thread(burst, stack))
         await journaled(db_url, preempted, lambda got: got > 0, f"no preemption; chat: {chat}", s=f"item:{batch.id}:%")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.proc.wait(10)

@@ -1,5 +1,6 @@
-"""`ballast up` on embedded defaults: ready, serves a batch, stops every child on SIGTERM or
-Ctrl-C, and a second `ballast up` finds the first one's jobs."""
+"""`ballast up` on embedded defaults: ready, serves a batch with the key it made (in
+data_dir/api-key, shown in its banner), stops every child on SIGTERM or Ctrl-C, and a second
+`ballast up` finds the first one's jobs and keys."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -57,6 +59,22 @@ def _ok(api: httpx.Client) -> bool:
         return False
 
 
+def banner(log: Path, child: procs.Child) -> str:
+    """What `ballast up` printed once ready (it polls health itself, so a little after us)."""
+    procs.wait_until(lambda: "Ballast is up" in log.read_text(), 60, "the banner", child=child, interval=0.2)
+    return log.read_text()
+
+
+def keys(data_dir: Path) -> tuple[str, str]:
+    """The tenant key and the admin key `ballast up` keeps, readable by this user only."""
+    out = []
+    for name in ("api-key", "admin-key"):
+        path = data_dir / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+        out.append(path.read_text().strip())
+    return out[0], out[1]
+
+
 def stop_and_check_no_orphans(child: procs.Child, sig: int) -> None:
     tree = descendants(child.pid)
     assert len(tree) >= 4, tree  # postgres, temporal, engine, control, api (+ their own children)
@@ -87,6 +105,12 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
     first = start_up(env, tmp_path / "up-1.log")
     try:
         wait_healthy(api, first)
+        key, admin_key = keys(data_dir)
+        shown = banner(tmp_path / "up-1.log", first)
+        assert f"export OPENAI_API_KEY={key}" in shown and admin_key in shown  # new: both shown
+        assert api.get("/v1/batches").status_code == 401  # no key
+        api.headers["Authorization"] = f"Bearer {key}"
+        assert (data_dir / "postgres-url").exists()  # for `ballast tenants` meanwhile
         parts = api.get("/healthz").json()["parts"]
         assert set(parts.values()) == {"ok"}
         ui = httpx.get(f"http://127.0.0.1:{env['BALLAST_TEMPORAL_UI_PORT']}", timeout=10)
@@ -103,12 +127,16 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
             time.sleep(0.3)
         output = api.get(f"/v1/files/{b['output_file_id']}/content").text
         stop_and_check_no_orphans(first, signal.SIGTERM)
+        assert not (data_dir / "postgres-url").exists()
     finally:
         first.stop(30)
 
     second = start_up(env, tmp_path / "up-2.log")
     try:
         wait_healthy(api, second)
+        assert keys(data_dir) == (key, admin_key)  # the same keys
+        shown = banner(tmp_path / "up-2.log", second)
+        assert f"export OPENAI_API_KEY={key}" in shown and admin_key not in shown  # the admin's: where, not what
         again = api.get(f"/v1/batches/{bid}").json()
         assert again["status"] == "completed" and again["request_counts"]["completed"] == 1
         assert api.get(f"/v1/files/{again['output_file_id']}/content").text == output

@@ -90,3 +90,24 @@ async def test_reports_keep_a_peak_for_a_few_reports_so_a_slower_reader_sees_it(
     async with slots.interactive_request():
         pass
     assert [slots.report()["interactive"] for _ in range(4)] == [1, 1, 1, 0]
+
+
+async def test_continuous_chat_and_a_surge_cap_cannot_starve_batch_past_its_floor():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(8, busy_cap=0, min_share=0.25, starve_after_s=30.0, clock=clock)  # floor: 2 slots
+    tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)  # clock at 2.0
+    await slots.direct(0)  # the pool surges: the fleet caps batch at 0
+    async with slots.interactive_request():
+        assert slots.cap == 0 and sorted(aborted) == ["a", "b", "c"]
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        clock.now = 20.0
+        started = [asyncio.Event() for _ in range(3)]
+        waiters = [asyncio.create_task(hold(slots, id, 10, [], ev)) for id, ev in zip("def", started, strict=True)]
+        await asyncio.sleep(0.3)
+        assert not slots.holds  # within the grace: chat has every slot
+        clock.now = 33.0  # squeezed since t=2 for over 30 s: batch gets its floor back
+        await asyncio.sleep(0.6)
+        assert slots.cap == 2 and len(slots.holds) == 2  # the floor, no more
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)

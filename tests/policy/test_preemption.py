@@ -43,3 +43,23 @@ def test_victims_lowest_tier_then_least_progress_then_newest_then_id():
 
 def test_unsaved_tokens_count_as_progress_at_risk():
     assert victims([r("x", unsaved=10), r("y", generated=3)], cap=1) == ["y"]
+
+
+def test_starvation_floor_holds_batch_to_its_share_only_after_the_grace():
+    from policy.preemption import Floor, min_slots, starvation_floor
+
+    assert min_slots(0.05, 256) == 12 and min_slots(0.01, 8) == 1 and min_slots(0.0, 8) == 0
+    floor = Floor(min_slots=2)
+    cap, floor = starvation_floor(0, floor, now=100.0, starve_after_s=30.0)
+    assert cap == 0 and floor.squeezed_since == 100.0  # a surge begins: chat takes every slot
+    cap, floor = starvation_floor(0, floor, now=129.9, starve_after_s=30.0)
+    assert cap == 0
+    cap, floor = starvation_floor(0, floor, now=130.0, starve_after_s=30.0)
+    assert cap == 2 and floor.squeezed_since == 100.0  # starved long enough: the floor
+    cap, floor = starvation_floor(1, floor, now=200.0, starve_after_s=30.0)
+    assert cap == 2  # still squeezed: the floor stays
+    cap, floor = starvation_floor(5, floor, now=201.0, starve_after_s=30.0)
+    assert cap == 5 and floor.squeezed_since is None  # chat calmed: the squeeze is over
+    cap, floor = starvation_floor(0, floor, now=202.0, starve_after_s=30.0)
+    assert cap == 0  # a new squeeze waits out the grace again
+    assert starvation_floor(0, Floor(0), now=0.0, starve_after_s=0.0)[0] == 0  # no floor: nothing kept

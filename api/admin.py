@@ -1,0 +1,155 @@
+"""/admin: tenants, their API keys and their limits. Every route needs an admin key.
+
+A key's plaintext is in the answer that creates it and nowhere else, ever: lists show its
+id, its first characters and its name. Revoking a key takes effect at once on this API
+process and within BALLAST_KEY_CACHE_S on every other.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from api.deps import AdminDep, ServicesDep
+from api.errors import APIError, check_text, not_found, possible_id
+from journal import tenants as jt
+from protocol.schema import errors
+
+router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(401, 403))
+
+_LIMIT = Field(default=None, ge=0, le=2**63 - 1)
+
+
+class CreateTenant(BaseModel):
+    id: str = Field(max_length=63)
+    weight: int = Field(default=1, ge=1, le=1_000_000)
+
+
+class CreateKey(BaseModel):
+    name: str | None = Field(default=None, max_length=200)
+    admin: bool = False
+
+
+class Limits(BaseModel):
+    """The tenant's limits for `model` ('*': every model), replaced whole: an absent or
+    null dimension is no limit."""
+
+    model: str = Field(default=jt.ANY_MODEL, min_length=1, max_length=256)
+    requests_per_min: int | None = _LIMIT
+    input_tokens_per_min: int | None = _LIMIT
+    output_tokens_per_min: int | None = _LIMIT
+    concurrent_requests: int | None = _LIMIT
+    tokens_per_day: int | None = _LIMIT
+    batch_queue_tokens: int | None = _LIMIT
+
+
+def _epoch(at: datetime | None) -> int | None:
+    return int(at.timestamp()) if at is not None else None
+
+
+def tenant_object(row: dict[str, Any]) -> dict[str, Any]:
+    return dict(id=row["id"], object="tenant", weight=row["weight"], created_at=_epoch(row["created_at"]))
+
+
+def key_object(row: dict[str, Any], plaintext: str | None = None) -> dict[str, Any]:
+    out = dict(id=row["id"], object="api_key", tenant=row["tenant"], prefix=row["prefix"], name=row["name"],
+               admin=row["admin"], created_at=_epoch(row["created_at"]), revoked_at=_epoch(row["revoked_at"]))
+    return out | dict(key=plaintext) if plaintext is not None else out
+
+
+def limits_object(row: dict[str, Any]) -> dict[str, Any]:
+    return dict(tenant=row["tenant"], model=row["model"], **{d: row[d] for d in jt.DIMENSIONS},
+                updated_at=_epoch(row["updated_at"]))
+
+
+def _unknown(tenant: str) -> APIError:
+    return not_found("tenant", tenant, "tenant_id")
+
+
+async def _new_key(conn: AsyncConnection, tenant: str, name: str | None, admin: bool) -> dict[str, Any]:
+    key_id, plaintext = await jt.create_key(conn, tenant, name, admin)
+    row = await jt.get_key(conn, key_id)
+    assert row is not None
+    return key_object(row, plaintext)
+
+
+@router.post("/tenants", operation_id="createTenant", responses=errors(400, 409))
+async def create_tenant(body: CreateTenant, svc: ServicesDep, _: AdminDep):
+    """A tenant and its first key (shown once)."""
+    try:
+        jt.check_tenant_id(body.id)
+    except ValueError as err:
+        raise APIError(400, str(err), param="id", code="invalid_value") from None
+    async with svc.db.begin() as conn:
+        try:
+            row = await jt.create_tenant(conn, body.id, body.weight)
+        except jt.TenantExists as err:
+            raise APIError(409, str(err), param="id", code="tenant_exists") from None
+        key = await _new_key(conn, body.id, None, False)
+    return dict(tenant=tenant_object(row), key=key)
+
+
+@router.get("/tenants", operation_id="listTenants", responses=errors())
+async def list_tenants(svc: ServicesDep, _: AdminDep):
+    async with svc.db.connect() as conn:
+        rows = await jt.list_tenants(conn)
+    return dict(object="list", data=[tenant_object(r) for r in rows])
+
+
+@router.post("/tenants/{tenant_id}/keys", operation_id="createKey", responses=errors(400, 404))
+async def create_key(tenant_id: str, svc: ServicesDep, _: AdminDep, body: CreateKey | None = None):
+    body = body or CreateKey()
+    if body.name is not None:
+        check_text(body.name, "name")
+    async with svc.db.begin() as conn:
+        try:
+            return await _new_key(conn, tenant_id, body.name, body.admin)
+        except jt.UnknownTenant:
+            raise _unknown(tenant_id) from None
+
+
+@router.get("/tenants/{tenant_id}/keys", operation_id="listKeys", responses=errors(404))
+async def list_keys(tenant_id: str, svc: ServicesDep, _: AdminDep):
+    async with svc.db.connect() as conn:
+        try:
+            rows = await jt.list_keys(conn, tenant_id)
+        except jt.UnknownTenant:
+            raise _unknown(tenant_id) from None
+    return dict(object="list", data=[key_object(r) for r in rows])
+
+
+@router.post("/keys/{key_id}/revoke", operation_id="revokeKey", responses=errors(404))
+async def revoke_key(key_id: str, svc: ServicesDep, _: AdminDep):
+    row = None
+    if possible_id(key_id):  # one that cannot be an id is unknown without asking Postgres
+        async with svc.db.begin() as conn:
+            row = await jt.revoke(conn, key_id)
+    if row is None:
+        raise not_found("API key", key_id, "key_id")
+    svc.keys.forget(row["hash"])  # at once here; other API processes within their cache's bound
+    return key_object(row)
+
+
+@router.get("/tenants/{tenant_id}/limits", operation_id="getLimits", responses=errors(404))
+async def get_limits(tenant_id: str, svc: ServicesDep, _: AdminDep):
+    async with svc.db.connect() as conn:
+        try:
+            rows = await jt.get_limits(conn, tenant_id)
+        except jt.UnknownTenant:
+            raise _unknown(tenant_id) from None
+    return dict(object="list", data=[limits_object(r) for r in rows])
+
+
+@router.put("/tenants/{tenant_id}/limits", operation_id="setLimits", responses=errors(400, 404))
+async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep):
+    check_text(body.model, "model")
+    async with svc.db.begin() as conn:
+        try:
+            row = await jt.set_limits(conn, tenant_id, body.model, **body.model_dump(exclude={"model"}))
+        except jt.UnknownTenant:
+            raise _unknown(tenant_id) from None
+    return limits_object(row)

@@ -1,0 +1,165 @@
+"""`ballast tenants create | list | keys | new-key | revoke | limits`: tenants and their
+keys, straight on the journal's Postgres as its owner.
+
+The database is BALLAST_DATABASE_URL / DATABASE_URL, else the embedded server of a running
+`ballast up` in the same data dir (it leaves its URL in data_dir/postgres-url while it
+runs). A new key goes to stdout alone, so that `KEY=$(ballast tenants create acme)` works;
+everything said about it goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ballast.settings import Settings
+from journal import tenants as jt
+from journal.db import connect
+
+URL_FILE = "postgres-url"  # written by `ballast up` while its embedded Postgres runs
+
+
+def add_parser(sub: Any) -> None:
+    t = sub.add_parser("tenants", help="tenants, their API keys and limits (on the journal's Postgres)")
+    cmds = t.add_subparsers(dest="tenants_cmd", required=True)
+    c = cmds.add_parser("create", help="a new tenant and its first key (printed once)")
+    c.add_argument("name")
+    c.add_argument("--weight", type=int, default=1, help="fair share within a tier (default 1)")
+    c.add_argument("--admin", action="store_true", help="the key may also use /admin")
+    cmds.add_parser("list", help="every tenant")
+    k = cmds.add_parser("keys", help="a tenant's keys (never the keys themselves)")
+    k.add_argument("name")
+    n = cmds.add_parser("new-key", help="another key for a tenant (printed once)")
+    n.add_argument("name")
+    n.add_argument("--key-name", dest="key_name", help="a label for the key")
+    n.add_argument("--admin", action="store_true", help="the key may also use /admin")
+    r = cmds.add_parser("revoke", help="revoke a key by its id (key_…); API processes stop taking it within "
+                                       "BALLAST_KEY_CACHE_S")
+    r.add_argument("key_id")
+    lim = cmds.add_parser("limits", help="show a tenant's limits, or set some (others stay; 'none' clears one)")
+    lim.add_argument("name")
+    lim.add_argument("--model", default=jt.ANY_MODEL, help="the model they apply to (default '*': every model)")
+    for dim in jt.DIMENSIONS:
+        # SUPPRESS: a dimension not given is absent from args, told apart from `none`.
+        lim.add_argument("--" + dim.replace("_", "-"), dest=dim, type=_limit, metavar="N|none",
+                         default=argparse.SUPPRESS)
+
+
+def _limit(value: str) -> int | None:
+    if value.lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number or 'none'") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+    return n
+
+
+def database_url(settings: Settings) -> str:
+    if settings.database_url:
+        return settings.database_url
+    path = settings.data_dir.resolve() / URL_FILE
+    if path.exists():
+        return path.read_text().strip()
+    sys.exit(f"ballast: no database: set DATABASE_URL (or BALLAST_DATABASE_URL), or run `ballast up` "
+             f"(its embedded Postgres leaves its URL in {path} while it runs)")
+
+
+def main(args: argparse.Namespace, settings: Settings) -> int:
+    url = database_url(settings)
+    try:
+        return asyncio.run(_run(args, url))
+    except OperationalError as err:
+        where = "" if settings.database_url else " (is `ballast up` still running?)"
+        print(f"ballast: cannot reach Postgres{where}: {err.orig or err}", file=sys.stderr)
+        return 1
+    except (ValueError, LookupError) as err:  # a bad name, a taken one, an unknown tenant or key
+        print(f"ballast: {err}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace, url: str) -> int:
+    db = connect(url, pool_size=1)
+    try:
+        async with db.begin() as conn:
+            return await _COMMANDS[args.tenants_cmd](conn, args)
+    finally:
+        await db.dispose()
+
+
+async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    await jt.create_tenant(conn, args.name, args.weight)
+    key_id, key = await jt.create_key(conn, args.name, admin=args.admin)
+    _say(f"created tenant {args.name} (weight {args.weight}) and {'admin ' if args.admin else ''}key {key_id}; "
+         "the key is shown this once:")
+    print(key)
+    return 0
+
+
+async def _list(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    _table(["TENANT", "WEIGHT", "CREATED"], [[t["id"], t["weight"], _when(t["created_at"])]
+                                             for t in await jt.list_tenants(conn)])
+    return 0
+
+
+async def _keys(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    rows = await jt.list_keys(conn, args.name)
+    _table(["KEY", "PREFIX", "NAME", "ADMIN", "CREATED", "REVOKED"],
+           [[k["id"], k["prefix"] + "…", k["name"] or "-", "yes" if k["admin"] else "no", _when(k["created_at"]),
+             _when(k["revoked_at"])] for k in rows])
+    return 0
+
+
+async def _new_key(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    key_id, key = await jt.create_key(conn, args.name, args.key_name, args.admin)
+    _say(f"created {'admin ' if args.admin else ''}key {key_id} for tenant {args.name}; the key is shown this once:")
+    print(key)
+    return 0
+
+
+async def _revoke(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    row = await jt.revoke(conn, args.key_id)
+    if row is None:
+        raise LookupError(f"No key {args.key_id!r}.")
+    print(f"revoked {row['id']} (tenant {row['tenant']}, {row['prefix']}…) at {_when(row['revoked_at'])}")
+    return 0
+
+
+async def _limits(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    given = {d: getattr(args, d) for d in jt.DIMENSIONS if hasattr(args, d)}
+    if given:
+        await jt.set_limits(conn, args.name, args.model, **given)
+    rows = await jt.get_limits(conn, args.name)
+    if not rows:
+        print(f"tenant {args.name} has no limits")
+        return 0
+    _table(["MODEL", *(d.upper() for d in jt.DIMENSIONS)],
+           [[r["model"], *("-" if r[d] is None else r[d] for d in jt.DIMENSIONS)] for r in rows])
+    return 0
+
+
+_COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits)
+_COMMANDS["new-key"] = _new_key
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _when(at: datetime | None) -> str:
+    return at.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z") if at is not None else "-"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header, *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

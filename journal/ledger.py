@@ -1,0 +1,420 @@
+"""The quota ledger (table `ledger`, append-only) and its fold into `quota_usage`.
+
+Rows, one per kind and subject (`idempotency_key` = `<kind>:<subject>`, so whoever
+writes twice writes once; the first row stands):
+- `reserve`: what a subject may take. `request:<id>` (tier priority/default/flex): its
+  input estimate, corrected to the engine's prompt_tokens where known when written, and
+  its max_tokens (absent: the rest of the context); written off the request path by the
+  API's flusher, or by the journaling transaction below if that comes first.
+  `batch:<id>` (tier batch): the batch's estimated tokens, at validation.
+- `settle`: what it used. A request's, in the transaction that journals its
+  `request_finished` event (prompt_tokens, completion_tokens as that event records them);
+  a batch item's (`item:<id>:<idx>`, its journal stream, no reserve of its own), in the transaction that
+  journals its result (the usage in the response; 0/0 for a failed item).
+- `refund`: what a reservation held beyond what settled (a request), or all of it (a
+  batch at its end, a request that never reached an engine).
+- `expire`: a reservation whose admitting process (`holder`) has not been seen for the
+  TTL; written by the reconciler. A settle that lands later still counts.
+
+The fold (`fold`, the reconciler's every tick) attributes each reservation to the window
+of its reserve row's `at` (fixed UTC minute and day windows) and counts it as reserved
+while open, as settled once settled, as 0 tokens once refunded or expired unsettled; a
+request counts once in `requests` whatever became of it. `in_flight` is the open
+interactive reservations, `batch_queue_tokens` the open batch reservations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.schema import admission_holders, limits, quota_usage
+from policy.admission import ANY_MODEL, LimitSet
+
+RESERVE, SETTLE, REFUND, EXPIRE = "reserve", "settle", "refund", "expire"
+CLOSING = (SETTLE, REFUND, EXPIRE)
+BATCH_TIER = "batch"
+# How far back the fold and expiry look for reservations: a day window, and batches open
+# for their 24 h completion window and a little more.
+HORIZON_S = 2 * 86_400
+# Interactive reservations settle within an hour of admission (the request's workflow
+# journals an abandoned one after ABANDON_AFTER), or expire with their holder: the
+# synchronous mode counts those in flight within this.
+INTERACTIVE_HORIZON_S = 2 * 3_600
+_FOLD_LOCK = 0x0BA11A57  # pg_advisory_xact_lock key: one fold at a time
+
+
+def request_subject(request_id: str) -> str:
+    return f"request:{request_id}"
+
+
+def batch_subject(batch_id: str) -> str:
+    return f"batch:{batch_id}"
+
+
+def item_subject(batch_id: str, idx: int) -> str:
+    # The item's journal stream (journal.batches.item_stream): audits join on it.
+    return f"item:{batch_id}:{idx}"
+
+
+def key(kind: str, subject: str) -> str:
+    return f"{kind}:{subject}"
+
+
+def timestamp(unix_s: float) -> datetime:
+    return datetime.fromtimestamp(unix_s, UTC)
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    subject: str
+    tenant: str
+    model: str
+    tier: str
+    input_tokens: int
+    output_tokens: int
+    holder: str | None = None
+    at: datetime | None = None  # None: the writing transaction's time
+
+    @property
+    def key(self) -> str:
+        return key(self.kind, self.subject)
+
+    def closing(self, kind: str, input_tokens: int | None = None, output_tokens: int | None = None) -> Entry:
+        """The same subject's `kind` row, for these tokens (default: all it reserved)."""
+        return Entry(kind, self.subject, self.tenant, self.model, self.tier,
+                     self.input_tokens if input_tokens is None else input_tokens,
+                     self.output_tokens if output_tokens is None else output_tokens, self.holder)
+
+
+_INSERT = text(
+    """
+    INSERT INTO ledger (tenant, model, tier, subject, kind, input_tokens, output_tokens, holder, idempotency_key, at)
+    SELECT tenant, model, tier, subject, kind, i, o, holder, key, coalesce(at, now())
+      FROM unnest(CAST(:tenant AS text[]), CAST(:model AS text[]), CAST(:tier AS text[]), CAST(:subject AS text[]),
+                  CAST(:kind AS text[]), CAST(:i AS bigint[]), CAST(:o AS bigint[]), CAST(:holder AS text[]),
+                  CAST(:key AS text[]), CAST(:at AS timestamptz[]))
+           WITH ORDINALITY AS n(tenant, model, tier, subject, kind, i, o, holder, key, at, ord)
+     ORDER BY ord
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+    """
+)
+
+
+async def insert(conn: AsyncConnection, entries: Sequence[Entry]) -> list[str]:
+    """One multi-row INSERT in the caller's transaction, in order; keys already in the
+    ledger are skipped. Returns the keys written."""
+    if not entries:
+        return []
+    cols: dict[str, list[Any]] = dict(
+        tenant=[e.tenant for e in entries], model=[e.model for e in entries], tier=[e.tier for e in entries],
+        subject=[e.subject for e in entries], kind=[e.kind for e in entries],
+        i=[e.input_tokens for e in entries], o=[e.output_tokens for e in entries],
+        holder=[e.holder for e in entries], key=[e.key for e in entries], at=[e.at for e in entries],
+    )
+    return list((await conn.execute(_INSERT, cols)).scalars())
+
+
+async def reserved(conn: AsyncConnection, subject: str) -> Entry | None:
+    row = (await conn.execute(
+        text("SELECT tenant, model, tier, input_tokens, output_tokens, holder, at FROM ledger "
+             "WHERE idempotency_key = :k"), dict(k=key(RESERVE, subject)))).first()
+    if row is None:
+        return None
+    return Entry(RESERVE, subject, row.tenant, row.model, row.tier, row.input_tokens, row.output_tokens, row.holder,
+                 row.at)
+
+
+async def settle(conn: AsyncConnection, used: Entry, reservation: Entry | None = None) -> None:
+    """In the caller's transaction (the one that journals the outcome): the reservation
+    if nobody has written it yet, the settle `used`, and the refund of what the
+    reservation in the ledger held beyond it, dimension by dimension."""
+    assert used.kind == SETTLE
+    if reservation is not None:
+        await insert(conn, [reservation])
+    rows = [used]
+    held = await reserved(conn, used.subject)
+    if held is not None:
+        back_in = max(0, held.input_tokens - used.input_tokens)
+        back_out = max(0, held.output_tokens - used.output_tokens)
+        if back_in or back_out:
+            rows.append(used.closing(REFUND, back_in, back_out))
+    await insert(conn, rows)
+
+
+_REFUND_OPEN = text(
+    """
+    INSERT INTO ledger (tenant, model, tier, subject, kind, input_tokens, output_tokens, holder, idempotency_key, at)
+    SELECT r.tenant, r.model, r.tier, r.subject, 'refund', r.input_tokens, r.output_tokens, r.holder,
+           'refund:' || r.subject, now()
+      FROM ledger r
+     WHERE r.idempotency_key = 'reserve:' || CAST(:subject AS text)
+       AND NOT EXISTS (SELECT FROM ledger c WHERE c.subject = r.subject AND c.kind IN ('settle', 'refund', 'expire'))
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING idempotency_key
+    """
+)
+
+
+async def refund(conn: AsyncConnection, subject: str) -> bool:
+    """Release all of `subject`'s reservation, if it has one still open (a batch at its
+    end). Whether this call wrote the refund."""
+    return (await conn.execute(_REFUND_OPEN, dict(subject=subject))).first() is not None
+
+
+# -- batches ----------------------------------------------------------------------------
+
+_OPEN_BATCHES = text(
+    """
+    SELECT r.model, sum(r.input_tokens + r.output_tokens) AS tokens
+      FROM ledger r
+     WHERE r.kind = 'reserve' AND r.tier = 'batch' AND r.tenant = :tenant
+       AND r.at >= now() - make_interval(secs => :horizon)
+       AND NOT EXISTS (SELECT FROM ledger c WHERE c.subject = r.subject AND c.kind IN ('settle', 'refund', 'expire'))
+     GROUP BY r.model
+    """
+)
+
+
+async def lock_tenant(conn: AsyncConnection, tenant: str) -> None:
+    """Serialise admission decisions for `tenant` until the transaction ends."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('ballast.admission:' || :t, 0))"),
+                       dict(t=tenant))
+
+
+async def open_batch_tokens(conn: AsyncConnection, tenant: str) -> dict[str, int]:
+    """Tokens of the tenant's open batch reservations, by model."""
+    rows = (await conn.execute(_OPEN_BATCHES, dict(tenant=tenant, horizon=HORIZON_S))).all()
+    return {r.model: int(r.tokens) for r in rows}
+
+
+_SETTLE_ITEMS = text(
+    """
+    INSERT INTO ledger (tenant, model, tier, subject, kind, input_tokens, output_tokens, holder, idempotency_key, at)
+    SELECT n.tenant, coalesce(bi.body->>'model', ''), 'batch', n.subject, 'settle',
+           n.i, n.o, NULL, 'settle:' || n.subject, now()
+      FROM unnest(CAST(:tenant AS text[]), CAST(:batch_id AS text[]), CAST(:idx AS int[]),
+                  CAST(:subject AS text[]), CAST(:i AS bigint[]), CAST(:o AS bigint[]))
+           WITH ORDINALITY AS n(tenant, batch_id, idx, subject, i, o, ord)
+      LEFT JOIN batch_items bi ON bi.batch_id = n.batch_id AND bi.idx = n.idx
+     ORDER BY n.ord
+    ON CONFLICT (idempotency_key) DO NOTHING
+    """
+)
+
+
+@dataclass(frozen=True)
+class ItemUsage:
+    tenant: str
+    batch_id: str
+    idx: int
+    input_tokens: int
+    output_tokens: int
+
+
+async def settle_items(conn: AsyncConnection, items: Sequence[ItemUsage]) -> None:
+    """Settle batch items (`item:<id>:<idx>`, no reserve of their own: the batch holds
+    one for them all), in the caller's transaction: the one journaling their results."""
+    if items:
+        await conn.execute(_SETTLE_ITEMS, dict(
+            tenant=[u.tenant for u in items], batch_id=[u.batch_id for u in items], idx=[u.idx for u in items],
+            subject=[item_subject(u.batch_id, u.idx) for u in items],
+            i=[u.input_tokens for u in items], o=[u.output_tokens for u in items]))
+
+
+# -- limits -------------------------------------------------------------------------------
+
+
+def limit_set(row: Any) -> LimitSet:
+    m = row._mapping
+    return LimitSet(m["model"], m["requests_per_min"], m["input_tokens_per_min"], m["output_tokens_per_min"],
+                    m["concurrent_requests"], m["tokens_per_day"], m["batch_queue_tokens"])
+
+
+async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[str, tuple[LimitSet, ...]]:
+    """Limits by tenant, each tenant's '*' first, then by model."""
+    q = select(limits).order_by(limits.c.tenant, limits.c.model != ANY_MODEL, limits.c.model)
+    if tenant is not None:
+        q = q.where(limits.c.tenant == tenant)
+    out: dict[str, list[LimitSet]] = {}
+    for row in (await conn.execute(q)).all():
+        out.setdefault(row.tenant, []).append(limit_set(row))
+    return {t: tuple(sets) for t, sets in out.items()}
+
+
+# -- usage ----------------------------------------------------------------------------------
+
+# Reservations in the horizon and how each stands: open (reserved figures), settled (used
+# figures), refunded or expired unsettled (0 tokens). `{where}` narrows the reservations.
+_STANDING = """
+    r AS (
+      SELECT subject, tenant, model, tier, coalesce(holder, '') AS holder, at, input_tokens AS ri,
+             output_tokens AS ro
+        FROM ledger
+       WHERE kind = 'reserve' AND {where}
+    ), x AS (
+      SELECT r.tenant, r.model, r.tier, r.holder, r.at, NOT c.closed AS open, r.tier <> 'batch' AS interactive,
+             CASE WHEN c.settled THEN c.si WHEN c.closed THEN 0 ELSE r.ri END AS i,
+             CASE WHEN c.settled THEN c.so WHEN c.closed THEN 0 ELSE r.ro END AS o,
+             r.ri + r.ro AS held
+        FROM r CROSS JOIN LATERAL (  -- one index probe (ledger_subject) per reservation
+          SELECT count(*) > 0 AS closed, coalesce(bool_or(l.kind = 'settle'), false) AS settled,
+                 coalesce(sum(l.input_tokens) FILTER (WHERE l.kind = 'settle'), 0) AS si,
+                 coalesce(sum(l.output_tokens) FILTER (WHERE l.kind = 'settle'), 0) AS so
+            FROM ledger l
+           WHERE l.subject = r.subject AND l.kind IN ('settle', 'refund', 'expire')
+        ) c
+    )
+"""
+
+_USAGE = text(
+    "WITH" + _STANDING.format(where="tenant = :tenant AND at >= :since AND tier <> 'batch'") + """
+    SELECT model,
+           count(*) FILTER (WHERE at >= :minute) AS requests,
+           coalesce(sum(i) FILTER (WHERE at >= :minute), 0) AS input_tokens,
+           coalesce(sum(o) FILTER (WHERE at >= :minute), 0) AS output_tokens,
+           coalesce(sum(i + o) FILTER (WHERE at >= :day), 0) AS day_tokens,
+           count(*) FILTER (WHERE open) AS in_flight
+      FROM x GROUP BY model
+    """
+)
+
+
+@dataclass
+class Counts:
+    """Usage of one tenant × model (of one holder, or summed), for the windows starting at
+    `minute` and `day` (unix seconds)."""
+
+    minute: float = 0.0
+    day: float = 0.0
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    day_tokens: int = 0
+    in_flight: int = 0
+    batch_queue_tokens: int = 0
+
+
+async def usage(conn: AsyncConnection, tenant: str, minute: float, day: float, now: float, *,
+                day_tokens: bool = True, in_flight: bool = True) -> dict[str, Counts]:
+    """The tenant's interactive usage by model, exact, straight from the ledger (the
+    synchronous admission mode's read). It reads the reservations of the minute, and of
+    the day or the last hours only where `day_tokens` or `in_flight` are wanted (the
+    figures not wanted are then partial)."""
+    since = minute
+    if day_tokens:
+        since = min(since, day)
+    if in_flight:
+        since = min(since, now - INTERACTIVE_HORIZON_S)
+    rows = (await conn.execute(_USAGE, dict(tenant=tenant, minute=timestamp(minute), day=timestamp(day),
+                                            since=timestamp(since)))).all()
+    return {r.model: Counts(minute, day, r.requests, r.input_tokens, r.output_tokens, r.day_tokens, r.in_flight)
+            for r in rows}
+
+
+# -- the reconciler: expire, fold -------------------------------------------------------------
+
+_EXPIRE = text(
+    """
+    INSERT INTO ledger (tenant, model, tier, subject, kind, input_tokens, output_tokens, holder, idempotency_key, at)
+    SELECT r.tenant, r.model, r.tier, r.subject, 'expire', r.input_tokens, r.output_tokens, r.holder,
+           'expire:' || r.subject, now()
+      FROM ledger r
+      LEFT JOIN admission_holders h ON h.holder = r.holder
+     WHERE r.kind = 'reserve' AND r.holder IS NOT NULL AND r.at >= now() - make_interval(secs => :horizon)
+       AND (h.seen_at IS NULL OR h.seen_at < now() - make_interval(secs => :ttl))
+       AND NOT EXISTS (SELECT FROM ledger c WHERE c.subject = r.subject AND c.kind IN ('settle', 'refund', 'expire'))
+     ORDER BY r.position
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING subject
+    """
+)
+
+
+async def expire(conn: AsyncConnection, holder_ttl_s: float) -> list[str]:
+    """Expire the open reservations of every holder not seen for `holder_ttl_s` (or never
+    seen); forget holders not seen for a day. The subjects expired."""
+    subjects = list((await conn.execute(_EXPIRE, dict(ttl=holder_ttl_s, horizon=HORIZON_S))).scalars())
+    await conn.execute(text("DELETE FROM admission_holders WHERE seen_at < now() - interval '1 day'"))
+    return subjects
+
+
+_FOLD_DELETE = text(
+    """
+    DELETE FROM quota_usage
+     WHERE ("window" = 'minute' AND (starts_at >= date_trunc('minute', now(), 'UTC') - interval '1 minute'
+                                   OR starts_at < now() - interval '1 hour'))
+        OR ("window" = 'day' AND (starts_at >= date_trunc('day', now(), 'UTC')
+                                  OR starts_at < now() - interval '7 days'))
+    """
+)
+
+_FOLD_INSERT = text(
+    "WITH" + _STANDING.format(where="at >= now() - make_interval(secs => :horizon)") + """
+    INSERT INTO quota_usage (tenant, model, "window", starts_at, holder, requests, input_tokens, output_tokens,
+                             in_flight, batch_queue_tokens, folded_at)
+    SELECT tenant, model, 'minute', date_trunc('minute', at, 'UTC'), holder, count(*), sum(i), sum(o), 0, 0, now()
+      FROM x
+     WHERE interactive AND at >= date_trunc('minute', now(), 'UTC') - interval '1 minute'
+     GROUP BY tenant, model, date_trunc('minute', at, 'UTC'), holder
+    UNION ALL
+    SELECT tenant, model, 'day', date_trunc('day', now(), 'UTC'), holder,
+           count(*) FILTER (WHERE interactive AND today),
+           coalesce(sum(i) FILTER (WHERE interactive AND today), 0),
+           coalesce(sum(o) FILTER (WHERE interactive AND today), 0),
+           count(*) FILTER (WHERE interactive AND open),
+           coalesce(sum(held) FILTER (WHERE NOT interactive AND open), 0),
+           now()
+      FROM (SELECT *, at >= date_trunc('day', now(), 'UTC') AS today FROM x) d
+     WHERE today OR open
+     GROUP BY tenant, model, holder
+    """
+)
+
+
+@dataclass(frozen=True)
+class Folded:
+    rows: int
+    expired: list[str] = field(default_factory=list)
+
+
+async def fold(conn: AsyncConnection) -> int:
+    """Rewrite `quota_usage` for the current windows (the current and previous minute, the
+    current day, by the database's clock) from the ledger; older rows stay as last folded
+    and are pruned after an hour (minutes) or a week (days). Rows written."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), dict(k=_FOLD_LOCK))
+    await conn.execute(_FOLD_DELETE)
+    return (await conn.execute(_FOLD_INSERT, dict(horizon=HORIZON_S))).rowcount
+
+
+async def reconcile(conn: AsyncConnection, holder_ttl_s: float) -> Folded:
+    """One reconciler tick, in the caller's transaction: expire, then fold."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), dict(k=_FOLD_LOCK))
+    expired = await expire(conn, holder_ttl_s)
+    return Folded(await fold(conn), expired)
+
+
+# -- what an admitting process reads and writes about itself ------------------------------------
+
+
+async def seen(conn: AsyncConnection, holder: str) -> None:
+    stmt = pg_insert(admission_holders).values(holder=holder)
+    await conn.execute(stmt.on_conflict_do_update(index_elements=[admission_holders.c.holder],
+                                                  set_=dict(seen_at=func.now())))
+
+
+async def others(conn: AsyncConnection, holder: str) -> list[dict[str, Any]]:
+    """The fold's rows of every holder but `holder`, for the windows it keeps current."""
+    q = select(quota_usage).where(
+        quota_usage.c.holder != holder,
+        quota_usage.c.starts_at >= func.now() - text("interval '2 days'"),
+    )
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]

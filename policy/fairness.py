@@ -1,0 +1,128 @@
+"""Tenant fair shares within a tier: the Virtual Token Counter. Pure: state in, state out.
+
+Counting requests is not fair when requests differ in size (an 8,000-token prompt and a
+100-token one are both "one request"), so an engine keeps, per tenant, a counter of the
+service it gave: input tokens × `w_in` + output tokens × `w_out`, divided by the tenant's
+weight (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24; input 1 and
+output 2 are the paper's defaults). Its rules:
+
+- `activate`: a tenant that becomes active (it had nothing waiting or running on the
+  engine) is lifted to the least counter among the active tenants, or, when none is
+  active, to the counter of the last tenant that left: idling banks no credit.
+- `charge`: the prompt when the request is dispatched, each output token as the engine
+  produces it.
+- `pick`: when a sequence slot frees, the next request is the head of the highest tier
+  that has one waiting, and within the tier that of the tenant with the least counter
+  (then the earliest arrival): two backlogged tenants' counters then never drift further
+  apart than a bound of about twice the largest request's cost (the paper's Theorem 4.4).
+
+`engine_priority` turns (tier, the tenant's rank: its counter above the least-served
+active tenant, quantised) into one vLLM priority int (lower is served first) such that
+every tier strictly precedes the next for any rank, and batch stays exactly at its own
+`TIERS["batch"]` value, behind every interactive tier (the batch path and the engine gate
+recognise batch by that value).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from policy.preemption import TIERS
+
+SPAN = 16  # vLLM priority values per interactive tier: ranks 0 … SPAN-1
+QUANTUM = 256.0  # counter units (weighted tokens) per rank step
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a token costs, by kind."""
+
+    input: float = 1.0
+    output: float = 2.0
+
+
+PAPER_COST = Cost()  # the paper's defaults: input 1, output 2
+
+
+@dataclass(frozen=True)
+class Vtc:
+    """One engine's counters. `active`: tenants with a request waiting or running on it;
+    `floor`: the counter of the last tenant that left when the engine went idle."""
+
+    counters: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    active: frozenset[str] = frozenset()
+    floor: float = 0.0
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def least(self) -> float:
+        """The least counter among the active tenants (the floor when none is)."""
+        return min((self.counter(t) for t in self.active), default=self.floor)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The first waiting request of one (tier, tenant) queue."""
+
+    tenant: str
+    tier: str
+    seq: int  # arrival order on this engine
+
+
+def _with(counters: Mapping[str, float], tenant: str, value: float) -> Mapping[str, float]:
+    return MappingProxyType({**counters, tenant: value})
+
+
+def activate(v: Vtc, tenant: str) -> Vtc:
+    """`tenant` has work on the engine again; lifted if it had left. Idempotent."""
+    if tenant in v.active:
+        return v
+    lifted = max(v.counter(tenant), v.least())
+    return Vtc(_with(v.counters, tenant, lifted), v.active | {tenant}, v.floor)
+
+
+def deactivate(v: Vtc, tenant: str) -> Vtc:
+    """`tenant` has nothing waiting or running on the engine any more."""
+    if tenant not in v.active:
+        return v
+    active = v.active - {tenant}
+    return Vtc(v.counters, active, v.floor if active else max(v.floor, v.counter(tenant)))
+
+
+def charge(v: Vtc, tenant: str, *, input_tokens: int = 0, output_tokens: int = 0, weight: float = 1.0,
+           cost: Cost = PAPER_COST) -> Vtc:
+    """Service given to `tenant`: its counter grows by the weighted tokens over its weight."""
+    if not input_tokens and not output_tokens:
+        return v
+    served = (input_tokens * cost.input + output_tokens * cost.output) / max(weight, 1e-9)
+    return Vtc(_with(v.counters, tenant, v.counter(tenant) + served), v.active, v.floor)
+
+
+def rank(v: Vtc, tenant: str, quantum: float = QUANTUM) -> int:
+    """How far `tenant` is ahead of the least-served active tenant, in quanta (0: it is
+    the least served, or within one quantum of it)."""
+    return max(0, math.floor((v.counter(tenant) - v.least()) / quantum))
+
+
+def tier_order(tier: str) -> int:
+    return TIERS.get(tier, TIERS["default"])
+
+
+def pick(v: Vtc, heads: Iterable[Head]) -> Head | None:
+    """The request to dispatch next: highest tier first (lowest TIERS value), then the
+    tenant with the least counter, then the earliest arrival, then the tenant id."""
+    return min(heads, key=lambda h: (tier_order(h.tier), v.counter(h.tenant), h.seq, h.tenant), default=None)
+
+
+def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:
+    """One vLLM priority (lower first): tiers in TIERS order for any rank, ranks in order
+    within a tier (clamped to span - 1), batch exactly at TIERS["batch"] after them all."""
+    batch = TIERS["batch"]
+    t = tier_order(tier)
+    if t >= batch:
+        return batch
+    return batch - (batch - t) * span + min(span - 1, max(0, rank))

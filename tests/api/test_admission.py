@@ -1,0 +1,333 @@
+"""Admission at the API: a tenant over a limit gets OpenAI's 429 with Retry-After before
+any engine work; concurrency is capped; a finished request's unused reservation is
+refunded in the ledger; flex is shed before default. And the local view itself: another
+process's admissions are seen once folded, a dead process's reservations expire, the
+synchronous baseline agrees.
+
+In process, through the `other_api` client (a tenant of its own, new per test, so limits
+set here touch no other test): the real journal and ledger on the test database; the
+engine is a fake that speaks engine/server.py's NDJSON protocol (it can hold a request in
+flight), and Temporal a fake that records the request's workflow input and outcome,
+which the real journaling activity then writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+
+import httpx
+import pytest
+from sqlalchemy import text
+from temporalio.testing import ActivityEnvironment
+
+from activities.quota import QuotaActivities
+from activities.requests import RequestActivities
+from api import interactive
+from api.admission import Admission, Ticket
+from journal import ledger, tenants
+from policy.admission import Refuse
+from policy.placement import EngineView
+from tests.api.conftest import assert_openai_error
+from workflows.inputs import JournalRequestInput, ReconcileInput
+
+CHAT = "/v1/chat/completions"
+MODEL = "ballast-tiny"
+PROMPT_TOKENS = 3
+
+
+def body(tier: str = "default", max_tokens: int = 50, **extra) -> dict:
+    return dict(model=MODEL, messages=[dict(role="user", content="hi")], max_tokens=max_tokens, service_tier=tier,
+                **extra)
+
+
+class FakeEngine:
+    """One engine worker: accepts (prompt_tokens), streams `tokens` tokens, finishes;
+    while `hold` is set a request waits after being accepted (it is in flight)."""
+
+    def __init__(self, tokens: int = 1):
+        self.tokens, self.calls = tokens, 0
+        self.hold: asyncio.Event | None = None
+        self.fail = False
+
+    def transport(self) -> httpx.MockTransport:
+        def generate(request: httpx.Request) -> httpx.Response:
+            self.calls += 1
+            return httpx.Response(200, content=self._stream(self.hold),
+                                  headers={"content-type": "application/x-ndjson"})
+
+        return httpx.MockTransport(generate)
+
+    async def _stream(self, hold):
+        yield json.dumps({"prompt_tokens": PROMPT_TOKENS}).encode() + b"\n"
+        if hold is not None:
+            await hold.wait()
+        for _ in range(self.tokens):
+            yield json.dumps({"text": "a", "tokens": 1}).encode() + b"\n"
+        if self.fail:
+            yield json.dumps({"error": {"message": "boom", "type": "server_error", "param": None,
+                                        "code": "engine_error"}, "status": 500}).encode() + b"\n"
+            return
+        yield json.dumps({"finish_reason": "length", "completion_tokens": self.tokens}).encode() + b"\n"
+
+
+class OneEngine:
+    def __init__(self, interactive: int = 0):
+        self.interactive = interactive
+
+    async def live(self):
+        return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4)]
+
+
+class Workflows:
+    def __init__(self):
+        self.started, self.outcomes = [], []
+
+    async def start_workflow(self, run, record, **_):
+        self.started.append(record)
+        return self
+
+    async def signal(self, _, outcome):
+        self.outcomes.append(outcome)
+
+
+class Harness:
+    def __init__(self, client: httpx.AsyncClient, tenant: str, admission: Admission, engine: FakeEngine,
+                 workflows: Workflows, db):
+        self.client, self.tenant, self.admission, self.engine, self.workflows, self.db = (
+            client, tenant, admission, engine, workflows, db)
+
+    async def limit(self, model: str = "*", **dims: int | None) -> None:
+        async with self.db.begin() as conn:
+            await tenants.set_limits(conn, self.tenant, model, **dims)
+        await self.admission.refresh()
+
+    async def chat(self, **kw) -> httpx.Response:
+        return await self.client.post(CHAT, json=body(**kw))
+
+    def in_flight(self) -> int:
+        now = time.time()
+        return self.admission.usage(self.tenant, "*", MODEL, math.floor(now / 60) * 60,
+                                    math.floor(now / 86400) * 86400).in_flight
+
+    async def journal_all(self) -> None:
+        """What the request workflows would do: journal each outcome (real activity)."""
+        await settled()
+        acts, env = RequestActivities(self.db), ActivityEnvironment()
+        for record, outcome in zip(self.workflows.started, self.workflows.outcomes, strict=True):
+            await env.run(acts.journal_request, JournalRequestInput(record, outcome))
+
+
+async def settled():
+    for _ in range(300):
+        if not interactive._background:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"background work still pending: {interactive._background}")
+
+
+async def fresh_window(need_s: float = 8.0) -> None:
+    """Start where the current minute has `need_s` left at least (windows are fixed)."""
+    left = 60 - time.time() % 60
+    if left < need_s:
+        await asyncio.sleep(left + 0.05)
+
+
+@pytest.fixture
+async def harness(other_api, settings, db):
+    key = other_api.headers["Authorization"].split()[1]
+    async with db.connect() as conn:
+        principal = await tenants.lookup(conn, key)
+    assert principal is not None
+    svc = other_api._transport.app.state.services  # the `other_api` app's services, rewired here
+    engine, workflows = FakeEngine(), Workflows()
+    svc.engines, svc.temporal = OneEngine(), workflows
+    svc.http = httpx.AsyncClient(transport=engine.transport())
+    admission = svc.admission = await Admission(db, settings, holder=f"test-{uuid.uuid4().hex[:8]}").start()
+    try:
+        yield Harness(other_api, principal.tenant, admission, engine, workflows, db)
+    finally:
+        await settled()
+        await admission.stop()
+
+
+async def ledger_rows(db, subject: str) -> list[tuple]:
+    async with db.connect() as c:
+        q = text("SELECT kind, tier, input_tokens, output_tokens FROM ledger WHERE subject = :s ORDER BY position")
+        return [tuple(r) for r in (await c.execute(q, dict(s=subject))).all()]
+
+
+# -- through the API ------------------------------------------------------------------------
+
+
+async def test_over_the_rpm_limit_is_a_429_in_openais_shape_with_retry_after(harness):
+    await harness.limit(requests_per_min=3)
+    await fresh_window()
+    for _ in range(3):  # right up to the limit: admitted
+        assert (await harness.chat(tier="priority")).status_code == 200
+    r = await harness.chat(tier="priority")
+    err = assert_openai_error(r, 429, code="rate_limit_exceeded")
+    assert err["type"] == "rate_limit_error" and err["param"] is None
+    assert "requests per min (RPM)" in err["message"] and "Limit 3" in err["message"], err
+    retry = int(r.headers["Retry-After"])
+    assert 1 <= retry <= 60 and abs(retry - (60 - time.time() % 60)) <= 1.5
+    assert harness.engine.calls == 3  # refused before any engine work
+
+
+async def test_concurrent_requests_are_capped_and_a_finished_one_frees_its_slot(harness):
+    await harness.limit(concurrent_requests=2)
+    harness.engine.hold = asyncio.Event()
+    held = [asyncio.create_task(harness.chat(tier="priority")) for _ in range(2)]
+    while harness.in_flight() < 2:
+        await asyncio.sleep(0.01)
+    r = await harness.chat(tier="priority")
+    err = assert_openai_error(r, 429, code="rate_limit_exceeded")
+    assert "concurrent requests" in err["message"] and r.headers["Retry-After"] == "1"
+    harness.engine.hold.set()
+    assert [(await t).status_code for t in held] == [200, 200]
+    assert harness.in_flight() == 0
+    harness.engine.hold = None
+    assert (await harness.chat(tier="priority")).status_code == 200
+
+
+async def test_a_failed_request_releases_its_reservation_at_once(harness):
+    await harness.limit(concurrent_requests=1)
+    harness.engine.fail = True
+    r = await harness.chat(tier="priority")
+    assert_openai_error(r, 502, code="engine_error")
+    assert harness.in_flight() == 0
+    harness.engine.fail = False
+    assert (await harness.chat(tier="priority")).status_code == 200
+
+
+async def test_the_unused_reservation_is_refunded_when_the_request_settles(harness, db):
+    harness.engine.tokens = 4
+    r = await harness.chat(max_tokens=50)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    await harness.journal_all()
+    await harness.admission.flush()  # the flusher's write comes after: the first row stands
+    [record] = harness.workflows.started
+    assert (record.reserved_input, record.reserved_output, record.holder) == (PROMPT_TOKENS, 50,
+                                                                                harness.admission.holder)
+    assert await ledger_rows(db, ledger.request_subject(record.request_id)) == [
+        ("reserve", "default", PROMPT_TOKENS, 50), ("settle", "default", PROMPT_TOKENS, 4),
+        ("refund", "default", 0, 46)]
+
+
+async def test_an_engine_refusal_refunds_the_whole_reservation(harness, db):
+    refusal = {"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
+                         "code": "context_length_exceeded"}, "status": 400}
+    svc = harness.client._transport.app.state.services
+    svc.http = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda _: httpx.Response(200, content=json.dumps(refusal).encode() + b"\n")))
+    assert (await harness.chat()).status_code == 400
+    assert harness.in_flight() == 0
+    await harness.admission.flush()
+    async with db.connect() as c:
+        kinds = (await c.execute(text("SELECT array_agg(kind ORDER BY position) FROM ledger WHERE tenant = :t"),
+                                 dict(t=harness.tenant))).scalar_one()
+    assert kinds == ["reserve", "refund"] and harness.workflows.started == []
+
+
+async def test_flex_is_shed_before_default(harness):
+    await harness.limit(requests_per_min=10)
+    await fresh_window()
+    codes = [(await harness.chat(tier="flex")).status_code for _ in range(9)]
+    assert codes == [200] * 8 + [429]  # flex yields at 80% of the limit
+    r = await harness.chat(tier="flex")
+    assert "for flex requests, which yield at 80% of the limit" in r.json()["error"]["message"]
+    assert (await harness.chat(tier="default")).status_code == 200  # default still has room
+    assert (await harness.chat(tier="default")).status_code == 200
+    assert (await harness.chat(tier="default")).status_code == 429  # at 95%: default yields too
+    assert (await harness.chat(tier="priority")).status_code == 429  # and the limit is the limit
+
+
+async def test_flex_is_shed_while_every_engine_is_busy(harness, settings):
+    svc = harness.client._transport.app.state.services
+    svc.engines = OneEngine(interactive=4)  # 4 of 4 slots: past surge_high
+    r = await harness.chat(tier="flex")
+    assert_openai_error(r, 429, code="resource_unavailable")
+    assert (await harness.chat(tier="default")).status_code == 200
+
+
+async def test_a_per_model_limit_applies_with_the_tenants(harness):
+    await harness.limit("*", requests_per_min=100)
+    await harness.limit(MODEL, requests_per_min=2)
+    await fresh_window()
+    assert [(await harness.chat(tier="priority")).status_code for _ in range(3)] == [200, 200, 429]
+    r = await harness.chat(tier="priority")
+    assert f"Rate limit reached for {MODEL} in tenant {harness.tenant}" in r.json()["error"]["message"]
+
+
+# -- the local view ----------------------------------------------------------------------------
+
+
+async def reconcile(db, ttl_s: float = 30.0):
+    return await ActivityEnvironment().run(QuotaActivities(db).reconcile_quota, ReconcileInput(ttl_s))
+
+
+async def test_another_processes_admissions_count_once_folded(harness, settings, db):
+    """Process A admits; once its flusher, the fold and B's refresh have run, B counts
+    them: B admits only what is left of the limit (and A's own count is exact all along)."""
+    await harness.limit(requests_per_min=5)
+    await fresh_window(need_s=15)
+    a = harness.admission
+    b = await Admission(db, settings, holder=f"test-b-{uuid.uuid4().hex[:6]}").start()
+    try:
+        for _ in range(3):
+            assert isinstance(a.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5), Ticket)
+        await a.flush()
+        await a.flush()  # uncorrected reservations wait one tick for the engine's figures
+        await reconcile(db)
+        await b.refresh()
+        got = [b.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5) for _ in range(3)]
+        assert [isinstance(g, Ticket) for g in got] == [True, True, False]
+        assert isinstance(got[2], Refuse) and got[2].used == 5
+        # A has not seen B's two yet: it admits up to the limit as it sees it, the
+        # overshoot the declared bound allows ((P − 1) × at most the limit).
+        more = [a.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5) for _ in range(3)]
+        assert [isinstance(g, Ticket) for g in more] == [True, True, False]
+        for adm in (a, b, a, b):
+            await adm.flush()
+        await reconcile(db)
+        for adm in (a, b):
+            await adm.refresh()
+            refused = adm.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5)
+            assert isinstance(refused, Refuse) and refused.used == 7
+    finally:
+        await b.stop()
+
+
+async def test_a_killed_processes_reservations_expire(settings, db):
+    async with db.begin() as conn:
+        await tenants.ensure_tenant(conn, "expiry")
+    holder = f"doomed-{uuid.uuid4().hex[:8]}"
+    a = await Admission(db, settings, holder=holder).start()
+    tickets = [a.reserve_local(uuid.uuid4().hex, "expiry", MODEL, "default", 10, 20, 20) for _ in range(3)]
+    assert all(isinstance(t, Ticket) for t in tickets)
+    await a.stop()  # the process is gone: its reservations were written, never settled
+    await asyncio.sleep(1.2)
+    await reconcile(db, ttl_s=1.0)
+    async with db.connect() as c:
+        rows = (await c.execute(text("SELECT kind, count(*) FROM ledger WHERE holder = :h GROUP BY kind ORDER BY kind"),
+                                dict(h=holder))).all()
+    assert [tuple(r) for r in rows] == [("expire", 3), ("reserve", 3)]
+
+
+async def test_the_synchronous_baseline_admits_exactly_to_the_limit(harness, settings, db):
+    await harness.limit(requests_per_min=4, concurrent_requests=10)
+    await fresh_window()
+    sync = Admission(db, settings.model_copy(update=dict(admission_mode="sync")), holder=f"sync-{uuid.uuid4().hex[:6]}")
+    got = [await sync.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5) for _ in range(5)]
+    assert [isinstance(g, Ticket) for g in got] == [True] * 4 + [False]
+    assert isinstance(got[4], Refuse) and got[4].used == 4
+    async with db.connect() as c:  # written at admission, in the deciding transaction
+        n = (await c.execute(text("SELECT count(*) FROM ledger WHERE tenant = :t AND kind = 'reserve'"),
+                             dict(t=harness.tenant))).scalar_one()
+    assert n == 4
+    got[0].cancel()
+    await sync.flush()
+    assert (await ledger_rows(db, got[0].subject))[-1][0] == "refund"

@@ -1,0 +1,117 @@
+"""Quotas on the real stack: the ledger settles exactly what the journal records, for
+interactive requests (completed, streamed, dropped by the client) and batch items alike,
+and a batch over the tenant's enqueued-token limit fails validation as OpenAI's does.
+
+Each test runs as a tenant of its own (a key made in the stack's database), so the
+limits it sets touch no other test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import WAIT_S, make_key
+from tests.e2e.test_batch import _sql, chat_line, submit, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def tenant_client(stack, db_url: str, prefix: str):
+    from openai import OpenAI
+
+    tenant = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    key = make_key(db_url, tenant)
+    return tenant, key, OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+
+
+def dropped_stream(stack, key: str) -> str:
+    """A streamed chat the client walks away from after its first token: its id."""
+    body = dict(model="ballast-tiny", messages=[dict(role="user", content="go on and on")], max_tokens=1000,
+                stream=True, ignore_eos=True)
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        return chunk["id"]
+    raise AssertionError("the stream ended before its first token")
+
+
+def wait_journaled(db_url: str, tenant: str, request_ids: list[str]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    streams = [f"request:{i}" for i in request_ids]
+    while _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished' AND stream = ANY(%(s)s)",
+               s=streams)[0][0] < len(streams):
+        assert time.monotonic() < deadline, "requests not journaled"
+        time.sleep(0.1)
+
+
+# Independent of the code under test: the journal's figures and the ledger's, by subject.
+JOURNAL_REQUESTS = """
+  SELECT 'request:' || (payload->>'request_id'), (payload->>'prompt_tokens')::int,
+         (payload->>'completion_tokens')::int
+    FROM events WHERE type = 'request_finished' AND tenant = %(t)s
+"""
+JOURNAL_ITEMS = """
+  SELECT stream,
+         coalesce(((payload->>'body_json')::jsonb->'usage'->>'prompt_tokens')::int, 0),
+         coalesce(((payload->>'body_json')::jsonb->'usage'->>'completion_tokens')::int, 0)
+    FROM events WHERE type IN ('item_completed', 'item_failed') AND tenant = %(t)s
+"""
+LEDGER_SETTLES = """
+  SELECT subject, input_tokens, output_tokens FROM ledger WHERE kind = 'settle' AND tenant = %(t)s
+"""
+
+
+def test_the_ledger_settles_exactly_what_the_journal_records(stack, db_url):
+    tenant, key, client = tenant_client(stack, db_url, "ledger")
+    ids = [client.chat.completions.create(model="ballast-tiny", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=12, temperature=0).id]
+    chunks = list(client.chat.completions.create(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=9, stream=True, service_tier="flex"))
+    ids.append(chunks[0].id)
+    ids.append(client.completions.create(model="ballast-tiny", prompt="Once upon", max_tokens=7,
+                                         extra_body=dict(service_tier="priority")).id)
+    ids.append(dropped_stream(stack, key))
+    batch = submit(client, [chat_line(f"q{i}", f"question {i}", 6 + i) for i in range(6)]
+                   + [dict(chat_line("too-long", "x", 10**6), custom_id="too-long")])  # fails on its own
+    assert wait_for(client, batch.id).status == "completed"
+    wait_journaled(db_url, tenant, ids)
+
+    journal = {s: (i, o) for s, i, o in _sql(db_url, JOURNAL_REQUESTS + " UNION ALL " + JOURNAL_ITEMS, t=tenant)}
+    settled = {s: (i, o) for s, i, o in _sql(db_url, LEDGER_SETTLES, t=tenant)}
+    assert len(journal) == 4 + 7 and settled == journal
+    dropped = _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{ids[3]}")[0][0]
+    assert dropped["status"] == "cancelled" and dropped["completion_tokens"] >= 1  # what it had produced
+    assert settled[f"item:{batch.id}:6"] == (0, 0)
+    # Every reservation is closed: requests refunded what they did not use, the batch all of its.
+    assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
+    kinds = _sql(db_url, "SELECT kind FROM ledger WHERE subject = %(s)s ORDER BY position", s=f"batch:{batch.id}")
+    assert [k for (k,) in kinds] == ["reserve", "refund"]
+    reserved = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE kind = 'reserve' "
+                            "AND subject = %(s)s", s=f"request:{ids[0]}")[0]
+    assert reserved == (journal[f"request:{ids[0]}"][0], 12)  # corrected to the engine's prompt_tokens
+
+
+def test_a_batch_over_the_enqueued_token_limit_fails_validation(stack, db_url):
+    tenant, _, client = tenant_client(stack, db_url, "enqueued")
+    _sql(db_url, "INSERT INTO limits (tenant, model, batch_queue_tokens) VALUES (%(t)s, '*', 1000) RETURNING 1",
+         t=tenant)
+    big = submit(client, [chat_line(f"q{i}", f"question {i}", 100) for i in range(10)])
+    b = wait_for(client, big.id)
+    assert b.status == "failed" and b.request_counts.total == 0
+    [error] = b.errors.data
+    assert error.code == "token_limit_exceeded" and error.line is None
+    assert error.message == (f"Enqueued token limit reached for ballast-tiny in tenant {tenant}. Limit: 1,000 "
+                             "enqueued tokens. Please try again once some in_progress batches have been completed.")
+    small = submit(client, [chat_line("q", "question", 8)])
+    assert wait_for(client, small.id).status == "completed"
+    kinds = _sql(db_url, "SELECT subject, kind FROM ledger WHERE tenant = %(t)s AND subject NOT LIKE 'item:%%' "
+                         "ORDER BY position", t=tenant)
+    assert kinds == [(f"batch:{small.id}", "reserve"), (f"batch:{small.id}", "refund")]

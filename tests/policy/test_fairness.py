@@ -1,0 +1,241 @@
+"""The Virtual Token Counter (policy/fairness.py) and its engine shell (engine/fairness.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from engine.fairness import FairShare
+from policy import fairness as f
+from policy.preemption import TIERS
+
+
+def test_charge_weights_tokens_and_divides_by_weight():
+    v = f.charge(f.Vtc(), "a", input_tokens=10, output_tokens=5)
+    assert v.counter("a") == 20  # 10 × 1 + 5 × 2
+    v = f.charge(v, "b", input_tokens=10, output_tokens=5, weight=2)
+    assert v.counter("b") == 10
+    assert f.charge(v, "a", input_tokens=1, cost=f.Cost(input=3)).counter("a") == 23
+
+
+def test_activation_lifts_to_the_least_active_counter_so_idling_banks_no_credit():
+    v = f.activate(f.activate(f.Vtc(), "a"), "b")
+    v = f.charge(f.charge(v, "a", input_tokens=1000), "b", input_tokens=400)
+    v = f.deactivate(v, "b")  # b idles while a is served on
+    v = f.charge(v, "a", input_tokens=5000)
+    v = f.activate(v, "b")
+    assert v.counter("b") == v.counter("a") == 6000
+    # Never lowered: a tenant ahead stays ahead.
+    v = f.charge(v, "b", input_tokens=100)
+    v = f.deactivate(v, "b")
+    assert f.activate(v, "b").counter("b") == 6100
+    # The engine idle: lifted to the last tenant that left.
+    v = f.deactivate(v, "a")
+    assert f.activate(v, "c").counter("c") == 6000
+    assert f.activate(v, "c") == f.activate(f.activate(v, "c"), "c")  # idempotent
+
+
+def test_rank_is_distance_from_the_least_served_active_tenant_in_quanta():
+    v = f.activate(f.activate(f.Vtc(), "a"), "b")
+    v = f.charge(v, "a", input_tokens=1000)
+    assert f.rank(v, "b", 256) == 0
+    assert f.rank(v, "a", 256) == 3
+    assert f.rank(f.deactivate(v, "b"), "a", 256) == 0
+
+
+def test_pick_prefers_tier_then_least_counter_then_arrival():
+    v = f.charge(f.activate(f.activate(f.Vtc(), "a"), "b"), "a", input_tokens=50)
+    heads = [f.Head("a", "default", 0), f.Head("b", "default", 5)]
+    assert f.pick(v, heads) == f.Head("b", "default", 5)
+    assert f.pick(v, [*heads, f.Head("a", "priority", 9)]) == f.Head("a", "priority", 9)
+    assert f.pick(v, [f.Head("c", "flex", 1), f.Head("d", "flex", 0)]) == f.Head("d", "flex", 0)
+    assert f.pick(v, []) is None
+
+
+@pytest.mark.parametrize("span", [1, 4, 16])
+def test_every_tier_precedes_the_next_for_any_rank_and_batch_stays_last(span):
+    order = sorted(TIERS, key=TIERS.__getitem__)  # priority, default, flex, batch
+    ranks = [0, 1, span - 1, span, 10**9]
+    for hi, lo in zip(order, order[1:], strict=False):
+        assert max(f.engine_priority(hi, r, span) for r in ranks) < min(f.engine_priority(lo, r, span) for r in ranks)
+    for tier in order[:-1]:
+        got = [f.engine_priority(tier, r, span) for r in range(span + 2)]
+        assert got == sorted(got) and len(set(got)) == min(span, len(got))
+        assert all(p != TIERS["batch"] for p in got)
+    assert {f.engine_priority("batch", r, span) for r in ranks} == {TIERS["batch"]}
+
+
+def _serve(sizes: dict[str, tuple[int, int]], slots: int, steps: int, seed: int) -> tuple[float, float]:
+    """A discrete engine: `slots` sequences, one output token per running request per step;
+    every tenant backlogged; VTC's pick on each free slot. The counters' largest gap over the
+    run, and the bound 2 × the largest request's cost."""
+    rng = random.Random(seed)
+    v = f.Vtc()
+    for t in sorted(sizes):
+        v = f.activate(v, t)
+    running: list[list] = []  # [tenant, tokens left]
+    seq, gap = 0, 0.0
+    for _ in range(steps):
+        while len(running) < slots:
+            head = f.pick(v, [f.Head(t, "default", seq + i) for i, t in enumerate(sorted(sizes))])
+            assert head is not None
+            tenant = head.tenant
+            seq += len(sizes)
+            p, out = sizes[tenant]
+            p, out = rng.randint(1, p), rng.randint(1, out)
+            v = f.charge(v, tenant, input_tokens=p)
+            running.append([tenant, out])
+        for r in running:
+            v = f.charge(v, r[0], output_tokens=1)
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+        cs = [v.counter(t) for t in sizes]
+        gap = max(gap, max(cs) - min(cs))
+    largest = max(p * 1 + out * 2 for p, out in sizes.values())
+    return gap, 2 * largest
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("slots", [1, 4, 8])
+def test_two_backlogged_tenants_counters_stay_within_the_bound(seed, slots):
+    # One tenant's requests are 10× the other's, input and output.
+    gap, bound = _serve({"a": (40, 20), "b": (400, 200)}, slots, 3000, seed)
+    assert gap <= bound, (gap, bound)
+
+
+def test_counting_requests_instead_would_break_the_bound():
+    # The same engine picking round-robin by request count: the gap grows without bound.
+    v = f.Vtc()
+    for i in range(200):
+        v = f.charge(v, "a", input_tokens=40, output_tokens=20)
+        v = f.charge(v, "b", input_tokens=400, output_tokens=200)
+        if i > 10:
+            assert v.counter("b") - v.counter("a") > 2 * (400 + 400)
+
+
+# -- the engine shell ---------------------------------------------------------------
+
+
+def test_shell_dispatches_least_served_tenant_when_a_slot_frees():
+    async def run() -> list[str]:
+        share = FairShare("vtc", limit=1)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def request(tenant: str, prompt: int, hold: asyncio.Event | None = None):
+            async with share.turn(tenant, "default", 1, prompt, 1) as turn:
+                order.append(tenant)
+                turn.produced(prompt)
+                if hold is not None:
+                    await hold.wait()
+
+        first = asyncio.create_task(request("big", 1000, release))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(request("big", 1000)) for _ in range(3)]
+        await asyncio.sleep(0)
+        small = asyncio.create_task(request("small", 10))
+        await asyncio.sleep(0)
+        assert share.snapshot()["waiting"] == {"big": 3, "small": 1}
+        release.set()
+        await asyncio.gather(first, small, *queued)
+        assert share.running == 0 and share.waiting == 0 and not share.state.active
+        return order
+
+    # small joins level with big (lifted to the least active counter: a tie, big arrived
+    # first), then is ahead of big's backlog as soon as big has been served once more;
+    # by arrival it would have come last.
+    assert asyncio.run(run()) == ["big", "big", "small", "big", "big"]
+
+
+def test_shell_fcfs_passes_the_api_priority_and_never_waits():
+    async def run():
+        share = FairShare("fcfs", limit=1)
+        async with share.turn("a", "default", 1, 5, 1) as t1, share.turn("b", None, 1, 5, 2) as t2:
+            assert (t1.priority, t2.priority) == (1, 2)
+        assert share.snapshot()["counters"] == {"a": 5.0, "b": 5.0}  # counted, no lifts
+
+    asyncio.run(run())
+
+
+def test_shell_tier_precedes_fair_share_and_cancelled_waiters_give_their_turn_back():
+    async def run():
+        share = FairShare("vtc", limit=1)
+        hold = asyncio.Event()
+        order: list[tuple[str, str]] = []
+
+        async def request(tenant: str, tier: str, wait: asyncio.Event | None = None):
+            async with share.turn(tenant, tier, 1, 1, TIERS[tier]) as turn:
+                order.append((tenant, tier))
+                assert turn.priority == f.engine_priority(tier, 0) or tier == "default"
+                if wait is not None:
+                    await wait.wait()
+
+        first = asyncio.create_task(request("a", "default", hold))
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(request("b", "priority"))
+        flex = asyncio.create_task(request("b", "flex"))
+        prio = asyncio.create_task(request("c", "priority"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        hold.set()
+        await asyncio.gather(first, flex, prio)
+        assert gone.cancelled()
+        assert order == [("a", "default"), ("c", "priority"), ("b", "flex")]
+        assert share.running == 0 and share.waiting == 0 and share.load == {} and share.queued_of == {}
+
+    asyncio.run(run())
+
+
+def test_shell_charges_the_prompt_at_dispatch_so_slots_freed_together_go_to_different_tenants():
+    async def run() -> list[str]:
+        share = FairShare("vtc", limit=2)
+        release = asyncio.Event()
+        order: list[str] = []
+
+        async def request(name: str, tenant: str, hold: asyncio.Event | None = None):
+            async with share.turn(tenant, "default", 1, 100, 1):
+                order.append(name)
+                if hold is not None:
+                    await hold.wait()
+
+        running = [asyncio.create_task(request(f"busy-{i}", "busy", release)) for i in range(2)]
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(request(f"busy-{i}", "busy")) for i in range(2, 6)]
+        await asyncio.sleep(0)
+        other = asyncio.create_task(request("other", "other"))
+        await asyncio.sleep(0)
+        release.set()  # both slots free in the same instant
+        await asyncio.gather(*running, *queued, other)
+        return order
+
+    order = asyncio.run(run())
+    assert order.index("other") == 3  # one queued busy request (the tie, by arrival), then other
+
+
+def test_shell_a_waiter_cancelled_after_its_grant_gives_the_slot_back():
+    async def run():
+        share = FairShare("vtc", limit=1)
+        hold = asyncio.Event()
+
+        async def request(tenant: str, wait: asyncio.Event | None = None):
+            async with share.turn(tenant, "default", 1, 1, 1):
+                if wait is not None:
+                    await wait.wait()
+
+        first = asyncio.create_task(request("a", hold))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(request("b"))
+        await asyncio.sleep(0)
+        hold.set()
+        await asyncio.sleep(0)  # first ends and grants b its turn …
+        assert share.running == 1 and share.waiting == 0
+        second.cancel()  # … which b never takes
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert share.running == 0 and share.waiting == 0 and share.load == {} and share.queued_of == {}
+        async with share.turn("c", "default", 1, 1, 1):  # the slot is free again
+            assert share.running == 1
+
+    asyncio.run(run())

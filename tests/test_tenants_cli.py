@@ -1,0 +1,118 @@
+"""`ballast tenants …` as a user runs it: a subprocess on the test database (DATABASE_URL,
+as the owner). What it printed is checked against the database, and a key it printed
+against sha256 computed here."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import uuid
+
+import psycopg
+import pytest
+
+from journal.db import libpq_url
+
+
+def ballast(db_url: str | None, *args: str, data_dir=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")}
+    if db_url is not None:
+        env["DATABASE_URL"] = db_url
+    if data_dir is not None:
+        env["BALLAST_DATA_DIR"] = str(data_dir)
+    return subprocess.run([sys.executable, "-m", "ballast.cli", "tenants", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def rows(db_url: str, sql: str, *params) -> list[tuple]:
+    with psycopg.connect(libpq_url(db_url)) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+@pytest.fixture
+def name() -> str:
+    return "cli-" + uuid.uuid4().hex[:8]
+
+
+def test_create_list_keys_revoke(db_url, name):
+    done = ballast(db_url, "create", name, "--weight", "3", "--admin")
+    key = ok(done).strip()
+    assert key.startswith("sk-ballast-") and "\n" not in key  # stdout is the key alone
+    assert name in done.stderr and "shown this once" in done.stderr
+    [(key_id, tenant, stored, prefix, admin, revoked)] = rows(
+        db_url, "SELECT id, tenant, hash, prefix, admin, revoked_at FROM api_keys WHERE tenant = %s", name)
+    assert (tenant, stored, admin, revoked) == (name, hashlib.sha256(key.encode()).hexdigest(), True, None)
+    assert key.startswith(prefix) and len(prefix) < 20
+    assert rows(db_url, "SELECT weight FROM tenants WHERE id = %s", name) == [(3,)]
+
+    listed = ok(ballast(db_url, "list")).splitlines()
+    assert listed[0].split()[:2] == ["TENANT", "WEIGHT"]
+    assert any(line.split()[:2] == [name, "3"] for line in listed[1:])
+
+    second = ok(ballast(db_url, "new-key", name, "--key-name", "ci")).strip()
+    assert second.startswith("sk-ballast-") and second != key
+    keys = ok(ballast(db_url, "keys", name))
+    assert key_id in keys and prefix in keys and " ci " in keys
+    assert key not in keys and second not in keys and stored not in keys  # never the key, never its hash
+
+    out = ok(ballast(db_url, "revoke", key_id))
+    assert key_id in out and "revoked" in out
+    assert rows(db_url, "SELECT revoked_at IS NOT NULL FROM api_keys WHERE id = %s", key_id) == [(True,)]
+    line = next(ln for ln in ok(ballast(db_url, "keys", name)).splitlines() if ln.startswith(key_id))
+    assert line.split()[-1] != "-"  # a REVOKED time
+
+
+def test_limits_show_set_and_clear(db_url, name):
+    ok(ballast(db_url, "create", name))
+    assert "no limits" in ok(ballast(db_url, "limits", name))
+    ok(ballast(db_url, "limits", name, "--requests-per-min", "60", "--tokens-per-day", "100000"))
+    ok(ballast(db_url, "limits", name, "--model", "ballast-tiny", "--concurrent-requests", "4"))
+    ok(ballast(db_url, "limits", name, "--tokens-per-day", "none"))  # clears that one, keeps the rest
+    got = rows(db_url, "SELECT model, requests_per_min, tokens_per_day, concurrent_requests FROM limits "
+                       "WHERE tenant = %s ORDER BY model", name)
+    assert got == [("*", 60, None, None), ("ballast-tiny", None, None, 4)]
+    shown = ok(ballast(db_url, "limits", name)).splitlines()
+    assert shown[0].split()[:3] == ["MODEL", "REQUESTS_PER_MIN", "INPUT_TOKENS_PER_MIN"]
+    assert shown[1].split() == ["*", "60", "-", "-", "-", "-", "-"]  # '*' first
+    assert shown[2].split() == ["ballast-tiny", "-", "-", "-", "4", "-", "-"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["create", "Not_Valid!"], "Invalid tenant id"),
+    (["keys", "no-such-tenant"], "No tenant"),
+    (["revoke", "key_nope"], "No key"),
+    (["limits", "no-such-tenant", "--requests-per-min", "5"], "No tenant"),
+])
+def test_mistakes_are_one_line_and_exit_1(db_url, args, says):
+    done = ballast(db_url, *args)
+    assert done.returncode == 1 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_taken_name_is_refused(db_url, name):
+    ok(ballast(db_url, "create", name))
+    done = ballast(db_url, "create", name)
+    assert done.returncode == 1 and "already exists" in done.stderr
+    assert rows(db_url, "SELECT count(*) FROM api_keys WHERE tenant = %s", name) == [(1,)]  # no second key
+
+
+def test_a_bad_number_is_a_usage_error(db_url, name):
+    done = ballast(db_url, "limits", name, "--requests-per-min", "-1")
+    assert done.returncode == 2 and "negative" in done.stderr
+
+
+def test_without_a_database_it_says_what_to_do(tmp_path):
+    done = ballast(None, "list", data_dir=tmp_path)
+    assert done.returncode == 1 and "ballast up" in done.stderr and "DATABASE_URL" in done.stderr
+
+
+def test_the_url_a_running_ballast_up_leaves_is_used(db_url, tmp_path, name):
+    (tmp_path / "postgres-url").write_text(db_url)
+    ok(ballast(None, "create", name, data_dir=tmp_path))
+    assert rows(db_url, "SELECT id FROM tenants WHERE id = %s", name) == [(name,)]
