@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from temporalio.common import WorkflowIDReusePolicy
 
 from api.admission import Ticket
-from api.deps import Services, ServicesDep, TenantDep
+from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
+from journal.tenants import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView, rank
 from policy.preemption import TIERS
@@ -56,17 +57,18 @@ def _spawn(coro) -> asyncio.Task:
 # /openapi.json gets the request schema from `protocol.schema`.
 @router.post("/chat/completions", operation_id="createChatCompletion", responses=schema.generation_responses(),
              openapi_extra=schema.request_body(schema.chat_request()))
-async def chat_completions(request: Request, svc: ServicesDep, tenant: TenantDep):
-    return await _serve(request, svc, tenant, CHAT)
+async def chat_completions(request: Request, svc: ServicesDep, who: PrincipalDep):
+    return await _serve(request, svc, who, CHAT)
 
 
 @router.post("/completions", operation_id="createCompletion", responses=schema.generation_responses(),
              openapi_extra=schema.request_body(schema.completions_request()))
-async def completions(request: Request, svc: ServicesDep, tenant: TenantDep):
-    return await _serve(request, svc, tenant, COMPLETIONS)
+async def completions(request: Request, svc: ServicesDep, who: PrincipalDep):
+    return await _serve(request, svc, who, COMPLETIONS)
 
 
-async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
+async def _serve(request: Request, svc: Services, who: Principal, endpoint: str):
+    tenant = who.tenant
     t0 = time.perf_counter()
     body = await _body(request)
     req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len))
@@ -75,7 +77,7 @@ async def _serve(request: Request, svc: Services, tenant: str, endpoint: str):
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
     ticket = await _admit(svc, tenant, req, rid)
     try:
-        run = await _open(svc, tenant, req, body, t0, rid, ticket)
+        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight)
     except BaseException:
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
@@ -212,13 +214,13 @@ class EngineFailed(Exception):
 
 
 async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
-                ticket: Ticket | None = None) -> Run:
+                ticket: Ticket | None = None, weight: int = 1) -> Run:
     s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
-    # (engine/fairness.py); `priority` stays for engine workers that predate it. Weight 1 for
-    # now: the key lookup does not carry the tenant's weight to the request path yet.
+    # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
+    # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
-               tier=req.service_tier, weight=1)
+               tier=req.service_tier, weight=weight)
     engine, upstream = await _connect(svc, job)
     lines = upstream.aiter_lines()
     try:

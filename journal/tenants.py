@@ -35,6 +35,7 @@ class Principal:
     tenant: str
     key_id: str
     admin: bool = False
+    weight: int = 1  # the tenant's fair-share weight, as of the lookup (cached with the key)
 
 
 class TenantExists(ValueError):
@@ -112,10 +113,11 @@ async def create_key(conn: AsyncConnection, tenant: str, name: str | None = None
 
 async def lookup(conn: AsyncConnection, plaintext: str) -> Principal | None:
     """The key's principal; None for a key that is unknown or revoked."""
-    q = select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin).where(
-        api_keys.c.hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None))
+    q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight)
+         .join(tenants, tenants.c.id == api_keys.c.tenant)
+         .where(api_keys.c.hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)))
     row = (await conn.execute(q)).first()
-    return Principal(row.tenant, row.id, row.admin) if row else None
+    return Principal(row.tenant, row.id, row.admin, row.weight) if row else None
 
 
 _SHOWN_COLUMNS = [c for c in api_keys.c if c.name != "hash"]

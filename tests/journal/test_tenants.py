@@ -29,7 +29,7 @@ async def test_a_key_is_stored_as_its_sha256_only(db, name):
         row = (await conn.execute(select(api_keys).where(api_keys.c.id == key_id))).one()._mapping
         dumped = (await conn.execute(text("SELECT row_to_json(k)::text FROM api_keys k WHERE id = :id"),
                                      dict(id=key_id))).scalar_one()
-        assert await jt.lookup(conn, key) == jt.Principal(name, key_id, False)
+        assert await jt.lookup(conn, key) == jt.Principal(name, key_id, False, 2)
         assert await jt.lookup(conn, key + "x") is None
         assert await jt.lookup(conn, row["hash"]) is None  # the hash is not a key
     assert row["hash"] == hashlib.sha256(key.encode()).hexdigest()
@@ -122,3 +122,13 @@ async def test_bad_limits_are_refused(db, name, dims, match):
             await jt.set_limits(conn, name, **dims)
         with pytest.raises(jt.UnknownTenant):
             await jt.set_limits(conn, name + "-missing", requests_per_min=1)
+
+
+async def test_a_lookup_carries_the_tenants_weight_for_its_fair_share(db, name):
+    async with db.begin() as c:
+        await jt.create_tenant(c, name, weight=3)
+        _, key = await jt.create_key(c, name)
+    async with db.connect() as c:
+        weight = (await c.execute(text("SELECT weight FROM tenants WHERE id = :t"), dict(t=name))).scalar()
+        found = await jt.lookup(c, key)
+    assert found is not None and found.tenant == name and found.weight == weight == 3
