@@ -9,6 +9,8 @@ limits it sets touch no other test.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 
@@ -115,3 +117,55 @@ def test_a_batch_over_the_enqueued_token_limit_fails_validation(stack, db_url):
     kinds = _sql(db_url, "SELECT subject, kind FROM ledger WHERE tenant = %(t)s AND subject NOT LIKE 'item:%%' "
                          "ORDER BY position", t=tenant)
     assert kinds == [(f"batch:{small.id}", "reserve"), (f"batch:{small.id}", "refund")]
+
+
+def test_the_reservations_of_a_killed_api_process_expire(stack, db_url):
+    """An API process SIGKILLed mid-stream never settles what it reserved: the reconciler
+    expires its reservation once the process has been silent for the holder TTL, and the
+    tenant has no reservation left open."""
+    from ballast import procs
+
+    tenant, key, _ = tenant_client(stack, db_url, "killed")
+    port = procs.free_port()
+    doomed = stack.start(f"api-doomed-{port}", "api", env=dict(BALLAST_API_PORT=str(port)))
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_until(lambda: _up(url), 60, "the second API process to be healthy", child=doomed)
+    body = dict(model="ballast-tiny", messages=[dict(role="user", content="go on")], max_tokens=1000,
+                stream=True, ignore_eos=True)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept open: closing it would end the request (a dropped stream)
+            rid = next(json.loads(ln[len("data: "):])["id"] for ln in lines if ln.startswith("data: {"))
+            subject = f"request:{rid}"
+            # Freeze the engine worker so that the request is still mid-stream when its API
+            # process dies, however fast the engine.
+            os.kill(stack.engine.proc.pid, signal.SIGSTOP)
+            try:
+                # Its reservation reaches the ledger within a flush tick; then the process dies.
+                procs.wait_until(lambda: _kinds(db_url, subject) != [], 10, "the reserve row")
+                assert _kinds(db_url, subject) == ["reserve"]
+                doomed.proc.kill()
+            finally:
+                os.kill(stack.engine.proc.pid, signal.SIGCONT)
+            doomed.proc.wait(10)
+    deadline = time.monotonic() + 90  # the holder TTL (30 s) and a fold or two
+    while _kinds(db_url, subject) == ["reserve"]:
+        assert time.monotonic() < deadline, "the dead process's reservation never expired"
+        time.sleep(0.5)
+    assert _kinds(db_url, subject) == ["reserve", "expire"]  # never settled: the process died first
+    reserve, expire = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s "
+                                   "ORDER BY position", s=subject)
+    assert expire == reserve and reserve[1] == 1000  # all of it released
+    assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
+
+
+def _kinds(db_url: str, subject: str) -> list[str]:
+    return [k for (k,) in _sql(db_url, "SELECT kind FROM ledger WHERE subject = %(s)s ORDER BY position", s=subject)]
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
