@@ -127,3 +127,17 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+class Workflows:
+    """Temporal, as far as the interactive path uses it: start, then signal the outcome."""
+
+    def __init__(self):
+        self.started, self.outcomes = [], []
+
+    async def start_workflow(self, run, record, **_):
+        self.started.append(record)
+        return self
+
+    async def signal(self, _, outcome):
+        self.outcomes.append(outcome)

@@ -31,7 +31,7 @@ from api.admission import Admission, Ticket
 from journal import ledger, tenants
 from policy.admission import Refuse
 from policy.placement import EngineView
-from tests.api.conftest import assert_openai_error
+from tests.api.conftest import Workflows, assert_openai_error
 from workflows.inputs import JournalRequestInput, ReconcileInput
 
 CHAT = "/v1/chat/completions"
@@ -80,18 +80,6 @@ class OneEngine:
 
     async def live(self):
         return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4)]
-
-
-class Workflows:
-    def __init__(self):
-        self.started, self.outcomes = [], []
-
-    async def start_workflow(self, run, record, **_):
-        self.started.append(record)
-        return self
-
-    async def signal(self, _, outcome):
-        self.outcomes.append(outcome)
 
 
 class Harness:

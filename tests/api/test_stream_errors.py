@@ -23,7 +23,7 @@ from api.deps import Services
 from journal.objects import ObjectStore
 from journal.tenants import Principal
 from policy.placement import EngineView
-from tests.api.conftest import BARE_KEY, Untouchable, assert_openai_error, known_keys
+from tests.api.conftest import BARE_KEY, Untouchable, Workflows, assert_openai_error, known_keys
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BODIES = {
@@ -47,20 +47,6 @@ class OneEngine:
 
     async def live(self):
         return [EngineView("engine-1", "http://engine.test", "ballast-tiny", 0, 0, 4)]
-
-
-class Workflows:
-    """Temporal, as far as the interactive path uses it: start, then signal the outcome."""
-
-    def __init__(self):
-        self.started, self.outcomes = [], []
-
-    async def start_workflow(self, run, record, **_):
-        self.started.append(record)
-        return self
-
-    async def signal(self, _, outcome):
-        self.outcomes.append(outcome)
 
 
 def engine(*lines: dict, then: Exception | None = None) -> httpx.MockTransport:

@@ -18,16 +18,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from ballast import procs
+from ballast import pg, procs
 from journal import tenants
 from journal.db import connect
+from journal.migrate import upgrade
 
 UPLOAD_LIMIT = 256 * 1024
 WAIT_S = 240  # how long a wait on an observed state may take before the test fails: a hang guard, not a speed bet
@@ -192,6 +194,25 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         s.stop()
         raise
     return s
+
+
+@contextmanager
+def own_stack(tmp_path_factory, pg_server_url: str, temporal_address: str, tiny_model, tag: str,
+              **settings: str) -> Iterator[tuple[Stack, str]]:
+    """A stack of its own, on a database of its own, for a module whose settings differ
+    from the shared stack's: (stack, owner URL of its database). Dropped afterwards."""
+    name = f"ballast_test_{tag}_{os.getpid()}"
+    url = pg.create_database(pg_server_url, name)
+    try:
+        upgrade(url)
+        s = start_stack(tmp_path_factory.mktemp(tag), url, temporal_address, tiny_model, f"{tag}-{os.getpid()}",
+                        **settings)
+        try:
+            yield s, url
+        finally:
+            s.stop()
+    finally:
+        pg.drop_database(pg_server_url, name)
 
 
 @pytest.fixture(scope="session")

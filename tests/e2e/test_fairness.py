@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import httpx
 import pytest
 
-from ballast import pg
-from journal.migrate import upgrade
-from tests.e2e.conftest import WAIT_S, make_key, start_stack
+from tests.e2e.conftest import WAIT_S, make_key, own_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -26,18 +23,9 @@ BACKLOG = 8  # the busy tenant's requests: SLOTS run, the rest wait at the engin
 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
-    name = f"ballast_test_fair_{os.getpid()}"
-    url = pg.create_database(pg_server_url, name)
-    try:
-        upgrade(url)
-        s = start_stack(tmp_path_factory.mktemp("fair"), url, temporal_address, tiny_model, f"fair-{os.getpid()}",
-                        BALLAST_MAX_NUM_SEQS=str(SLOTS))
-        try:
-            yield s, url
-        finally:
-            s.stop()
-    finally:
-        pg.drop_database(pg_server_url, name)
+    with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "fair",
+                   BALLAST_MAX_NUM_SEQS=str(SLOTS)) as stack_and_url:
+        yield stack_and_url
 
 
 def chat(content: str, max_tokens: int) -> dict:

@@ -15,10 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ballast import pg
 from journal.batches import item_stream
-from journal.migrate import upgrade
-from tests.e2e.conftest import WAIT_S, start_stack
+from tests.e2e.conftest import WAIT_S, own_stack
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 from tests.e2e.test_interactive import Surges
 
@@ -29,23 +27,14 @@ LENGTH = 160  # tokens per item: the gate, not the length, keeps items in flight
 
 @pytest.fixture(scope="module")
 def quiet(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
-    name = f"ballast_test_quiet_{os.getpid()}"
-    url = pg.create_database(pg_server_url, name)
-    try:
-        upgrade(url)
-        # 32 slots, so that a burst of 8 chat requests is a surge to the fleet controller
-        # (4 or more in flight at once: pressure 0.125 or more) and the other tests' bursts
-        # of 2 (0.06) are not; once surging, any chat in a report (0.03) keeps the pool busy.
-        s = start_stack(tmp_path_factory.mktemp("quiet"), url, temporal_address, tiny_model, f"quiet-{os.getpid()}",
-                        BALLAST_MAX_NUM_SEQS="32", BALLAST_SURGE_HIGH="0.1", BALLAST_SURGE_LOW="0.03",
-                        BALLAST_SURGE_COOL_DOWN_S="2", BALLAST_FLEET_TICK_S="0.5", BALLAST_ANNOUNCE_S="0.5",
-                        BALLAST_BATCH_ITEMS_PER_RUN="64")
-        try:
-            yield s, url
-        finally:
-            s.stop()
-    finally:
-        pg.drop_database(pg_server_url, name)
+    # 32 slots, so that a burst of 8 chat requests is a surge to the fleet controller
+    # (4 or more in flight at once: pressure 0.125 or more) and the other tests' bursts
+    # of 2 (0.06) are not; once surging, any chat in a report (0.03) keeps the pool busy.
+    with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "quiet",
+                   BALLAST_MAX_NUM_SEQS="32", BALLAST_SURGE_HIGH="0.1", BALLAST_SURGE_LOW="0.03",
+                   BALLAST_SURGE_COOL_DOWN_S="2", BALLAST_FLEET_TICK_S="0.5", BALLAST_ANNOUNCE_S="0.5",
+                   BALLAST_BATCH_ITEMS_PER_RUN="64") as stack_and_url:
+        yield stack_and_url
 
 
 CHAT = dict(model="ballast-tiny", messages=[{"role": "user", "content": "surge"}], max_tokens=4, temperature=0)
