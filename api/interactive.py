@@ -229,6 +229,9 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
         first = None
     if first is None or "error" in first:
         await upstream.aclose()
+        if upstream.status_code == 401:  # a deployment error, not the client's: say so where operators look
+            log.error("engine %s refused the engine token (401): BALLAST_ENGINE_TOKEN differs between the API "
+                      "and that engine worker", engine.id)
         if first is None:
             raise APIError(502, "The engine worker did not accept the request; try again.", code="engine_error")
         e = first["error"]
@@ -247,9 +250,12 @@ async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response
     """Open the stream on the best engine; one that went away since it last announced
     itself is skipped for the next best."""
     model = svc.settings.model_name
+    # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
+    token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for engine in rank(await svc.engines.live(), model):
         try:
-            request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job)
+            request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job, headers=headers)
             return engine, await svc.http.send(request, stream=True)
         except httpx.TransportError as e:
             log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)

@@ -20,6 +20,17 @@ def _need(settings: Settings, *names: str) -> None:
         sys.exit(f"ballast: set {env} (or run `ballast up`, which starts embedded services)")
 
 
+def _need_engine_token(settings: Settings) -> None:
+    """The API and every engine worker share BALLAST_ENGINE_TOKEN: an engine serves only
+    requests that carry it, so neither starts without it."""
+    from ballast.workers import engine_token
+
+    try:
+        engine_token(settings)
+    except RuntimeError as err:
+        sys.exit(f"ballast: {err}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ballast", description="Durable workload manager for LLM inference on vLLM.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -64,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from api.app import create_app
 
         _need(settings, "database_url", "temporal_address")
+        _need_engine_token(settings)
         from ballast.procs import listen_nodelay
 
         config = uvicorn.Config(create_app(settings), log_level="warning")
@@ -73,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from ballast import workers
 
         _need(settings, "database_url", "temporal_address")
+        if args.kind == "engine":
+            _need_engine_token(settings)
         asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))
         return 0
     if args.cmd == "bench":

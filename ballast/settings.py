@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from journal.db import SERVICE_ROLE, as_role
@@ -55,6 +55,15 @@ class Settings(BaseSettings):
     max_model_len: int = 2048
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
+    # One engine step's token budget (None: vLLM's), and the prompt tokens one request may
+    # put in a step beside others (0: no cap): a giant prompt is then prefilled across
+    # steps, and a short request that arrives meanwhile finds budget in the next step
+    # rather than waiting for the giant's whole prefill. 64 halved another tenant's TTFT
+    # beside 2k-token prompts on the CPU engine at no cost to the giants' throughput
+    # (bench/RESULTS.md, `ballast bench fairness`); a GPU step takes far more tokens for
+    # the same time, so raise it there (a few hundred).
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    long_prefill_tokens: int = Field(64, ge=0)
     # vLLM's processes busy-poll; a lower CPU priority keeps the request path (and the
     # control plane) ahead of them where they share cores. 0 disables.
     engine_nice: int = Field(10, ge=0, le=19)
@@ -69,6 +78,9 @@ class Settings(BaseSettings):
     engine_host: str = "127.0.0.1"
     engine_port: int = 0
     engine_url: str | None = None
+    # The shared secret the API presents to engine workers' endpoint (Authorization: Bearer);
+    # an engine worker refuses to start without it. `ballast up` makes one (data_dir/engine-token).
+    engine_token: SecretStr | None = None
 
     # Batches.
     object_store: str | None = None  # fsspec URL; unset: data_dir/objects
@@ -83,6 +95,19 @@ class Settings(BaseSettings):
     # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a
     # sequence slot frees; "fcfs": by arrival (engine/fairness.py).
     fair_share: Literal["vtc", "fcfs"] = "vtc"
+    # While more than one tenant is about, no tenant holds the last fair_headroom share
+    # of an engine's interactive slots (at least one), so another tenant's request never
+    # queues behind it; flex gets flex_min_share of them back once a flex request has
+    # waited flex_starve_after_s (continuous chat slows flex, never stops it).
+    fair_headroom: float = Field(0.05, ge=0, lt=1)
+    # While more than one tenant is about, at most fair_long_prefills prompts longer than
+    # fair_long_prompt tokens are prefilling on an engine at once (the rest wait their
+    # turn there), so one tenant's giant prompts cannot fill every step with prefill work
+    # and stall another tenant's first token; 0 disables. Alone, a tenant's go at once.
+    fair_long_prompt: int = Field(1024, ge=0)
+    fair_long_prefills: int = Field(1, ge=1)
+    flex_min_share: float = Field(0.05, ge=0, le=1)
+    flex_starve_after_s: float = Field(30.0, ge=0)
     # Preemption: batch sequences allowed on an engine while interactive work is in
     # flight, and how long demand must stay low before batch gets its slots back.
     batch_busy_cap: int = 0

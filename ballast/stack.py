@@ -8,12 +8,18 @@ each in its own process group, so nothing is orphaned.
 Every /v1 call needs an API key. The first start makes tenant `default` with a key and an
 admin key, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a later start
 reuses them, and replaces one that no longer works (revoked, or another database).
+
+The API and the engine worker share a secret, the engine token (BALLAST_ENGINE_TOKEN, which
+an engine worker demands of every request): unless it is set, the first start makes one and
+keeps it in data_dir/engine-token (mode 0600), for later starts and for engine workers
+started by hand on other hosts. Only the API and the engine worker are handed it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import sys
 import time
@@ -36,6 +42,7 @@ from journal.migrate import upgrade
 READY_TIMEOUT_S = 300
 TENANT = "default"
 KEY_FILES = (("api-key", False), ("admin-key", True))  # file in data_dir, admin?
+ENGINE_TOKEN_FILE = "engine-token"
 
 
 class _Stop(Exception):
@@ -106,12 +113,16 @@ def _start(settings: Settings, data: Path, logs: Path,
     owner = settings.model_copy(update=dict(database_url=env["BALLAST_DATABASE_URL"]))
     upgrade(owner.require("database_url"), service_url=owner.service_db_url)
     keys = asyncio.run(_keys(owner.require("database_url"), data))
+    token = engine_token(settings, data)
+    env.pop("BALLAST_ENGINE_TOKEN", None)
+    with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
     children = []
-    parts = (("engine worker", ["worker", "engine"]), ("control worker", ["worker", "control"]), ("api", ["api"]))
-    for name, args in parts:
+    parts = (("engine worker", ["worker", "engine"], with_token), ("control worker", ["worker", "control"], env),
+             ("api", ["api"], with_token))
+    for name, args, child_env in parts:
         _step(f"starting the {name} (log: {logs / (args[-1] + '.log')})")
-        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=env,
+        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=child_env,
                             log_path=logs / f"{args[-1]}.log")
         stack.callback(child.stop, 30)
         children.append(child)
@@ -153,6 +164,19 @@ async def _keys(url: str, data: Path) -> list[Key]:
         await db.dispose()
 
 
+def engine_token(settings: Settings, data: Path) -> str:
+    """BALLAST_ENGINE_TOKEN where set; else the one in data_dir/engine-token, made (random,
+    256 bits) and written there (0600) on the first start."""
+    if settings.engine_token and (token := settings.engine_token.get_secret_value().strip()):
+        return token
+    path = data / ENGINE_TOKEN_FILE
+    token = path.read_text().strip() if path.exists() else ""
+    if not token:
+        token = secrets.token_urlsafe(32)
+        _write_secret(path, token)
+    return token
+
+
 def _write_secret(path: Path, text: str) -> None:
     """Readable by this user only, from the first byte (never briefly world-readable)."""
     tmp = path.with_name(path.name + ".tmp")
@@ -161,6 +185,13 @@ def _write_secret(path: Path, text: str) -> None:
         f.write(text + "\n")
     os.chmod(tmp, 0o600)  # O_CREAT's mode only applies to a file it creates
     os.replace(tmp, path)
+
+
+def _token_source(settings: Settings, data: Path) -> str:
+    """Where the engine token is (never the token): what an engine worker on another host needs."""
+    if settings.engine_token and settings.engine_token.get_secret_value().strip():
+        return "BALLAST_ENGINE_TOKEN (engine workers elsewhere need the same)"
+    return f"{data / ENGINE_TOKEN_FILE}   (engine workers elsewhere: BALLAST_ENGINE_TOKEN=<its content>)"
 
 
 def _user(url: str | None) -> str | None:
@@ -203,6 +234,7 @@ Ballast is up.
   data                     {data}     logs: {logs}
   {f"API key ({TENANT})":<25}{tenant.path}{"   (new)" if tenant.new else ""}
   admin key                {shown}
+  engine token             {_token_source(settings, data)}
 Try:  export OPENAI_API_KEY={tenant.key}
       curl {api}/v1/batches -H "Authorization: Bearer $OPENAI_API_KEY"
 Ctrl-C stops everything.

@@ -23,7 +23,7 @@ from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
-from policy.preemption import SurgePolicy
+from policy.preemption import SurgePolicy, min_slots
 from protocol.requests import Limits
 from workflows.batch import BatchWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
@@ -99,10 +99,13 @@ async def engine_worker(settings: Settings) -> None:
     from engine.vllm_engine import Engine
     from journal.checkpointer import Checkpointer
 
+    token = engine_token(settings)  # before minutes of vLLM start-up, not after
     spec = resolve_model(settings)
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
     engine: Engine | GatedEngine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib,
-                                                      max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
+                                                      max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice,
+                                                      max_num_batched_tokens=settings.max_num_batched_tokens,
+                                                      long_prefill_tokens=settings.long_prefill_tokens)
     if settings.engine_gate is not None:  # a test seam: batch generations hold at the file's budgets
         from engine.gate import GatedEngine
 
@@ -115,9 +118,13 @@ async def engine_worker(settings: Settings) -> None:
     port = settings.engine_port or procs.free_port(settings.engine_host)
     url = settings.engine_url or f"http://{settings.engine_host}:{port}"
     engine_id = f"{socket.gethostname()}-{os.getpid()}"
-    fair = FairShare(settings.fair_share, settings.max_num_seqs)
-    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots, fair), host=settings.engine_host, port=port,
-                                           log_level="warning", lifespan="off"))
+    fair = FairShare(settings.fair_share, settings.max_num_seqs,
+                     headroom=min_slots(settings.fair_headroom, settings.max_num_seqs),
+                     floors=dict(flex=min_slots(settings.flex_min_share, settings.max_num_seqs)),
+                     starve_after_s=settings.flex_starve_after_s, long_prompt=settings.fair_long_prompt,
+                     long_prefills=settings.fair_long_prefills)
+    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots, fair, token=token), host=settings.engine_host,
+                                           port=port, log_level="warning", lifespan="off"))
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)
@@ -137,6 +144,18 @@ async def engine_worker(settings: Settings) -> None:
         )
         log.info("engine worker %s polling %s, streaming at %s", engine_id, settings.engine_queue, url)
         await _run_until_signalled(worker)
+
+
+def engine_token(settings: Settings) -> str:
+    """The shared secret the engine worker's endpoint demands of the API. Always required:
+    the endpoint generates for anyone who reaches it, bypassing keys, quotas and the journal,
+    and even a loopback port is open to every local user and process."""
+    token = settings.engine_token.get_secret_value().strip() if settings.engine_token else ""
+    if not token:
+        raise RuntimeError("BALLAST_ENGINE_TOKEN is not set: an engine worker serves only requests that carry it. "
+                           "Set it to the API's value (`ballast up` keeps one in <data dir>/engine-token), "
+                           "or make one: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return token
 
 
 async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine) -> None:

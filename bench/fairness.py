@@ -8,21 +8,21 @@ tenants of equal weight (1), made in the stack's database, each with its own key
 request is a streaming chat completion of the `default` tier with `ignore_eos`, so its
 length is what it asks for.
 
-1. backlog: each tenant runs a closed loop of `concurrency` requests (16: twice the slots,
-   so that each tenant has requests waiting at the engine despite the client and API
-   turnaround between a request and its successor: both backlogged); tenant `short`
-   asks for P prompt and M output tokens, tenant `long` for 10 P and 10 M. Service is
-   weighted as VTC counts it, input + 2 × output tokens (the paper's default), and
-   attributed client-side: the prompt when the first token arrives, the output across
-   the stream's chunks. Per window (`--window`, 5 s) each tenant's weighted tokens/s and
-   Jain's index (Σx)² / (n Σx²) (1: equal; 0.5: one tenant gets everything); and the
-   largest difference in service the two got over any interval of the run, against VTC's
-   bound, 2 × the largest request's cost (Sheng et al., OSDI'24): as the client saw it
-   (prompt at the first token, output as it streamed) and as the engine's own counters
-   (its /stats, sampled every 50 ms; kept in both arms) counted it.
-2. giant prompts: tenant `short` sends short requests open-loop (Poisson, `--rate`/s) and
-   its TTFT p50/p99 is taken alone, then while tenant `long` keeps the engine backlogged
-   with prompts near the context limit (2 × the slots in streams: some always wait).
+1. backlog: each tenant runs a closed loop of streams (`streams`: enough that each has
+   requests waiting at the engine despite the client and API turnaround between a request
+   and its successor; the short tenant needs more, finishing ten requests to the long
+   one's one); tenant `short` asks for P prompt and M output tokens, tenant `long` for
+   10 P and 10 M. Service is weighted as VTC counts it, input + 2 × output tokens, both
+   as the client received it (the prompt at the first token, the output across the
+   stream's chunks) and as the engine served it (its `served` counters). Per window
+   (`window`, 5 s) Jain's index (Σx)² / (n Σx²) (1: equal; 0.5: one tenant gets
+   everything); the largest difference in service over any interval, and over intervals
+   where both had requests waiting (where VTC's bound is stated), against 2 × the largest
+   request's cost; and the slots the engine gave a tenant out of turn (while the other,
+   served less, had nothing waiting: work-conserving, outside the bound).
+2. giant prompts: tenant `short` sends short requests open-loop (Poisson, `rate`/s); its
+   TTFT p50/p99 alone, then while tenant `long` keeps the engine backlogged with prompts
+   near the context limit; the journal splits each TTFT into the API's and the engine's.
 
 Prints a table per arm, then one JSON line with the figures.
 """
@@ -37,6 +37,7 @@ import statistics
 import string
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,9 @@ class Tenant:
     max_tokens: int
     events: list[tuple[float, float]] = field(default_factory=list)  # (time, weighted tokens)
     ttft: list[float] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
     requests: int = 0
+    dropped: int = 0  # connections closed before a response (counted, not retried)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -88,15 +91,20 @@ async def make_tenants(db_url: str, names: list[str]) -> tuple[dict[str, str], s
         await db.dispose()
 
 
-async def sample_counters(http: httpx.AsyncClient, engine_url: str, stop: asyncio.Event,
+async def sample_engine(http: httpx.AsyncClient, engine_url: str, engine_headers: dict[str, str],
+                          stop: asyncio.Event,
                           out: list[tuple[float, dict[str, float]]],
-                          queued: list[tuple[float, dict[str, int]]]) -> None:
-    """The engine's own VTC counters and who has requests waiting there (its /stats), every 50 ms."""
+                          queued: list[tuple[float, dict[str, int]]],
+                          turns: list[tuple[float, dict[str, int]]] | None = None) -> None:
+    """What the engine served each tenant (weighted as VTC counts, without its lifts) and who
+    has requests waiting there (its /stats), every 50 ms."""
     while not stop.is_set():
         with contextlib.suppress(httpx.HTTPError):
-            fair = (await http.get(engine_url + "/stats")).json()["fairness"]
-            out.append((time.monotonic(), fair["counters"]))
+            fair = (await http.get(engine_url + "/stats", headers=engine_headers)).json()["fairness"]
+            out.append((time.monotonic(), fair["served"]))
             queued.append((time.monotonic(), fair["waiting"]))
+            if turns is not None:
+                turns.append((time.monotonic(), fair.get("out_of_turn", {})))
         await asyncio.sleep(0.05)
 
 
@@ -104,6 +112,38 @@ def counter_difference(samples: list[tuple[float, dict[str, float]]], start: flo
     """The largest difference in service as the engine counted it, over any interval."""
     d = [c.get("short", 0.0) - c.get("long", 0.0) for at, c in samples if start <= at <= end]
     return max(d) - min(d) if d else float("nan")
+
+
+def backlogged_difference(samples: list[tuple[float, dict[str, float]]], queued: list[tuple[float, dict[str, int]]],
+                          start: float, end: float) -> tuple[float, float]:
+    """VTC's bound is stated for tenants that both have requests waiting: the largest
+    difference in service (the engine's counters) over any interval inside a stretch of
+    samples where both had, and the share of samples where both had."""
+    worst, runs, both = 0.0, 0, 0
+    run: list[float] = []
+    for (at, c), (_, w) in zip(samples, queued, strict=True):
+        if not start <= at <= end:
+            continue
+        runs += 1
+        if w.get("short") and w.get("long"):
+            both += 1
+            run.append(c.get("short", 0.0) - c.get("long", 0.0))
+            worst = max(worst, max(run) - min(run))
+        else:
+            run = []
+    return worst, (both / runs if runs else float("nan"))
+
+
+def engine_windows(samples: list[tuple[float, dict[str, float]]], start: float, width: float,
+                   n: int) -> list[list[float]]:
+    """Each tenant's service per window as the engine's counters grew (weighted tokens/s)."""
+    def at(t: float) -> dict[str, float]:
+        before = [c for when, c in samples if when <= t]
+        return before[-1] if before else {}
+
+    edges = [at(start + k * width) for k in range(n + 1)]
+    return [[(edges[k + 1].get(name, 0.0) - edges[k].get(name, 0.0)) / width for name in ("short", "long")]
+            for k in range(n)]
 
 
 class Load:
@@ -118,12 +158,20 @@ class Load:
         return "".join(self.rng.choices(string.ascii_lowercase, k=n))
 
     async def one(self, t: Tenant, prompt_tokens: int | None = None, max_tokens: int | None = None) -> None:
+        try:
+            await self._one(t, prompt_tokens, max_tokens)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # A pooled keep-alive connection the server closed as the request went out (the
+            # client's race with uvicorn's keep-alive timeout, more likely with many streams).
+            t.dropped += 1
+
+    async def _one(self, t: Tenant, prompt_tokens: int | None, max_tokens: int | None) -> None:
         body = dict(model=self.model, stream=True, stream_options=dict(include_usage=True), ignore_eos=True,
                     max_tokens=max_tokens or t.max_tokens, temperature=0,
                     messages=[dict(role="user", content=self.content(prompt_tokens or t.prompt))])
         t0 = time.monotonic()
         chunks: list[float] = []
-        usage = None
+        usage, rid = None, None
         async with self.http.stream("POST", "/v1/chat/completions", json=body,
                                     headers={"Authorization": f"Bearer {t.key}"}) as r:
             if r.status_code != 200:
@@ -132,6 +180,7 @@ class Load:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                rid = rid or chunk.get("id")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
@@ -140,6 +189,7 @@ class Load:
             return
         t.requests += 1
         t.ttft.append(1000 * (chunks[0] - t0))
+        t.ids.append(rid or "")
         t.events.append((chunks[0], W_IN * usage["prompt_tokens"]))
         per = W_OUT * usage["completion_tokens"] / len(chunks)
         t.events.extend((c, per) for c in chunks)
@@ -182,107 +232,193 @@ def max_service_difference(a: Tenant, b: Tenant, start: float, end: float) -> fl
     return hi - lo
 
 
-async def scenarios(base_url: str, keys: dict[str, str], engine_url: str, model: str, seconds: float, window: float,
-                    concurrency: int, rate: float, prompt: int, out_tokens: int, giant: int, giant_streams: int,
-                    log) -> dict:
+@dataclass
+class Scene:
+    """One arm's stack and what the scenarios share."""
+
+    http: httpx.AsyncClient
+    keys: dict[str, str]
+    engine_url: str
+    engine_headers: dict[str, str]
+    db_url: str
+    load: Load
+    log: Callable[[str], None]
+
+
+async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, int], prompt: int,
+                  out_tokens: int) -> dict:
+    """1. Both tenants backlogged, one's requests 10× the other's. Each keeps a closed loop
+    of streams: enough that it has requests waiting at the engine despite the client and
+    API turnaround between a request and its successor (the short tenant needs more: it
+    finishes ten requests for the long one's one). Service per window from the client
+    (what it received) and from the engine (its `served` counters, sampled every 50 ms);
+    the service difference over any interval, and over intervals where both had requests
+    waiting (where VTC's bound is stated)."""
+    short = Tenant("short", sc.keys["short"], prompt, out_tokens)
+    long_ = Tenant("long", sc.keys["long"], 10 * prompt, 10 * out_tokens)
+    stop = asyncio.Event()
+    warm = min(5.0, seconds / 4)
+    t0 = time.monotonic()
+    served: list[tuple[float, dict[str, float]]] = []
+    queued: list[tuple[float, dict[str, int]]] = []
+    turns: list[tuple[float, dict[str, int]]] = []
+    running = asyncio.gather(sc.load.closed_loop(short, streams["short"], stop),
+                             sc.load.closed_loop(long_, streams["long"], stop),
+                             sample_engine(sc.http, sc.engine_url, sc.engine_headers, stop, served, queued, turns))
+    await asyncio.sleep(warm + seconds)
+    stop.set()
+    start, end = t0 + warm, t0 + warm + seconds
+    await running  # the last requests finish; only [start, end) is counted
+    ws = windows([short, long_], start, end, window)
+    jains = [jain(w) for w in ws]
+    engine_jains = [jain(w) for w in engine_windows(served, start, window, len(ws))]
+    backlogged_diff, both_waiting = backlogged_difference(served, queued, start, end)
+    both_per_window = [backlogged_difference(served, queued, start + k * window, start + (k + 1) * window)[1]
+                       for k in range(len(ws))]
+    # windows in which both tenants had requests waiting at the engine in ≥ 90 % of samples
+    backlogged = [k for k, share in enumerate(both_per_window) if share >= 0.9]
+    largest = max(W_IN * long_.prompt + W_OUT * long_.max_tokens, W_IN * short.prompt + W_OUT * short.max_tokens)
+    # Where a request's time goes before the engine: the client's TTFT, the API's (from its
+    # receipt) and the engine worker's (from its receipt; its fair-share wait included).
+    split = await asyncio.to_thread(journaled_ttfts, sc.db_url, short.ids + long_.ids)
+    every = short.ttft + long_.ttft
+    b = dict(
+        ttft_p50_p99=dict(client=[round(pct(every, 50)), round(pct(every, 99))],
+                          api=[round(pct(split["api"], 50)), round(pct(split["api"], 99))],
+                          engine=[round(pct(split["engine"], 50)), round(pct(split["engine"], 99))]),
+        windows=[[round(x) for x in w] for w in ws], jain=[round(j, 3) for j in jains],
+        jain_min=round(min(jains), 3) if jains else None,
+        jain_median=round(statistics.median(jains), 3) if jains else None,
+        engine_jain=[round(j, 3) for j in engine_jains],
+        engine_jain_min=round(min(engine_jains), 3) if engine_jains else None,
+        both_waiting_per_window=[round(x, 2) for x in both_per_window],
+        jain_min_backlogged=round(min(jains[k] for k in backlogged), 3) if backlogged else None,
+        backlogged_windows=len(backlogged),
+        tokens_per_s=dict(short=round(sum(w[0] for w in ws) / max(1, len(ws))),
+                          long=round(sum(w[1] for w in ws) / max(1, len(ws)))),
+        requests=dict(short=short.requests, long=long_.requests),
+        dropped=dict(short=short.dropped, long=long_.dropped),
+        max_service_diff=round(max_service_difference(short, long_, start, end)),
+        engine_diff=round(counter_difference(served, start, end)),
+        backlogged_diff=round(backlogged_diff), both_waiting=round(both_waiting, 3),
+        bound=2 * largest,
+        # slots the engine gave a tenant while the other, served less, had nothing waiting
+        out_of_turn={n: (lambda xs: xs[-1].get(n, 0) - xs[0].get(n, 0) if xs else 0)(
+            [o for at, o in turns if start <= at <= end]) for n in ("short", "long")},
+        waiting_share={n: round(sum(1 for at, w in queued if start <= at <= end and w.get(n))
+                                / max(1, sum(1 for at, _ in queued if start <= at <= end)), 2)
+                       for n in ("short", "long")},
+    )
+    sc.log(f"  backlog: Jain per window {b['jain']} as the client received it, {b['engine_jain']} as the engine "
+           f"served it; weighted tok/s {b['tokens_per_s']}; largest service difference {b['max_service_diff']} "
+           f"(client), {b['engine_diff']} (engine), {b['backlogged_diff']} while both had requests waiting "
+           f"(bound {b['bound']}); share of samples with requests waiting: {b['waiting_share']}, "
+           f"both {b['both_waiting']} (per window {b['both_waiting_per_window']}: Jain's least over the "
+           f"{b['backlogged_windows']} windows where both were ≥ 90 % of the time {b['jain_min_backlogged']}); "
+           f"slots given out of turn (the other tenant, served less, had nothing "
+           f"waiting) {b['out_of_turn']}; TTFT p50/p99 ms as the client, the API and the engine worker saw it "
+           f"{b['ttft_p50_p99']}")
+    return b
+
+
+def journaled_ttfts(db_url: str, request_ids: list[str]) -> dict[str, list[float]]:
+    """Each request's TTFT as the API and as the engine worker measured it (journaled with
+    its `request_finished` event): where the time went, before or inside the engine."""
+    import psycopg
+
+    streams = [f"request:{r}" for r in request_ids]
+    with psycopg.connect(db_url) as conn:
+        for _ in range(100):  # journaled a moment after the response, in the background
+            rows = conn.execute("SELECT (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float FROM events"
+                                " WHERE stream = ANY(%s) AND type = 'request_finished'", (streams,)).fetchall()
+            if len(rows) >= len(streams):
+                break
+            time.sleep(0.1)
+    return dict(api=[r[0] for r in rows if r[0] is not None], engine=[r[1] for r in rows if r[1] is not None])
+
+
+async def giant_prompts(sc: Scene, seconds: float, rate: float, prompt: int, giant: int, giant_streams: int) -> dict:
+    """2. The short tenant's interactive TTFT, open loop (Poisson, `rate`/s), alone, then
+    while the long tenant keeps the engine backlogged with prompts near the context limit.
+    The journal splits each TTFT: the engine worker's (from its receipt of the request:
+    its fair-share queue, vLLM's queue and the prefill) and the API's (from its receipt)."""
+    alone = Tenant("short", sc.keys["short"], prompt, 8)
+    await sc.load.open_loop(alone, rate, seconds)
+    beside = Tenant("short", sc.keys["short"], prompt, 8)
+    giants = Tenant("long", sc.keys["long"], giant, 16)
+    stop = asyncio.Event()
+    background = asyncio.create_task(sc.load.closed_loop(giants, giant_streams, stop))
+    await asyncio.sleep(min(3.0, seconds / 2))  # the backlog builds
+    await sc.load.open_loop(beside, rate, seconds)
+    stop.set()
+    await background
+    p99_alone, p99_beside = pct(alone.ttft, 99), pct(beside.ttft, 99)
+    split = {n: await asyncio.to_thread(journaled_ttfts, sc.db_url, x.ids) for n, x in (("alone", alone),
+                                                                                        ("beside", beside))}
+    t = dict(alone_p50=round(pct(alone.ttft, 50), 1), alone_p99=round(p99_alone, 1),
+             giant_p50=round(pct(beside.ttft, 50), 1), giant_p99=round(p99_beside, 1),
+             p99_ratio=round(p99_beside / p99_alone, 2) if p99_alone else None,
+             requests=dict(alone=alone.requests, beside=beside.requests, giants=giants.requests),
+             giant_tokens_per_s=round(sum(w for _, w in giants.events) / seconds),
+             **{f"{side}_{n}_p50_p99": [round(pct(split[n][side], 50), 1), round(pct(split[n][side], 99), 1)]
+                for side in ("api", "engine") for n in ("alone", "beside")})
+    sc.log(f"  giant prompts: short TTFT p50/p99 alone {t['alone_p50']}/{t['alone_p99']} ms, beside {giant}-token "
+           f"prompts {t['giant_p50']}/{t['giant_p99']} ms (p99 ×{t['p99_ratio']}); giants served "
+           f"{t['giant_tokens_per_s']} weighted tok/s; TTFT p50/p99 as the API measured it "
+           f"{t['api_alone_p50_p99']} → {t['api_beside_p50_p99']} ms, as the engine worker did "
+           f"{t['engine_alone_p50_p99']} → {t['engine_beside_p50_p99']} ms")
+    return t
+
+
+async def run_arm(base_url: str, keys: dict[str, str], engine_url: str, engine_headers: dict[str, str], db_url: str,
+                  model: str, log: Callable[[str], None], parts: tuple[str, ...], **kw) -> dict:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
         probe = Tenant("short", keys["short"], 1, 1)
-        calib = Load(http, model, 0)
-        await calib.one(probe, 1, 4)  # also the engine's first (slow) request
+        await Load(http, model, 0).one(probe, 1, 4)  # also the engine's first (slow) request
         template = int(probe.events[0][1] / W_IN) - 1 if probe.events else 0
-        load = Load(http, model, template)
-
-        # 1. both backlogged, one tenant's requests 10× the other's
-        short = Tenant("short", keys["short"], prompt, out_tokens)
-        long_ = Tenant("long", keys["long"], 10 * prompt, 10 * out_tokens)
-        stop = asyncio.Event()
-        warm = min(5.0, seconds / 4)
-        t0 = time.monotonic()
-        samples: list[tuple[float, dict[str, float]]] = []
-        queued: list[tuple[float, dict[str, int]]] = []
-        running = asyncio.gather(load.closed_loop(short, concurrency, stop), load.closed_loop(long_, concurrency, stop),
-                                 sample_counters(http, engine_url, stop, samples, queued))
-        await asyncio.sleep(warm + seconds)
-        stop.set()
-        start, end = t0 + warm, t0 + warm + seconds
-        await running  # the last requests finish; only [start, end) is counted
-        ws = windows([short, long_], start, end, window)
-        jains = [jain(w) for w in ws]
-        largest = max(W_IN * long_.prompt + W_OUT * long_.max_tokens, W_IN * short.prompt + W_OUT * short.max_tokens)
-        backlog = dict(
-            windows=[[round(x) for x in w] for w in ws], jain=[round(j, 3) for j in jains],
-            jain_min=round(min(jains), 3) if jains else None,
-            jain_median=round(statistics.median(jains), 3) if jains else None,
-            tokens_per_s=dict(short=round(sum(w[0] for w in ws) / max(1, len(ws))),
-                              long=round(sum(w[1] for w in ws) / max(1, len(ws)))),
-            requests=dict(short=short.requests, long=long_.requests),
-            max_service_diff=round(max_service_difference(short, long_, start, end)),
-            engine_counter_diff=round(counter_difference(samples, start, end)),
-            bound=2 * largest,
-            # VTC's bound holds for tenants with requests waiting: how often each had (vtc arm only)
-            waiting_share={n: round(sum(1 for at, w in queued if start <= at <= end and w.get(n))
-                                    / max(1, sum(1 for at, _ in queued if start <= at <= end)), 2)
-                           for n in ("short", "long")},
-        )
-        log(f"  backlog: Jain per window {backlog['jain']}, weighted tok/s {backlog['tokens_per_s']}, "
-            f"max service difference {backlog['max_service_diff']} as the client saw it, "
-            f"{backlog['engine_counter_diff']} as the engine counted it (bound {backlog['bound']}); "
-            f"share of samples with requests waiting at the engine {backlog['waiting_share']}")
-
-        # 2. interactive TTFT, alone and beside giant prompts
-        half = seconds / 2
-        alone = Tenant("short", keys["short"], prompt, 8)
-        await load.open_loop(alone, rate, half)
-        beside = Tenant("short", keys["short"], prompt, 8)
-        giants = Tenant("long", keys["long"], giant, 16)
-        stop = asyncio.Event()
-        background = asyncio.create_task(load.closed_loop(giants, giant_streams, stop))
-        await asyncio.sleep(min(3.0, half / 2))  # the backlog builds
-        await load.open_loop(beside, rate, half)
-        stop.set()
-        await background
-        p99_alone, p99_beside = pct(alone.ttft, 99), pct(beside.ttft, 99)
-        ttft = dict(alone_p50=round(pct(alone.ttft, 50), 1), alone_p99=round(p99_alone, 1),
-                    giant_p50=round(pct(beside.ttft, 50), 1), giant_p99=round(p99_beside, 1),
-                    p99_ratio=round(p99_beside / p99_alone, 2) if p99_alone else None,
-                    requests=dict(alone=alone.requests, beside=beside.requests, giants=giants.requests))
-        log(f"  giant prompts: short TTFT p50/p99 alone {ttft['alone_p50']}/{ttft['alone_p99']} ms, "
-            f"beside {giant}-token prompts {ttft['giant_p50']}/{ttft['giant_p99']} ms (p99 ×{ttft['p99_ratio']})")
-        return dict(backlog=backlog, ttft=ttft, template_tokens=template)
+        sc = Scene(http, keys, engine_url, engine_headers, db_url, Load(http, model, template), log)
+        out: dict = dict(template_tokens=template)
+        if "backlog" in parts:
+            out["backlog"] = await backlog(sc, kw["seconds"], kw["window"], kw["streams"], kw["prompt"],
+                                           kw["out_tokens"])
+        if "giants" in parts:
+            out["ttft"] = await giant_prompts(sc, kw["seconds"] / 2, kw["rate"], kw["prompt"], kw["giant"],
+                                              kw["giant_streams"])
+        return out
 
 
-def main(settings: Settings, seconds: float = 20.0, window: float = 5.0, concurrency: int = 16, max_num_seqs: int = 8,
-         rate: float = 4.0, prompt: int = 64, out_tokens: int = 32, log=print) -> int:
+def main(settings: Settings, seconds: float = 20.0, window: float = 5.0, max_num_seqs: int = 8,
+         streams: dict[str, int] | None = None, rate: float = 4.0, prompt: int = 64, out_tokens: int = 32,
+         arms: tuple[str, ...] = ("fcfs", "vtc"), parts: tuple[str, ...] = ("backlog", "giants"),
+         log: Callable[[str], None] = print) -> int:
+    streams = streams or dict(short=8 * max_num_seqs, long=2 * max_num_seqs)
     giant = settings.max_model_len - 64
-    log(f"bench fairness: {max_num_seqs} sequence slots, 2 tenants of weight 1 × {concurrency} streams, "
+    log(f"bench fairness: {max_num_seqs} sequence slots, 2 tenants of weight 1 with {streams} streams, "
         f"{seconds:.0f} s backlog ({window:.0f} s windows), requests {prompt}+{out_tokens} vs "
         f"{10 * prompt}+{10 * out_tokens} tokens; then TTFT at {rate}/s beside {giant}-token prompts")
     figures: dict[str, dict] = {}
-    for arm in ("fcfs", "vtc"):
+    for arm in arms:
         log(f"arm {arm}:")
         with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d, \
                 ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(max_num_seqs), BALLAST_FAIR_SHARE=arm) as st:
             keys, engine_url = asyncio.run(make_tenants(st.db_url, ["short", "long"]))
-            figures[arm] = asyncio.run(scenarios(str(st.api.base_url), keys, engine_url, settings.model_name, seconds,
-                                                 window, concurrency, rate, prompt, out_tokens, giant,
-                                                 2 * max_num_seqs, log))
-    log(f"\n{'arm':5} {'Jain min':>8} {'median':>7} {'short tok/s':>11} {'long tok/s':>10} {'max diff':>9} "
-        f"{'engine':>7} {'bound':>6} {'TTFT p99 alone':>14} {'beside giants':>13} {'ratio':>6}")
-    for arm, f in figures.items():
-        b, t = f["backlog"], f["ttft"]
-        log(f"{arm:5} {b['jain_min']:>8} {b['jain_median']:>7} {b['tokens_per_s']['short']:>11} "
-            f"{b['tokens_per_s']['long']:>10} {b['max_service_diff']:>9} {b['engine_counter_diff']:>7} {b['bound']:>6} "
-            f"{t['alone_p99']:>12}ms {t['giant_p99']:>11}ms {t['p99_ratio']:>6}")
-    out = dict(bench="fairness", weights="input + 2 x output tokens", max_num_seqs=max_num_seqs,
-               concurrency=concurrency, seconds=seconds, window_s=window,
+            figures[arm] = asyncio.run(run_arm(
+                str(st.api.base_url), keys, engine_url, st.engine_headers, st.db_url, settings.model_name, log, parts,
+                seconds=seconds, window=window, streams=streams, rate=rate, prompt=prompt, out_tokens=out_tokens,
+                giant=giant, giant_streams=2 * max_num_seqs))
+    keep = ("jain_min", "jain_median", "engine_jain_min", "max_service_diff", "engine_diff", "backlogged_diff",
+            "both_waiting", "both_waiting_per_window", "jain_min_backlogged", "backlogged_windows", "bound",
+            "waiting_share", "out_of_turn", "tokens_per_s", "requests", "dropped", "ttft_p50_p99")
+    out = dict(bench="fairness", weights="input + 2 x output tokens", max_num_seqs=max_num_seqs, streams=streams,
+               seconds=seconds, window_s=window,
                requests=dict(short=[prompt, out_tokens], long=[10 * prompt, 10 * out_tokens], giant=[giant, 16]),
-               **{arm: dict(jain_min=f["backlog"]["jain_min"], jain_median=f["backlog"]["jain_median"],
-                            max_service_diff=f["backlog"]["max_service_diff"],
-                            engine_counter_diff=f["backlog"]["engine_counter_diff"], bound=f["backlog"]["bound"],
-                            waiting_share=f["backlog"]["waiting_share"],
-                            tokens_per_s=f["backlog"]["tokens_per_s"], ttft_p99_alone_ms=f["ttft"]["alone_p99"],
-                            ttft_p99_giants_ms=f["ttft"]["giant_p99"], ttft_p99_ratio=f["ttft"]["p99_ratio"])
+               **{arm: dict(**{k: f["backlog"][k] for k in keep if "backlog" in f},
+                            **({} if "ttft" not in f else dict(
+                                ttft_p99_alone_ms=f["ttft"]["alone_p99"], ttft_p99_giants_ms=f["ttft"]["giant_p99"],
+                                ttft_p99_ratio=f["ttft"]["p99_ratio"],
+                                giant_tokens_per_s=f["ttft"]["giant_tokens_per_s"],
+                                **{k: v for k, v in f["ttft"].items() if k.endswith("_p50_p99")})))
                   for arm, f in figures.items()})
     print(json.dumps(out))
     return 0

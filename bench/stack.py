@@ -21,6 +21,8 @@ class Stack:
     api: httpx.Client
     temporal_address: str
     db_url: str  # its embedded Postgres, for reading the journal back
+    # What its engine worker's own endpoint (/stats, /v1/generate) demands: the engine token.
+    engine_headers: dict[str, str]
 
 
 @contextmanager
@@ -41,7 +43,10 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
         # The key `ballast up` made for tenant `default` on this fresh data dir.
         api.headers["Authorization"] = "Bearer " + (data_dir / "api-key").read_text().strip()
         pg_port = (data_dir / "pg.port").read_text().strip()
-        yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres")
+        # BALLAST_ENGINE_TOKEN where given; else the one `ballast up` made in the data dir.
+        token = env.get("BALLAST_ENGINE_TOKEN", "").strip() or (data_dir / "engine-token").read_text().strip()
+        yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres",
+                    {"Authorization": f"Bearer {token}"})
     finally:
         api.close()
         up.stop(60)

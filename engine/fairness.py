@@ -18,6 +18,17 @@ request still carries a vLLM priority (`engine_priority`: its tier, then its ran
 what vLLM orders itself (KV-cache pressure). Below `limit` nothing waits: one dict
 update per request and per engine step, no I/O.
 
+Three guards before that order. Headroom: while another tenant has been seen in the last
+minute, no tenant holds more than `limit − headroom` slots, so another tenant's request
+starts at once instead of queuing behind, say, a tenant of giant prompts (a lone tenant
+keeps every slot). Long prefills: meanwhile at most `long_prefills` prompts longer than
+`long_prompt` are prefilling at once (until their first token), so giant prompts cannot
+fill every engine step with prefill work that another tenant's first token waits behind
+(vLLM's chunked prefill bounds each prompt's share of a step; this bounds how many).
+Floors: a tier with a minimum share (flex) whose oldest request has waited
+`starve_after_s` goes first until it holds its share, so continuous chat slows flex but
+never stops it, as batch's floor does for batch (policy/preemption.py).
+
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
 tier's), served by arrival within a tier, as before; the counters are still kept, so
 `/stats` shows what each tenant got either way.
@@ -27,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -47,36 +59,66 @@ class _Waiter:
     weight: float
     prompt_tokens: int
     seq: int
+    since: float  # when it began to wait
+    long: bool  # a prompt past `long_prompt`: one of the few prefilled at a time while others are about
     granted: asyncio.Future[int]  # its vLLM priority, once dispatched
 
 
 class Turn:
     """One interactive request's time on the engine: its vLLM priority, and what it is charged."""
 
-    def __init__(self, share: FairShare, tenant: str, weight: float, priority: int):
+    def __init__(self, share: FairShare, tenant: str, weight: float, priority: int, long: bool = False):
         self.share, self.tenant, self.weight, self.priority = share, tenant, weight, priority
+        self.prefilling = long  # a long prompt's prefill holds one of the long-prefill places
 
     def produced(self, tokens: int) -> None:
         if tokens:
             self.share.charge(self.tenant, self.weight, output_tokens=tokens)
+            self.prefilled()
+
+    def prefilled(self) -> None:
+        """Its first token is out (or it ended without one): its prefill's place frees."""
+        if self.prefilling:
+            self.prefilling = False
+            self.share.long_prefill_done()
 
 
 class FairShare:
+    """`headroom`: slots a tenant leaves free while another tenant has been seen in the
+    last `recent_s`; `floors`: tier → the slots it gets back once one of its requests has
+    waited `starve_after_s` (a minimum share: flex under continuous chat)."""
+
     def __init__(self, mode: Mode = "vtc", limit: int = 256, cost: vtc.Cost = vtc.PAPER_COST,
-                 quantum: float = vtc.QUANTUM):
+                 quantum: float = vtc.QUANTUM, *, headroom: int = 0, recent_s: float = 60.0,
+                 floors: Mapping[str, int] | None = None, starve_after_s: float = 30.0,
+                 long_prompt: int = 0, long_prefills: int = 1, clock: Callable[[], float] = time.monotonic):
         self.mode, self.limit, self.cost, self.quantum = mode, max(1, limit), cost, quantum
+        self.headroom, self.recent_s, self.clock = headroom, recent_s, clock
+        self.floors, self.starve_after_s = dict(floors or {}), starve_after_s
+        self.long_prompt, self.long_prefills = long_prompt, max(1, long_prefills)
+        self.prefilling_long = 0  # long prompts dispatched whose first token is not out yet
         self.state = vtc.Vtc()
         self.running = 0  # interactive requests dispatched to vLLM (vtc mode)
+        self.running_of: dict[str, int] = {}  # tenant → its requests dispatched
+        self.running_in: dict[str, int] = {}  # tier → its requests dispatched
+        self.seen: dict[str, float] = {}  # tenant → when it last arrived or left
+        self.served: dict[str, float] = {}  # tenant → weighted tokens given (the counter without its lifts)
+        # tenant → slots it got while an active tenant served less had nothing waiting: the
+        # work-conserving grants that VTC's bound for backlogged tenants does not cover
+        self.out_of_turn: dict[str, int] = {}
         self.load: dict[str, int] = {}  # tenant → its requests waiting or running here ("active")
         self.queued_of: dict[str, int] = {}  # tenant → its requests waiting here
         self.queues: dict[tuple[str, str], deque[_Waiter]] = {}  # (tier, tenant) → FIFO
         self.waiting = 0
-        self.queued_total = 0  # requests that ever waited here
+        self.queued_total = 0  # requests that ever waited here for a slot
+        self.queued_by: dict[str, int] = {}  # … by tenant
         self._seq = itertools.count()
 
     def charge(self, tenant: str, weight: float, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        before = self.state.counter(tenant)
         self.state = vtc.charge(self.state, tenant, input_tokens=input_tokens, output_tokens=output_tokens,
                                 weight=weight, cost=self.cost)
+        self.served[tenant] = self.served.get(tenant, 0.0) + self.state.counter(tenant) - before
 
     @asynccontextmanager
     async def turn(self, tenant: str, tier: str | None, weight: float, prompt_tokens: int,
@@ -90,39 +132,69 @@ class FairShare:
             yield Turn(self, tenant, weight, fallback_priority)
             return
         self._enter(tenant)
+        long = 0 < self.long_prompt < prompt_tokens
         try:
-            priority = await self._wait(tenant, tier, weight, prompt_tokens)
+            priority = await self._wait(tenant, tier, weight, prompt_tokens, long)
+            turn = Turn(self, tenant, weight, priority, long)
             try:
-                yield Turn(self, tenant, weight, priority)
+                yield turn
             finally:
-                self.running -= 1
-                self._dispatch()
+                turn.prefilled()
+                self._release(tenant, tier)
         finally:
             self._leave(tenant)
 
-    def _grant(self, tenant: str, tier: str, weight: float, prompt_tokens: int) -> int:
+    def _grant(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool) -> int:
         """Dispatch: a slot taken, the prompt charged at once (before the next pick), and
         the vLLM priority from the tenant's rank as it was."""
         self.running += 1
+        self.prefilling_long += long
+        self.running_of[tenant] = self.running_of.get(tenant, 0) + 1
+        self.running_in[tier] = self.running_in.get(tier, 0) + 1
         priority = vtc.engine_priority(tier, vtc.rank(self.state, tenant, self.quantum))
+        mine = self.state.counter(tenant)
+        if any(t != tenant and t not in self.queued_of and self.state.counter(t) < mine for t in self.load):
+            self.out_of_turn[tenant] = self.out_of_turn.get(tenant, 0) + 1
         self.charge(tenant, weight, input_tokens=prompt_tokens)
         return priority
 
-    async def _wait(self, tenant: str, tier: str, weight: float, prompt_tokens: int) -> int:
-        if self.running < self.limit and not self.waiting:
-            return self._grant(tenant, tier, weight, prompt_tokens)
-        w = _Waiter(tenant, tier, weight, prompt_tokens, next(self._seq), asyncio.get_running_loop().create_future())
+    def _release(self, tenant: str, tier: str) -> None:
+        self.running -= 1
+        for counts, k in ((self.running_of, tenant), (self.running_in, tier)):
+            counts[k] -= 1
+            if not counts[k]:
+                del counts[k]
+        self._dispatch()
+
+    def long_prefill_done(self) -> None:
+        self.prefilling_long -= 1
+        self._dispatch()
+
+    def _long_held(self) -> bool:
+        """Long prompts wait for a place: as many as `long_prefills` are prefilling while
+        more than one tenant is about (alone, a tenant's long prompts all go at once)."""
+        return self.prefilling_long >= self.long_prefills and len(self._about(self.clock())) > 1
+
+    async def _wait(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool) -> int:
+        now = self.clock()
+        if (self.running < self.limit and not self.waiting and tenant not in self._capped(now)
+                and not (long and self._long_held())):
+            return self._grant(tenant, tier, weight, prompt_tokens, long)
+        w = _Waiter(tenant, tier, weight, prompt_tokens, next(self._seq), now, long,
+                    asyncio.get_running_loop().create_future())
         self.queues.setdefault((tier, tenant), deque()).append(w)
         self.queued_of[tenant] = self.queued_of.get(tenant, 0) + 1
         self.waiting += 1
-        self.queued_total += 1
         self._dispatch()
+        if not w.granted.done():  # it waits (one behind capped tenants only is dispatched at once)
+            self.queued_total += 1
+            self.queued_by[tenant] = self.queued_by.get(tenant, 0) + 1
         try:
             return await w.granted
         except BaseException:
             if w.granted.done() and not w.granted.cancelled():  # granted, then cancelled: give it back
-                self.running -= 1
-                self._dispatch()
+                self.prefilling_long -= long
+                self._release(tenant, tier)
             else:
                 self._drop(w)
             raise
@@ -135,17 +207,47 @@ class FairShare:
                 del self.queues[(w.tier, w.tenant)]
             self._unqueued(w.tenant)
 
+    def _about(self, now: float) -> set[str]:
+        """Tenants active here or seen in the last `recent_s`."""
+        horizon = now - self.recent_s
+        for t in [t for t, at in self.seen.items() if at < horizon and t not in self.load]:
+            del self.seen[t]
+        return set(self.seen)
+
+    def _capped(self, now: float) -> frozenset[str]:
+        """Tenants holding all the slots one tenant may hold now."""
+        if not self.headroom or not self.running_of:
+            return frozenset()
+        self._about(now)
+        return frozenset(t for t, n in self.running_of.items()
+                         if n >= vtc.tenant_cap(self.limit, self.headroom, others=len(self.seen.keys() - {t}) > 0))
+
+    def _starved(self, now: float) -> frozenset[str]:
+        """Tiers below their floor whose oldest waiting request has waited long enough."""
+        if not self.floors:
+            return frozenset()
+        oldest: dict[str, float] = {}
+        for (tier, _), q in self.queues.items():
+            if tier in self.floors:
+                oldest[tier] = min(oldest.get(tier, now), q[0].since)
+        return frozenset(tier for tier, since in oldest.items()
+                         if self.running_in.get(tier, 0) < self.floors[tier] and now - since >= self.starve_after_s)
+
     def _dispatch(self) -> None:
         while self.running < self.limit and self.waiting:
-            heads = (vtc.Head(t, tier, q[0].seq) for (tier, t), q in self.queues.items())
-            head = vtc.pick(self.state, heads)
-            assert head is not None
+            now = self.clock()
+            long_held = self._long_held()
+            heads = (vtc.Head(t, tier, q[0].seq) for (tier, t), q in self.queues.items()
+                     if not (q[0].long and long_held))
+            head = vtc.pick(self.state, heads, first=self._starved(now), capped=self._capped(now))
+            if head is None:  # only capped tenants, or held long prompts, wait
+                return
             q = self.queues[(head.tier, head.tenant)]
             w = q.popleft()
             if not q:
                 del self.queues[(head.tier, head.tenant)]
             if not w.granted.done():  # else cancelled while waiting: its task drops nothing more
-                w.granted.set_result(self._grant(w.tenant, w.tier, w.weight, w.prompt_tokens))
+                w.granted.set_result(self._grant(w.tenant, w.tier, w.weight, w.prompt_tokens, w.long))
             self._unqueued(w.tenant)
 
     def _unqueued(self, tenant: str) -> None:
@@ -157,12 +259,14 @@ class FairShare:
             del self.queued_of[tenant]
 
     def _enter(self, tenant: str) -> None:
+        self.seen[tenant] = self.clock()
         n = self.load.get(tenant, 0)
         self.load[tenant] = n + 1
         if not n:
             self.state = vtc.activate(self.state, tenant)
 
     def _leave(self, tenant: str) -> None:
+        self.seen[tenant] = self.clock()
         n = self.load[tenant] - 1
         if n:
             self.load[tenant] = n
@@ -175,5 +279,9 @@ class FairShare:
         for (_, tenant), q in self.queues.items():
             waiting[tenant] = waiting.get(tenant, 0) + len(q)
         return dict(mode=self.mode, limit=self.limit, running=self.running, waiting=waiting,
-                    queued_total=self.queued_total, active=sorted(self.state.active),
-                    counters={t: round(c, 1) for t, c in sorted(self.state.counters.items())})
+                    running_of=dict(sorted(self.running_of.items())), running_in=dict(sorted(self.running_in.items())),
+                    queued_total=self.queued_total, queued_by=dict(sorted(self.queued_by.items())),
+                    active=sorted(self.state.active),
+                    counters={t: round(c, 1) for t, c in sorted(self.state.counters.items())},
+                    served={t: round(c, 1) for t, c in sorted(self.served.items())},
+                    out_of_turn=dict(sorted(self.out_of_turn.items())), prefilling_long=self.prefilling_long)

@@ -13,20 +13,29 @@ Interactive requests count against the engine's slots (`EngineSlots`), which is 
 batch work yield to them within an engine step, and take their turn by tenant fair share
 (`FairShare`, engine/fairness.py): the job names its `tenant`, `tier` and `weight`, and the
 engine worker sets the vLLM priority itself (a job without them: the API's `priority`).
+
+Every request must carry the engine token (BALLAST_ENGINE_TOKEN, shared by the API and the
+engine workers) as `Authorization: Bearer <token>`; anything else is answered 401 before a
+byte of its body is read. Without it, whoever reaches this port would generate with no
+tenant, no quota and no journal, and /stats would show who uses the engine and how much.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import time
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import requests as rq
 from engine.fairness import FairShare
@@ -37,7 +46,10 @@ from protocol.requests import Limits, parse
 log = logging.getLogger(__name__)
 
 
-def create_app(engine, slots: EngineSlots, fair: FairShare | None = None) -> Starlette:
+def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, token: str) -> Starlette:
+    """`token`: the engine token every request must present (never empty)."""
+    if not token:
+        raise ValueError("the engine endpoint needs a token (BALLAST_ENGINE_TOKEN)")
     fair = fair or FairShare("fcfs", slots.max_seqs)
 
     async def generate(request: Request):
@@ -89,7 +101,32 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None) -> Sta
             live["gate"] = gate()
         return JSONResponse(live)
 
-    return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats)])
+    return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats)],
+                     middleware=[Middleware(RequireToken, token=token)])
+
+
+class RequireToken:
+    """Outermost: a request without the engine token is answered 401 before the app, and
+    so before anything reads its body. Compared in constant time."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scheme, _, presented = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            why = "Missing engine token: send Authorization: Bearer <BALLAST_ENGINE_TOKEN>."
+        elif not hmac.compare_digest(presented.strip().encode(), self.token):
+            why = "Invalid engine token: it differs from this engine worker's BALLAST_ENGINE_TOKEN."
+        else:
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(error_body(401, why, None, "invalid_engine_token"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 def _line(**fields) -> bytes:

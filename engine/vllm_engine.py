@@ -57,6 +57,8 @@ class Engine:
         max_num_seqs: int = 256,
         seed: int = 0,
         nice: int = 0,
+        max_num_batched_tokens: int | None = None,
+        long_prefill_tokens: int = 0,
     ) -> Engine:
         """Start an engine (async: `await Engine.start(spec)`).
 
@@ -69,16 +71,24 @@ class Engine:
         They busy-poll each other for a second after every step; where they share cores
         with the request path (this process's streaming endpoint, the API), each hop of
         a request otherwise waits behind them.
+
+        `max_num_batched_tokens` caps the tokens of one engine step (vLLM's default when
+        None) and `long_prefill_tokens` (> 0) the prompt tokens one request may put in a
+        step while others are running or waiting: a giant prompt is then prefilled in
+        chunks across steps instead of making one step, and every request in it, slow.
         """
         before = _vllm_processes() if nice > 0 else set()
-        engine = await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed)
+        scheduler = dict(long_prefill_token_threshold=long_prefill_tokens)
+        if max_num_batched_tokens:
+            scheduler["max_num_batched_tokens"] = max_num_batched_tokens
+        engine = await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed, scheduler)
         if nice > 0:
             _lower_priority(_vllm_processes() - before, nice)
         return engine
 
     @classmethod
     def _start_blocking(
-        cls, spec: ModelSpec, kv_cache_gib: float, max_num_seqs: int, seed: int
+        cls, spec: ModelSpec, kv_cache_gib: float, max_num_seqs: int, seed: int, scheduler: dict
     ) -> Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -97,6 +107,7 @@ class Engine:
             # of all host memory.
             kv_cache_memory_bytes=int(kv_cache_gib * GiB),
             max_num_seqs=max_num_seqs,
+            **scheduler,
             disable_log_stats=True,
             enable_log_requests=False,
         )

@@ -15,6 +15,10 @@ output 2 are the paper's defaults). Its rules:
   that has one waiting, and within the tier that of the tenant with the least counter
   (then the earliest arrival): two backlogged tenants' counters then never drift further
   apart than a bound of about twice the largest request's cost (the paper's Theorem 4.4).
+  Two guards sit in front of that order: a tier starved below its minimum share goes
+  first (flex under continuous chat), and a tenant holding `tenant_cap` slots waits, so
+  that a few slots stay free for another tenant's next request (a giant-prompt tenant
+  cannot make a chat tenant queue behind it).
 
 `engine_priority` turns (tier, the tenant's rank: its counter above the least-served
 active tenant, quantised) into one vLLM priority int (lower is served first) such that
@@ -112,10 +116,23 @@ def tier_order(tier: str) -> int:
     return TIERS.get(tier, TIERS["default"])
 
 
-def pick(v: Vtc, heads: Iterable[Head]) -> Head | None:
-    """The request to dispatch next: highest tier first (lowest TIERS value), then the
-    tenant with the least counter, then the earliest arrival, then the tenant id."""
-    return min(heads, key=lambda h: (tier_order(h.tier), v.counter(h.tenant), h.seq, h.tenant), default=None)
+def pick(v: Vtc, heads: Iterable[Head], *, first: frozenset[str] = frozenset(),
+         capped: frozenset[str] = frozenset()) -> Head | None:
+    """The request to dispatch next, None when every head is held back:
+    1. heads of `capped` tenants wait (they hold all the slots one tenant may hold);
+    2. tiers in `first` (starved below their minimum share) go before the others;
+    3. then the highest tier (lowest TIERS value), the tenant with the least counter, the
+       earliest arrival, the tenant id."""
+    return min((h for h in heads if h.tenant not in capped),
+               key=lambda h: (h.tier not in first, tier_order(h.tier), v.counter(h.tenant), h.seq, h.tenant),
+               default=None)
+
+
+def tenant_cap(limit: int, headroom: int, others: bool) -> int:
+    """The most slots one tenant may hold: all of them while no other tenant has been
+    seen lately, else all but `headroom`, kept free so that another tenant's request
+    starts at once instead of waiting for a slot to free (never below one)."""
+    return limit if not others else max(1, limit - headroom)
 
 
 def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:

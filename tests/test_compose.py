@@ -447,3 +447,12 @@ def test_only_the_api_is_published_beyond_this_host(services):
                 str(entry).rsplit(":", 2)[0] if str(entry).count(":") == 2 else "")
             if name != "api":
                 assert host_ip == "127.0.0.1", f"{name} publishes {entry} beyond this host"
+
+
+def test_the_api_and_the_engines_share_the_engine_token_and_no_one_else_has_it(services):
+    """The engine's port answers only requests carrying BALLAST_ENGINE_TOKEN: the api must
+    send the very value the engine demands, and no other service is handed the secret."""
+    tokens = {name: _env(s).get("BALLAST_ENGINE_TOKEN") for name, s in _ballast_services(services).items()}
+    assert tokens["api"] and tokens["api"] == tokens["engine"], tokens
+    assert {name for name, t in tokens.items() if t} == {"api", "engine"}, tokens
+    assert "BALLAST_ENGINE_TOKEN" not in (_raw().get("x-ballast-env") or {})

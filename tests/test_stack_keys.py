@@ -53,3 +53,23 @@ async def test_made_once_then_reused_and_replaced_when_revoked(db_url, data_dir)
     third = await _keys(db_url, data_dir)
     assert third[0].new and third[0].key != first[0].key and not third[1].new
     assert (data_dir / "api-key").read_text().strip() == third[0].key
+
+
+def test_the_engine_token_is_made_once_and_kept_0600(data_dir, monkeypatch):
+    """Unless BALLAST_ENGINE_TOKEN is set, `ballast up` makes the engine token once, in
+    data_dir/engine-token, and reuses it (engine workers on other hosts were given it)."""
+    from ballast.settings import Settings
+
+    monkeypatch.delenv("BALLAST_ENGINE_TOKEN", raising=False)
+    token = stack.engine_token(Settings(_env_file=None), data_dir)
+    path = data_dir / stack.ENGINE_TOKEN_FILE
+    assert len(token) >= 40 and path.read_text().strip() == token
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stack.engine_token(Settings(_env_file=None), data_dir) == token
+    other = data_dir / "other"
+    other.mkdir()
+    assert stack.engine_token(Settings(_env_file=None), other) != token  # random, not derived
+
+    monkeypatch.setenv("BALLAST_ENGINE_TOKEN", "set-by-the-operator")
+    assert stack.engine_token(Settings(_env_file=None), data_dir) == "set-by-the-operator"
+    assert path.read_text().strip() == token  # the file is left alone

@@ -16,10 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from api import interactive
 from api.app import create_app
 from api.deps import Services
+from ballast.settings import Settings
 from journal.objects import ObjectStore
 from journal.tenants import Principal
 from policy.placement import EngineView
@@ -75,11 +77,11 @@ def workflows():
 def serve(settings, workflows):
     """`serve(engine)`: a client of the app (use it in `async with`), whose one engine worker is `engine`."""
 
-    def make(transport: httpx.MockTransport) -> httpx.AsyncClient:
-        app = create_app(settings, temporal=workflows)
+    def make(transport: httpx.MockTransport, over: Settings | None = None) -> httpx.AsyncClient:
+        app = create_app(over or settings, temporal=workflows)
         db: Any = Untouchable("postgres")
         engines: Any = OneEngine()  # stands in for the EngineDirectory
-        app.state.services = Services(settings, db, workflows, ObjectStore(settings.object_store_url), engines,
+        app.state.services = Services(over or settings, db, workflows, ObjectStore(settings.object_store_url), engines,
                                       httpx.AsyncClient(transport=transport),
                                       keys=known_keys({BARE_KEY: Principal("default", "key_bare")}))
         return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test",
@@ -171,3 +173,41 @@ async def test_a_whole_stream_ends_with_finish_and_done(serve, workflows):
     assert done == "[DONE]"
     await settled()
     assert [o.status for o in workflows.outcomes] == ["completed"]
+
+
+ENGINE_TOKEN = "the-engine-token-of-this-deployment"
+
+
+def guarded(expected: str) -> httpx.MockTransport:
+    """An engine worker whose endpoint demands `expected` as its engine token (engine/server.py)."""
+    streams = engine(ACCEPTED, TOKEN, FINISH)
+
+    async def generate(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != f"Bearer {expected}":
+            refused = {"message": "Invalid engine token.", "type": "invalid_request_error", "param": None,
+                       "code": "invalid_engine_token"}
+            return httpx.Response(401, json={"error": refused})
+        return await streams.handle_async_request(request)
+
+    return httpx.MockTransport(generate)
+
+
+async def test_the_api_presents_the_engine_token(serve, settings, workflows):
+    over = settings.model_copy(update=dict(engine_token=SecretStr(ENGINE_TOKEN)))
+    async with serve(guarded(ENGINE_TOKEN), over) as api:
+        r = await api.post(CHAT, json=BODIES[CHAT])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    await settled()
+
+
+@pytest.mark.parametrize("token", [None, "another-deployments-token"], ids=["unset", "different"])
+async def test_an_engine_refusing_the_token_is_a_502_and_logged(serve, settings, workflows, caplog, token):
+    over = settings.model_copy(update=dict(engine_token=SecretStr(token) if token else None))
+    async with serve(guarded(ENGINE_TOKEN), over) as api:
+        r = await api.post(CHAT, json=BODIES[CHAT])
+    assert_openai_error(r, 502, code="engine_error")
+    assert ENGINE_TOKEN not in r.text
+    assert any("BALLAST_ENGINE_TOKEN" in rec.getMessage() and rec.levelname == "ERROR" for rec in caplog.records)
+    await settled()
+    assert workflows.started == []

@@ -8,7 +8,8 @@ state it needs as the engine reports it (`stack.wait_held`, `stack.wait_stats`) 
 journal records it, never for a guessed while.
 
 Every /v1 call needs an API key: each stack makes one, of tenant `default`, in its
-database (`stack.key`); `stack.http()` and the `client` fixture send it.
+database (`stack.key`); `stack.http()` and the `client` fixture send it. The engine worker's
+own endpoint needs the stack's engine token (`stack.engine_headers`; `stack.stats()` sends it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -85,6 +87,7 @@ class Stack:
         self.url = f"http://127.0.0.1:{env['BALLAST_API_PORT']}"
         self.key = key
         self.headers = {"Authorization": f"Bearer {key}"}
+        self.engine_headers = {"Authorization": f"Bearer {env['BALLAST_ENGINE_TOKEN']}"}  # the engine worker's
         self.gate = Gate(Path(env["BALLAST_ENGINE_GATE"]))
         self.children: dict[str, procs.Child] = {}
         self.engine_url = ""
@@ -118,12 +121,12 @@ class Stack:
 
     def stats(self) -> dict:
         """The current engine worker's live /stats: slots, each batch hold's tokens, the gate."""
-        return httpx.get(self.engine_url + "/stats", timeout=10).json()
+        return httpx.get(self.engine_url + "/stats", headers=self.engine_headers, timeout=10).json()
 
     def wait_stats(self, until: Callable[[dict], bool], what: str, timeout: float = WAIT_S) -> dict:
         """Poll the engine's live /stats until `until(stats)`; the stats that satisfied it."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(base_url=self.engine_url, timeout=10) as http:
+        with httpx.Client(base_url=self.engine_url, headers=self.engine_headers, timeout=10) as http:
             while not until(stats := http.get("/stats").json()):
                 assert time.monotonic() < deadline, f"{what}: {stats}"
                 time.sleep(0.02)
@@ -181,6 +184,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
         BALLAST_ENGINE_GATE=str(root / "gate.json"),  # unlimited until a test holds
+        BALLAST_ENGINE_TOKEN=secrets.token_urlsafe(32),  # the API's and the engine workers' shared secret
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)

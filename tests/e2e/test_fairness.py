@@ -60,7 +60,7 @@ def test_a_tenants_short_request_is_served_ahead_of_anothers_backlog(narrow):
             # the rest waiting there.
             deadline = time.monotonic() + WAIT_S
             while True:
-                fair = (await http.get(stack.engine_url + "/stats")).json()["fairness"]
+                fair = (await http.get(stack.engine_url + "/stats", headers=stack.engine_headers)).json()["fairness"]
                 if fair["waiting"] == {"default": BACKLOG - SLOTS} and len(started) == SLOTS:
                     break
                 assert time.monotonic() < deadline, (fair, started)
@@ -68,7 +68,7 @@ def test_a_tenants_short_request_is_served_ahead_of_anothers_backlog(narrow):
             queued_before = set(started)
             short = asyncio.create_task(first_token(http, other, chat("short", 4), started, "other"))
             await asyncio.gather(short, *busy)
-            stats = (await http.get(stack.engine_url + "/stats")).json()["fairness"]
+            stats = (await http.get(stack.engine_url + "/stats", headers=stack.engine_headers)).json()["fairness"]
             return {n: t for n, t in started.items() if n not in queued_before}, stats
 
     started, stats = asyncio.run(run())
@@ -82,3 +82,40 @@ def test_a_tenants_short_request_is_served_ahead_of_anothers_backlog(narrow):
     # Both tenants were charged, and nothing is left waiting or running.
     assert stats["counters"]["default"] > stats["counters"]["other"] > 0
     assert stats["running"] == 0 and stats["waiting"] == {} and stats["active"] == []
+
+
+def test_headroom_starts_another_tenants_request_at_once_beside_a_backlog(narrow):
+    """With another tenant about, a backlogged tenant holds at most SLOTS − 1 slots
+    (BALLAST_FAIR_HEADROOM, at least one slot): the other's request never waits."""
+    stack, url = narrow
+    third = make_key(url, "third")
+
+    async def stats(http: httpx.AsyncClient) -> dict:
+        return (await http.get(stack.engine_url + "/stats", headers=stack.engine_headers)).json()["fairness"]
+
+    async def run() -> tuple[dict, dict, dict[str, float]]:
+        started: dict[str, float] = {}
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT_S, limits=limits) as http:
+            await first_token(http, third, chat("hello", 2), started, "third-seen")  # third is about
+            busy = [asyncio.create_task(first_token(http, stack.key, chat(f"long request {i}", 900), started,
+                                                    f"busy-{i}")) for i in range(BACKLOG)]
+            deadline = time.monotonic() + WAIT_S
+            # Until the busy tenant has requests waiting at the engine worker.
+            while not (fair := await stats(http))["waiting"].get("default"):
+                assert time.monotonic() < deadline, fair
+                await asyncio.sleep(0.01)
+            before = fair
+            await first_token(http, third, chat("short", 4), started, "third")
+            after = await stats(http)
+            # Run to their ends: a request workflow left running would outlive this stack
+            # on the shared Temporal server.
+            await asyncio.gather(*busy)
+            return before, after, started
+
+    before, after, started = asyncio.run(run())
+    # The busy tenant kept a slot free though its requests were waiting …
+    assert before["running_of"] == {"default": SLOTS - 1}, before
+    # … and third's request took it without ever waiting at the engine worker.
+    assert "third" in started
+    assert after["queued_by"].get("third", 0) == before["queued_by"].get("third", 0), (before, after)

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -32,6 +33,19 @@ async def test_chat_completion_is_vllms_greedy_output_with_tier_and_usage(client
         await asyncio.sleep(0.1)
     assert rows[0][0]["status"] == "completed" and rows[0][0]["completion_tokens"] == r.usage.completion_tokens
     assert rows[0][0]["tier"] == "priority"
+
+
+def test_the_engine_worker_serves_only_the_api(stack):
+    """Its port is no way around keys, quotas and the journal: without the stack's engine
+    token (BALLAST_ENGINE_TOKEN), or with another, it answers 401; the API, which has it,
+    is served (the tests around this one)."""
+    job = dict(request_id="direct-to-the-engine", endpoint="/v1/completions", priority=0, tenant="nobody",
+               body=dict(model="ballast-tiny", prompt="hi", max_tokens=2))
+    for headers in ({}, {"Authorization": "Bearer not-the-engine-token"}):
+        r = httpx.post(stack.engine_url + "/v1/generate", json=job, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_engine_token", r.text
+        assert httpx.get(stack.engine_url + "/stats", headers=headers, timeout=10).status_code == 401
+    assert "fairness" in stack.stats()  # with the token
 
 
 async def test_streamed_chat_and_completions(client, engine):

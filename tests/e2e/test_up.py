@@ -1,6 +1,7 @@
-"""`ballast up` on embedded defaults: ready, serves a batch with the key it made (in
-data_dir/api-key, shown in its banner), stops every child on SIGTERM or Ctrl-C, and a second
-`ballast up` finds the first one's jobs and keys."""
+"""`ballast up` on embedded defaults: ready, serves a batch and a chat with the key it made (in
+data_dir/api-key, shown in its banner; the chat streams from the engine worker, which demands
+the engine token `ballast up` made in data_dir/engine-token), stops every child on SIGTERM or
+Ctrl-C, and a second `ballast up` finds the first one's jobs, keys and engine token."""
 
 from __future__ import annotations
 
@@ -65,14 +66,15 @@ def banner(log: Path, child: procs.Child) -> str:
     return log.read_text()
 
 
-def keys(data_dir: Path) -> tuple[str, str]:
-    """The tenant key and the admin key `ballast up` keeps, readable by this user only."""
+def keys(data_dir: Path) -> tuple[str, str, str]:
+    """The tenant key, the admin key and the engine token `ballast up` keeps, readable by
+    this user only."""
     out = []
-    for name in ("api-key", "admin-key"):
+    for name in ("api-key", "admin-key", "engine-token"):
         path = data_dir / name
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
         out.append(path.read_text().strip())
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 def stop_and_check_no_orphans(child: procs.Child, sig: int) -> None:
@@ -94,7 +96,8 @@ def data_dir():
 
 
 def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tiny_model):
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL", "BALLAST_ENGINE_TOKEN")}
     port = procs.free_port()
     env.update(BALLAST_DATA_DIR=str(data_dir), BALLAST_API_PORT=str(port),
                BALLAST_TEMPORAL_PORT=str(procs.free_port()), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
@@ -105,9 +108,10 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
     first = start_up(env, tmp_path / "up-1.log")
     try:
         wait_healthy(api, first)
-        key, admin_key = keys(data_dir)
+        key, admin_key, engine_token = keys(data_dir)
         shown = banner(tmp_path / "up-1.log", first)
         assert f"export OPENAI_API_KEY={key}" in shown and admin_key in shown  # new: both shown
+        assert str(data_dir / "engine-token") in shown and engine_token not in shown  # where, never what
         assert api.get("/v1/batches").status_code == 401  # no key
         api.headers["Authorization"] = f"Bearer {key}"
         assert (data_dir / "postgres-url").exists()  # for `ballast tenants` meanwhile
@@ -126,6 +130,10 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
             assert time.monotonic() < deadline and b["status"] not in ("failed", "cancelled"), b
             time.sleep(0.3)
         output = api.get(f"/v1/files/{b['output_file_id']}/content").text
+        # Interactive: the API streams it from the engine worker, presenting the engine token.
+        chat = api.post("/v1/chat/completions", json=dict(model=tiny_model.name, max_tokens=4,
+                                                          messages=[dict(role="user", content="hi")]))
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
         stop_and_check_no_orphans(first, signal.SIGTERM)
         assert not (data_dir / "postgres-url").exists()
     finally:
@@ -134,7 +142,7 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
     second = start_up(env, tmp_path / "up-2.log")
     try:
         wait_healthy(api, second)
-        assert keys(data_dir) == (key, admin_key)  # the same keys
+        assert keys(data_dir) == (key, admin_key, engine_token)  # the same keys and engine token
         shown = banner(tmp_path / "up-2.log", second)
         assert f"export OPENAI_API_KEY={key}" in shown and admin_key not in shown  # the admin's: where, not what
         again = api.get(f"/v1/batches/{bid}").json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -237,5 +238,194 @@ def test_shell_a_waiter_cancelled_after_its_grant_gives_the_slot_back():
         assert share.running == 0 and share.waiting == 0 and share.load == {} and share.queued_of == {}
         async with share.turn("c", "default", 1, 1, 1):  # the slot is free again
             assert share.running == 1
+
+    asyncio.run(run())
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pick_skips_capped_tenants_and_puts_starved_tiers_first():
+    v = f.activate(f.activate(f.Vtc(), "a"), "b")
+    heads = [f.Head("a", "default", 0), f.Head("b", "flex", 1)]
+    assert f.pick(v, heads).tenant == "a"  # tier first
+    assert f.pick(v, heads, first=frozenset({"flex"})).tenant == "b"  # a starved tier before any other
+    assert f.pick(v, heads, capped=frozenset({"a"})).tenant == "b"
+    assert f.pick(v, heads, capped=frozenset({"a", "b"})) is None
+    assert f.tenant_cap(8, 1, others=False) == 8 and f.tenant_cap(8, 1, others=True) == 7
+    assert f.tenant_cap(1, 1, others=True) == 1  # never below one slot
+
+
+def test_shell_headroom_lets_another_tenant_start_at_once_beside_a_backlog():
+    async def run():
+        clock = Clock()
+        share = FairShare("vtc", limit=4, headroom=1, recent_s=60, clock=clock)
+        hold = asyncio.Event()
+        started: list[str] = []
+
+        async def request(tenant: str, wait: asyncio.Event | None = None):
+            async with share.turn(tenant, "default", 1, 2000, 1):
+                started.append(tenant)
+                await (wait or hold).wait()
+
+        # 1. alone, the giant tenant may take every slot
+        giants = [asyncio.create_task(request("giant")) for _ in range(6)]
+        await asyncio.sleep(0)
+        assert share.running_of == {"giant": 4} and share.waiting == 2
+        # 2. another tenant arrives: no slot is free, it waits for the next one to free …
+        chat_done = asyncio.Event()
+        chat = asyncio.create_task(request("chat", chat_done))
+        await asyncio.sleep(0)
+        assert started.count("chat") == 0
+        # … which goes to it (least served); from now on giant keeps one slot free
+        first = giants[0]
+        share_hold, hold_new = hold, asyncio.Event()
+        hold = hold_new  # the giants still waiting will block on the new event
+        share_hold.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert "chat" in started and first.done()
+        chat_done.set()
+        await chat
+        # 3. chat has left, but was seen within recent_s: giant holds at most 3
+        await asyncio.sleep(0)
+        assert share.running_of.get("giant", 0) <= 3
+        again = asyncio.Event()
+        second = asyncio.create_task(request("chat", again))
+        await asyncio.sleep(0)
+        assert started.count("chat") == 2, "a free slot was kept: the second chat request started at once"
+        again.set()
+        await second
+        # 4. once the other tenant has not been seen for recent_s, the headroom lapses
+        clock.now += 61
+        extra = asyncio.create_task(request("giant"))
+        await asyncio.sleep(0)
+        hold.set()
+        await asyncio.gather(*giants, extra)
+        assert share.running == 0 and share.waiting == 0 and share.running_of == {} and share.running_in == {}
+
+    asyncio.run(run())
+
+
+def test_shell_flex_gets_its_floor_back_after_waiting_starve_after_s():
+    async def run():
+        clock = Clock()
+        share = FairShare("vtc", limit=2, floors=dict(flex=1), starve_after_s=30, clock=clock)
+        order: list[str] = []
+        releases: list[asyncio.Event] = []
+
+        async def request(tier: str):
+            gate = asyncio.Event()
+            releases.append(gate)
+            async with share.turn("t", tier, 1, 1, TIERS[tier]):
+                order.append(tier)
+                await gate.wait()
+
+        tasks = [asyncio.create_task(request("default")) for _ in range(2)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(request("flex")))
+        tasks += [asyncio.create_task(request("default")) for _ in range(3)]
+        await asyncio.sleep(0)
+
+        async def free_one(i: int):
+            releases[i].set()
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        await free_one(0)  # flex has not waited long: the default backlog goes first
+        assert order == ["default"] * 3
+        clock.now += 30
+        await free_one(1)  # starved below its floor: flex goes before the default backlog
+        assert order == ["default"] * 3 + ["flex"]
+        for g in releases:
+            g.set()
+        await asyncio.sleep(0)
+        for g in releases:
+            g.set()
+        await asyncio.gather(*tasks)
+        assert order.count("default") == 5 and share.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_shell_served_excludes_lifts_and_out_of_turn_counts_work_conserving_grants():
+    async def run():
+        share = FairShare("vtc", limit=2)
+        hold_a, hold_b = asyncio.Event(), asyncio.Event()
+
+        async def request(tenant: str, prompt: int, hold: asyncio.Event):
+            async with share.turn(tenant, "default", 1, prompt, 1):
+                await hold.wait()
+
+        a = asyncio.create_task(request("a", 100, hold_a))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(request("b", 10, hold_b))  # lifted to a's 100 on arrival …
+        await asyncio.sleep(0)
+        snap = share.snapshot()
+        assert snap["counters"] == {"a": 100.0, "b": 110.0}
+        assert snap["served"] == {"a": 100.0, "b": 10.0}  # … which is not service
+        # b (110) is ahead of a (100), and a has nothing waiting: b's next grant is out of turn
+        hold_b.set()
+        await b
+        b2 = asyncio.create_task(request("b", 10, asyncio.Event()))
+        await asyncio.sleep(0)
+        assert share.snapshot()["out_of_turn"] == {"b": 1}  # its first came level with a (a tie): in turn
+        hold_a.set()
+        await a
+        b2.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await b2
+
+    asyncio.run(run())
+
+
+def test_shell_one_long_prompt_prefills_at_a_time_while_another_tenant_is_about():
+    async def run():
+        share = FairShare("vtc", limit=8, long_prompt=512, long_prefills=1)
+        first_token: dict[str, asyncio.Event] = {}
+        started: list[str] = []
+
+        async def request(name: str, tenant: str, prompt: int):
+            first_token[name] = asyncio.Event()
+            async with share.turn(tenant, "default", 1, prompt, 1) as turn:
+                started.append(name)
+                await first_token[name].wait()
+                turn.produced(1)  # the prefill is over
+                await asyncio.sleep(0)
+
+        # alone, a tenant's long prompts all start at once
+        alone = [asyncio.create_task(request(f"solo-{i}", "giant", 2000)) for i in range(2)]
+        await asyncio.sleep(0)
+        assert started == ["solo-0", "solo-1"] and share.prefilling_long == 2
+        for i in range(2):
+            first_token[f"solo-{i}"].set()
+        await asyncio.gather(*alone)
+        # with another tenant about, one long prompt prefills at a time; short ones pass
+        chat0 = asyncio.create_task(request("chat-0", "chat", 50))  # the chat tenant is about
+        await asyncio.sleep(0)
+        first_token["chat-0"].set()
+        await chat0
+        started.clear()
+        giants = [asyncio.create_task(request(f"giant-{i}", "giant", 2000)) for i in range(3)]
+        await asyncio.sleep(0)
+        chat = asyncio.create_task(request("chat-1", "chat", 50))
+        await asyncio.sleep(0)
+        assert started == ["giant-0", "chat-1"] and share.snapshot()["waiting"] == {"giant": 2}
+        first_token["giant-0"].set()  # its prefill is over: the next long prompt starts
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert started[-1] == "giant-1" and share.prefilling_long == 1
+        for name in ("chat-1", "giant-1"):
+            first_token[name].set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        first_token["giant-2"].set()
+        await asyncio.gather(*giants, chat)
+        assert share.prefilling_long == 0 and share.running == 0 and share.waiting == 0
 
     asyncio.run(run())

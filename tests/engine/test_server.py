@@ -1,0 +1,110 @@
+"""The engine worker's endpoint serves only the API: a request without the engine token
+(BALLAST_ENGINE_TOKEN), or with another, is answered 401 before its body is read; with it,
+the endpoint streams as ever. In process, over a stand-in engine (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from engine.server import create_app
+from engine.slots import EngineSlots
+
+TOKEN = "engine-token-for-tests-0123456789abcdef"
+JOB = dict(request_id="req-1", endpoint="/v1/completions", priority=0, tenant="acme", tier="default", weight=1,
+           body=dict(model="ballast-tiny", prompt=[1, 2, 3], max_tokens=2))
+
+
+@dataclass
+class _Step:
+    token_ids: list[int]
+    finish_reason: str | None
+    text: str = ""
+
+
+class FakeEngine:
+    """What the endpoint asks of an engine: its spec, its token bound, generation."""
+
+    spec = SimpleNamespace(name="ballast-tiny", max_model_len=64)
+    max_token_id = 255
+
+    def __init__(self):
+        self.generated: list[str] = []
+
+    async def generate(self, request_id: str, prompt: list[int], **_):
+        self.generated.append(request_id)
+        yield _Step([7], None, "a")
+        yield _Step([8], "length", "b")
+
+
+def client(engine: FakeEngine, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    app = create_app(engine, EngineSlots(4), token=TOKEN)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://engine.test", headers=headers)
+
+
+def lines(r: httpx.Response) -> list[dict]:
+    return [json.loads(line) for line in r.text.splitlines()]
+
+
+@pytest.mark.parametrize("headers", [
+    None,
+    {"Authorization": "Bearer wrong-token"},
+    {"Authorization": f"Bearer {TOKEN}x"},
+    {"Authorization": f"Bearer {TOKEN[:-1]}"},
+    {"Authorization": f"Basic {TOKEN}"},
+    {"Authorization": "Bearer "},
+    {"X-Ballast-Engine-Token": TOKEN},
+], ids=["none", "wrong", "longer", "shorter", "not-bearer", "empty", "other-header"])
+@pytest.mark.parametrize("method, path", [("POST", "/v1/generate"), ("GET", "/stats")])
+async def test_without_the_token_nothing_is_served(headers, method, path):
+    engine = FakeEngine()
+    async with client(engine, headers) as http:
+        r = await http.request(method, path, json=JOB if method == "POST" else None)
+    assert r.status_code == 401, r.text
+    assert r.headers["www-authenticate"] == "Bearer"
+    error = r.json()["error"]
+    assert error["code"] == "invalid_engine_token" and "BALLAST_ENGINE_TOKEN" in error["message"]
+    assert TOKEN not in r.text
+    assert engine.generated == []
+
+
+async def test_with_the_token_it_streams():
+    engine = FakeEngine()
+    async with client(engine, {"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = await http.post("/v1/generate", json=JOB)
+        stats = await http.get("/stats")
+    assert r.status_code == 200, r.text
+    got = lines(r)
+    assert got[0] == {"prompt_tokens": 3}
+    assert [x.get("text") for x in got[1:3]] == ["a", "b"]
+    assert got[-1]["finish_reason"] == "length" and got[-1]["completion_tokens"] == 2
+    assert engine.generated == ["req-1"]
+    assert stats.status_code == 200 and "acme" in stats.json()["fairness"]["counters"]
+
+
+async def test_refused_before_the_body_is_read():
+    app = create_app(FakeEngine(), EngineSlots(4), token=TOKEN)
+    sent: list[dict] = []
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    async def send(message):
+        sent.append(message)
+
+    scope = dict(type="http", asgi=dict(version="3.0"), http_version="1.1", method="POST", scheme="http",
+                 path="/v1/generate", raw_path=b"/v1/generate", root_path="", query_string=b"",
+                 headers=[(b"host", b"engine.test"), (b"content-type", b"application/json"),
+                          (b"authorization", b"Bearer wrong")],
+                 client=("127.0.0.1", 1), server=("engine.test", 80))
+    await app(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 401
+
+
+def test_an_empty_token_is_refused():
+    with pytest.raises(ValueError, match="BALLAST_ENGINE_TOKEN"):
+        create_app(FakeEngine(), EngineSlots(4), token="")
