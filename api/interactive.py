@@ -126,10 +126,12 @@ async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str) -
 
 async def _fleet_busy(svc: Services) -> bool:
     """Every engine serving the model is busy with interactive work (at the fleet's surge
-    threshold): flex yields first."""
+    threshold) and already holds flex's floor in flex requests: flex yields first, but
+    continuous chat cannot shut it out (below its floor it is admitted, and waits its turn
+    at the engine, which gives flex its minimum share back)."""
     s = svc.settings
     views = [v for v in await svc.engines.live() if v.model == s.model_name]
-    return bool(views) and all(v.interactive >= s.surge_high * v.max_seqs for v in views)
+    return bool(views) and all(v.interactive >= s.surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views)
 
 
 # -- 3. placement and the engine's stream -------------------------------------------

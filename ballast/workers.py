@@ -131,7 +131,7 @@ async def engine_worker(settings: Settings) -> None:
         checkpointer = await stack.enter_async_context(Checkpointer(db))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
-        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine))
+        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens)
         worker = Worker(
@@ -158,7 +158,7 @@ def engine_token(settings: Settings) -> str:
     return token
 
 
-async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine) -> None:
+async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine, fair) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back."""
     from dataclasses import asdict
@@ -169,7 +169,8 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
         try:
             async with db.begin() as conn:
                 cap = await je.announce(conn, engine_id, url, model, settings.engine_queue,
-                                        dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs))
+                                        dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
+                                             flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0)))
             await slots.direct(cap)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)

@@ -274,6 +274,10 @@ class FairShare:
             del self.load[tenant]
             self.state = vtc.deactivate(self.state, tenant)
 
+    def in_tier(self, tier: str) -> int:
+        """Requests of `tier` running or waiting here."""
+        return self.running_in.get(tier, 0) + sum(len(q) for (t, _), q in self.queues.items() if t == tier)
+
     def snapshot(self) -> dict:
         waiting: dict[str, int] = {}
         for (_, tenant), q in self.queues.items():

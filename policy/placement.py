@@ -18,6 +18,8 @@ class EngineView:
     interactive: int  # requests in flight
     batch: int  # batch sequences holding slots (they yield to interactive work)
     max_seqs: int
+    flex: int = 0  # flex requests running or waiting there
+    flex_floor: int = 0  # the slots flex gets back there when starved (its minimum share)
 
 
 def load_score(e: EngineView) -> float:

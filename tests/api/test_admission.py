@@ -75,11 +75,11 @@ class FakeEngine:
 
 
 class OneEngine:
-    def __init__(self, interactive: int = 0):
-        self.interactive = interactive
+    def __init__(self, interactive: int = 0, flex: int = 0, flex_floor: int = 0):
+        self.interactive, self.flex, self.flex_floor = interactive, flex, flex_floor
 
     async def live(self):
-        return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4)]
+        return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4, self.flex, self.flex_floor)]
 
 
 class Harness:
@@ -239,6 +239,16 @@ async def test_flex_is_shed_while_every_engine_is_busy(harness, settings):
     r = await harness.chat(tier="flex")
     assert_openai_error(r, 429, code="resource_unavailable")
     assert (await harness.chat(tier="default")).status_code == 200
+
+
+async def test_flex_below_its_floor_is_admitted_while_every_engine_is_busy(harness):
+    # Continuous chat must not shut flex out: below its floor on the engine (1 slot), flex
+    # is admitted and waits its turn there; at its floor, it is shed again.
+    svc = harness.client._transport.app.state.services
+    svc.engines = OneEngine(interactive=4, flex=0, flex_floor=1)
+    assert (await harness.chat(tier="flex")).status_code == 200
+    svc.engines = OneEngine(interactive=4, flex=1, flex_floor=1)
+    assert_openai_error(await harness.chat(tier="flex"), 429, code="resource_unavailable")
 
 
 async def test_a_per_model_limit_applies_with_the_tenants(harness):

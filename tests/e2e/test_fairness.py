@@ -7,8 +7,12 @@ client sees their first tokens, and the engine's own /stats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,9 +27,54 @@ BACKLOG = 8  # the busy tenant's requests: SLOTS run, the rest wait at the engin
 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
+    # Flex's floor, quick here: one of the two slots once a flex request has waited 0.2 s.
     with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "fair",
-                   BALLAST_MAX_NUM_SEQS=str(SLOTS)) as stack_and_url:
+                   BALLAST_MAX_NUM_SEQS=str(SLOTS), BALLAST_FLEX_MIN_SHARE="0.5",
+                   BALLAST_FLEX_STARVE_AFTER_S="0.2") as stack_and_url:
         yield stack_and_url
+
+
+def _descendants(pid: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        of = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == of]
+        out += kids
+        todo += kids
+    return out
+
+
+@contextlib.contextmanager
+def vllm_paused(stack):
+    """vLLM's own processes (the engine worker's descendants) stopped: no request makes
+    progress or ends, so what the engine worker's fair share decides is seen whatever the
+    machine's speed; the engine worker itself keeps serving."""
+    pids = _descendants(stack.engine.proc.pid)
+    assert pids, "vLLM's processes not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def until(http: httpx.AsyncClient, stack, ready) -> dict:
+    """The engine worker's fairness stats, once `ready(stats)`."""
+    deadline = time.monotonic() + WAIT_S
+    while not ready(fair := (await http.get(stack.engine_url + "/stats", headers=stack.engine_headers)).json()[
+            "fairness"]):
+        assert time.monotonic() < deadline, fair
+        await asyncio.sleep(0.01)
+    return fair
 
 
 def chat(content: str, max_tokens: int) -> dict:
@@ -90,32 +139,51 @@ def test_headroom_starts_another_tenants_request_at_once_beside_a_backlog(narrow
     stack, url = narrow
     third = make_key(url, "third")
 
-    async def stats(http: httpx.AsyncClient) -> dict:
-        return (await http.get(stack.engine_url + "/stats", headers=stack.engine_headers)).json()["fairness"]
-
-    async def run() -> tuple[dict, dict, dict[str, float]]:
+    async def run() -> tuple[dict, dict]:
         started: dict[str, float] = {}
-        limits = httpx.Limits(max_connections=32)
-        async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT_S, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT_S, limits=httpx.Limits(max_connections=32)) \
+                as http:
             await first_token(http, third, chat("hello", 2), started, "third-seen")  # third is about
-            busy = [asyncio.create_task(first_token(http, stack.key, chat(f"long request {i}", 900), started,
-                                                    f"busy-{i}")) for i in range(BACKLOG)]
-            deadline = time.monotonic() + WAIT_S
-            # Until the busy tenant has requests waiting at the engine worker.
-            while not (fair := await stats(http))["waiting"].get("default"):
-                assert time.monotonic() < deadline, fair
-                await asyncio.sleep(0.01)
-            before = fair
-            await first_token(http, third, chat("short", 4), started, "third")
-            after = await stats(http)
-            # Run to their ends: a request workflow left running would outlive this stack
-            # on the shared Temporal server.
-            await asyncio.gather(*busy)
-            return before, after, started
+            with vllm_paused(stack):
+                busy = [asyncio.create_task(first_token(http, stack.key, chat(f"long request {i}", 400), started,
+                                                        f"busy-{i}")) for i in range(BACKLOG)]
+                before = await until(http, stack, lambda f: f["waiting"] == {"default": BACKLOG - (SLOTS - 1)})
+                short = asyncio.create_task(first_token(http, third, chat("short", 4), started, "third"))
+                after = await until(http, stack, lambda f: f["running_of"].get("third") == 1)
+            await asyncio.gather(short, *busy)  # to their ends: their workflows must not outlive the stack
+            return before, after
 
-    before, after, started = asyncio.run(run())
+    before, after = asyncio.run(run())
     # The busy tenant kept a slot free though its requests were waiting …
     assert before["running_of"] == {"default": SLOTS - 1}, before
     # … and third's request took it without ever waiting at the engine worker.
-    assert "third" in started
     assert after["queued_by"].get("third", 0) == before["queued_by"].get("third", 0), (before, after)
+    assert after["waiting"] == before["waiting"], (before, after)
+
+
+def test_flex_gets_its_floor_back_under_a_default_backlog(narrow):
+    """By tier alone, a flex request waits until no default request is waiting; once it has
+    waited BALLAST_FLEX_STARVE_AFTER_S it takes the next free slot (its floor, one of two).
+    The API admits it though the engine is busy with chat: flex is below its floor there."""
+    stack, _ = narrow
+
+    async def run() -> dict[str, float]:
+        started: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT_S, limits=httpx.Limits(max_connections=32)) \
+                as http:
+            with vllm_paused(stack):
+                busy = [asyncio.create_task(first_token(http, stack.key, chat(f"long request {i}", 400), started,
+                                                        f"busy-{i}")) for i in range(BACKLOG)]
+                before = await until(http, stack, lambda f: sum(f["waiting"].values()) + f["running"] == BACKLOG)
+                flex = asyncio.create_task(first_token(http, stack.key, dict(chat("flex please", 4),
+                                                                             service_tier="flex"), started, "flex"))
+                await until(http, stack, lambda f: sum(f["waiting"].values()) + f["running"] == BACKLOG + 1)
+                await asyncio.sleep(0.5)  # flex has waited past BALLAST_FLEX_STARVE_AFTER_S
+            await asyncio.gather(flex, *busy)
+            assert before["running"] >= 1
+        return started
+
+    started = asyncio.run(run())
+    after = sorted(n for n, t in started.items() if n.startswith("busy") and t > started["flex"])
+    # The default backlog was still waiting when flex went: some of it started after flex.
+    assert after, sorted(started.items(), key=lambda kv: kv[1])

@@ -69,13 +69,15 @@ async def test_streamed_chat_and_completions(client, engine):
     assert done.object == "text_completion" and done.usage.completion_tokens <= 10
 
 
-async def _requests_settled(temporal_address: str, db_url: str) -> int:
-    """Once no request workflow is still running (an earlier test's may journal late):
-    how many requests are journaled."""
+async def _requests_settled(stack, temporal_address: str, db_url: str) -> int:
+    """Once no request workflow of this stack is still running (an earlier test's may
+    journal late): how many requests are journaled. Only this stack's task queue: the
+    Temporal server is shared with stacks of other modules, whose workflows outlive them."""
     from temporalio.client import Client
 
     tc = await Client.connect(temporal_address)
-    running = "WorkflowType = 'InteractiveRequest' AND ExecutionStatus = 'Running'"
+    running = ("WorkflowType = 'InteractiveRequest' AND ExecutionStatus = 'Running' "
+               f"AND TaskQueue = '{stack.env['BALLAST_INTERACTIVE_QUEUE']}'")
     deadline = time.monotonic() + 60
     while (await tc.count_workflows(running)).count:
         assert time.monotonic() < deadline, "request workflows still running"
@@ -85,7 +87,7 @@ async def _requests_settled(temporal_address: str, db_url: str) -> int:
 
 async def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url, temporal_address):
     api = stack.http(timeout=30)
-    before = await _requests_settled(temporal_address, db_url)
+    before = await _requests_settled(stack, temporal_address, db_url)
     msgs = [{"role": "user", "content": "hi"}]
     chat = dict(model="ballast-tiny", messages=msgs)
     cases = [
@@ -115,7 +117,7 @@ async def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url,
                  content=b'{"model": "ballast-tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
                  headers={"content-type": "application/json"})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "messages[0].content"), r.text
-    assert await _requests_settled(temporal_address, db_url) == before
+    assert await _requests_settled(stack, temporal_address, db_url) == before
 
 
 def test_nulls_mean_defaults_as_in_openais_api(stack):
