@@ -40,7 +40,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, KeysView, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -207,20 +207,20 @@ class FairShare:
                 del self.queues[(w.tier, w.tenant)]
             self._unqueued(w.tenant)
 
-    def _about(self, now: float) -> set[str]:
+    def _about(self, now: float) -> KeysView[str]:
         """Tenants active here or seen in the last `recent_s`."""
         horizon = now - self.recent_s
         for t in [t for t, at in self.seen.items() if at < horizon and t not in self.load]:
             del self.seen[t]
-        return set(self.seen)
+        return self.seen.keys()
 
     def _capped(self, now: float) -> frozenset[str]:
         """Tenants holding all the slots one tenant may hold now."""
         if not self.headroom or not self.running_of:
             return frozenset()
-        self._about(now)
+        about = self._about(now)
         return frozenset(t for t, n in self.running_of.items()
-                         if n >= vtc.tenant_cap(self.limit, self.headroom, others=len(self.seen.keys() - {t}) > 0))
+                         if n >= vtc.tenant_cap(self.limit, self.headroom, others=len(about - {t}) > 0))
 
     def _starved(self, now: float) -> frozenset[str]:
         """Tiers below their floor whose oldest waiting request has waited long enough."""
