@@ -102,7 +102,9 @@ async def test_follow_never_skips_a_late_commit(db):
     await slow.close()
     async with db.connect() as c:
         seen = [e.key for _, e in await j.follow(c, cursor)]
-    assert seen == ["follow-slow", "follow-fast"]
+    # The cursor can sit before an earlier test's commit that a concurrent transaction
+    # anywhere on the server held below xmin; only this test's two events are in question.
+    assert [k for k in seen if k.startswith("follow-")] == ["follow-slow", "follow-fast"]
 
 
 def test_upgrade_head_twice_is_a_no_op(db_url):
