@@ -2,12 +2,13 @@
 
 One long activity per group of items, not one per chunk or even per item: each Temporal
 dispatch costs tens of milliseconds and control-plane CPU the engine would rather have.
-Every `checkpoint_tokens` tokens an item's new tokens go to the journal through the
-group-commit checkpointer, without the engine waiting, and the activity heartbeats. A
-retried attempt (worker killed, heartbeat lost) resumes each unfinished item from its
-journaled tokens by submitting prompt + tokens; with greedy decoding the result is
-token-for-token the uninterrupted one. A preempted item flushes every token it has,
-records `item_preempted`, and is handed back to the workflow to run again later.
+The token loop only collects: the checkpointer (journal/checkpointer.py) takes every
+item's new tokens at each of its commits, one multi-row append per engine per tick (or
+sooner, once an item has `checkpoint_tokens` unsaved), and the activity heartbeats what
+is journaled. A retried attempt (worker killed, heartbeat lost) resumes each unfinished
+item from its journaled tokens by submitting prompt + tokens; with greedy decoding the
+result is token-for-token the uninterrupted one. A preempted item flushes every token it
+has, records `item_preempted`, and is handed back to the workflow to run again later.
 
 Items are isolated: one that fails for any reason of its own ends in the error file with
 its own status and message and never fails, retries or delays the others. Attempts are
@@ -30,10 +31,11 @@ from temporalio import activity
 
 from engine import requests as rq
 from engine.slots import EngineSlots
+from engine.trace import OFF, Trace
 from journal import batches as jb
 from journal.checkpointer import Checkpointer
 from journal.events import NewEvent, StaleAttempt
-from journal.leases import acquire
+from journal.leases import acquire_many
 from policy.preemption import TIERS
 from protocol import responses
 from protocol.errors import ProtocolError, storable
@@ -48,13 +50,14 @@ ITEM_TRIES = 3  # an item the engine keeps failing is failed alone after this ma
 
 class GenerationActivities:
     def __init__(self, db: AsyncEngine, engine, checkpointer: Checkpointer, slots: EngineSlots, *,
-                 checkpoint_tokens: int = 16, retry_delay_s: float = 1.0):
+                 checkpoint_tokens: int = 256, retry_delay_s: float = 1.0, trace: Trace = OFF):
         self.db = db
         self.engine = engine
         self.checkpointer = checkpointer
         self.slots = slots
         self.checkpoint_tokens = checkpoint_tokens
         self.retry_delay_s = retry_delay_s
+        self.trace = trace
 
     @activity.defn
     async def generate(self, group: GenerateInput) -> list[GenerateResult]:
@@ -65,25 +68,27 @@ class GenerationActivities:
         # Leases first, then what is journaled: whatever an older attempt wrote before we
         # took the lease is read below, and nothing it writes after can land.
         async with self.db.begin() as conn:
-            fences = {idx: await acquire(conn, jb.item_stream(group.batch_id, idx), runner) for idx in group.idxs}
+            taken = await acquire_many(conn, [jb.item_stream(group.batch_id, idx) for idx in group.idxs], runner)
+        fences = {idx: taken[jb.item_stream(group.batch_id, idx)] for idx in group.idxs}
         async with self.db.connect() as conn:
             batch, items = await jb.load_for_generation(conn, group.batch_id, group.idxs)
+        self.trace("activity", group=info.activity_id, items=len(group.idxs))
         progress = {idx: 0 for idx in group.idxs}
         beat = asyncio.create_task(self._heartbeat(progress))
         try:
             async with asyncio.TaskGroup() as tg:  # on cancel: every item flushes, then we return
-                tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx]), progress))
+                tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx], progress)))
                          for idx in group.idxs]
         finally:
             beat.cancel()
         return [t.result() for t in tasks]
 
-    async def _isolated(self, at: Attempt, progress: dict[int, int]) -> GenerateResult:
+    async def _isolated(self, at: Attempt) -> GenerateResult:
         """Run one item; whatever goes wrong with it stays with it."""
         for tries in range(1, ITEM_TRIES + 1):
             at.tries = tries
             try:
-                return await self._item(at, progress)
+                return await self._item(at)
             except StaleAttempt:
                 # A newer attempt holds the item: it owns the result, we write nothing more.
                 log.info("%s: superseded by a newer attempt", at.stream)
@@ -102,7 +107,7 @@ class GenerationActivities:
                 at.item = reloaded[at.idx]
         raise AssertionError("unreachable")
 
-    async def _item(self, at: Attempt, progress: dict[int, int]) -> GenerateResult:
+    async def _item(self, at: Attempt) -> GenerateResult:
         item, idx, endpoint = at.item, at.idx, at.batch["endpoint"]
         if item["status"] != "pending":
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
@@ -113,46 +118,47 @@ class GenerationActivities:
             return GenerateResult("failed", idx=idx)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
         prompt, params = ready.prompt, ready.sampling
-        tokens = list(item["tokens"])
-        resumed_from = saved = len(tokens)  # tokens[:saved] are in the journal (or queued for it)
-        reason = None
+        at.resume(item["tokens"])  # what is journaled: this run continues from there
+        tokens, resumed_from, reason = at.tokens, at.saved, None
         if not self._already_finished(prompt, tokens, params):
             request_id = f"{at.stream}:{at.fence}:{at.tries}:{resumed_from}"
             async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
+                self.trace("submit", item=at.stream)
                 try:
-                    async for step in self.engine.generate(
-                        request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
-                        temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                        stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
-                        item=at.stream, resumed_from=resumed_from,  # who and from where: for engine/gate.py
-                    ):
-                        tokens += step.token_ids
-                        reason = step.finish_reason
-                        hold.generated, hold.unsaved = len(tokens), len(tokens) - saved
-                        if hold.preempted.is_set() and reason is None:
-                            # Preempted before vLLM had the request, so that abort missed it.
-                            await self.engine.abort(request_id)
-                        at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
-                        if len(tokens) - saved >= self.checkpoint_tokens and reason is None:
-                            at.watch(self.checkpointer.submit(at.chunk(tokens, saved)))
-                            saved = progress[idx] = len(tokens)
+                    with self.checkpointer.track(at):  # its tokens go to the journal every commit
+                        async for step in self.engine.generate(
+                            request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
+                            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                            stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
+                            item=at.stream, resumed_from=resumed_from,  # who and from where: for engine/gate.py
+                        ):
+                            tokens += step.token_ids
+                            reason = step.finish_reason
+                            hold.generated, hold.unsaved = len(tokens), len(tokens) - at.saved
+                            if hold.unsaved >= self.checkpoint_tokens:
+                                self.checkpointer.soon()
+                            if hold.preempted.is_set() and reason is None:
+                                # Preempted before vLLM had the request, so that abort missed it.
+                                await self.engine.abort(request_id)
+                            at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
+                    self.trace("finish", item=at.stream, tokens=len(tokens))
                 except asyncio.CancelledError:
                     # Cancelled (batch cancelled, worker stopping): keep every token we have.
                     await self.engine.abort(request_id)
-                    await asyncio.shield(self.checkpointer.submit(at.chunk(tokens, saved)))
+                    await asyncio.shield(self.checkpointer.submit(at.due(), urgent=True))
                     raise
                 except BaseException:
                     await self.engine.abort(request_id)
                     raise
                 if hold.preempted.is_set() and reason in ("abort", None):
-                    await self.checkpointer.submit([*at.chunk(tokens, saved), at.preempted(len(tokens))])
+                    await self.checkpointer.submit([*at.due(), at.preempted(len(tokens))], urgent=True)
                     return GenerateResult("preempted", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
         text, reason, used = rq.finish(self.engine, prompt, tokens, params, reason)
         meta = dict(id=f"{'chatcmpl' if req.endpoint == rq.CHAT else 'cmpl'}-{jb.stable_id('', at.stream)}",
                     created=int(time.time()), model=req.model)
         body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
-        await self.checkpointer.submit([*at.chunk(tokens, saved), at.completed(body)])
+        await self.checkpointer.submit([*at.due(), at.completed(body)])
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
     def _already_finished(self, prompt: list[int], tokens: list[int], params: rq.Sampling) -> bool:
@@ -179,14 +185,34 @@ class GenerationActivities:
 class Attempt:
     """One item under this attempt's lease: every event it writes carries the fence."""
 
-    def __init__(self, batch: dict[str, Any], item: dict[str, Any], runner: str, fence: int):
+    def __init__(self, batch: dict[str, Any], item: dict[str, Any], runner: str, fence: int,
+                 progress: dict[int, int] | None = None):
         self.batch, self.item, self.runner, self.fence = batch, item, runner, fence
         self.idx: int = item["idx"]
         self.stream = jb.item_stream(batch["id"], self.idx)
         self.tries = 1
+        self.tokens: list[int] = []  # every token the item has, journaled or not
+        self.saved = 0  # tokens[:saved] are journaled, or in a commit on its way
+        self.progress = progress if progress is not None else {}  # heartbeat details, by idx
         self._refused: BaseException | None = None
 
-    def watch(self, commit: asyncio.Future) -> None:
+    def resume(self, journaled: list[int]) -> None:
+        self.tokens, self.saved = list(journaled), len(journaled)
+        self.progress[self.idx] = self.saved
+
+    def due(self) -> list[NewEvent]:
+        """The tokens since the last checkpoint, as one chunk event (the checkpointer's
+        `Tracked`, and the flush before a result or a yield)."""
+        offset, self.saved = self.saved, len(self.tokens)
+        if self.saved == offset:
+            return []
+        self.progress[self.idx] = self.saved
+        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset, token_ids=self.tokens[offset:],
+                       runner=self.runner)
+        return [NewEvent(self.stream, "item_chunk", payload, f"{self.stream}:chunk:{offset}", self.batch["tenant"],
+                         fence=self.fence)]
+
+    def committed(self, commit: asyncio.Future) -> None:
         """A checkpoint nobody awaits: remember if the journal refused it."""
 
         def seen(f: asyncio.Future) -> None:
@@ -198,14 +224,6 @@ class Attempt:
     def raise_if_refused(self) -> None:
         if isinstance(self._refused, StaleAttempt):
             raise self._refused
-
-    def chunk(self, tokens: list[int], offset: int) -> list[NewEvent]:
-        if len(tokens) == offset:
-            return []
-        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset, token_ids=tokens[offset:],
-                       runner=self.runner)
-        return [NewEvent(self.stream, "item_chunk", payload, f"{self.stream}:chunk:{offset}", self.batch["tenant"],
-                         fence=self.fence)]
 
     def preempted(self, offset: int) -> NewEvent:
         return NewEvent(self.stream, "item_preempted", dict(batch_id=self.batch["id"], idx=self.idx, offset=offset),

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
     b.add_argument("--seconds", type=float, default=None,
-                   help="surge: seconds per arm (30); fairness: seconds of backlog per arm (20)")
+                   help="surge: seconds per arm (30); fairness: seconds of backlog per arm (20); "
+                        "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
+    b.add_argument("--runs", type=int, default=3, help="batch: rounds, alternating raw vLLM and Ballast (3)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "batch":
             from bench.batch import main as bench_batch
 
-            return bench_batch(settings, requests=args.requests)
+            return bench_batch(settings, requests=args.requests, runs=args.runs,
+                               long_s=65.0 if args.seconds is None else args.seconds)
         if args.name == "surge":
             from bench.surge import main as bench_surge
 

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # vLLM's processes busy-poll; a lower CPU priority keeps the request path (and the
     # control plane) ahead of them where they share cores. 0 disables.
     engine_nice: int = Field(10, ge=0, le=19)
+    # `ballast up` on a CPU engine: every other process keeps off the cores vLLM binds its
+    # model worker to (ballast/affinity.py), as vLLM's own frontend and engine core do.
+    isolate_engine_cpus: bool = True
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
@@ -90,7 +93,12 @@ class Settings(BaseSettings):
     batch_concurrency: int = 256
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
     batch_group_size: int = 16  # items per generation activity
-    checkpoint_tokens: int = 32  # journal a generation's tokens every N (and always before it yields)
+    # An engine worker journals its generations' new tokens in one append every
+    # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
+    # before an item yields). A crash costs an item at most what it generated since the last
+    # commit: one interval and one commit, and at most checkpoint_tokens plus one commit.
+    checkpoint_interval_s: float = Field(0.5, gt=0)
+    checkpoint_tokens: int = Field(256, ge=1)
     # Interactive requests' turn on an engine within a tier: "vtc", the tenant served least
     # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a
     # sequence slot frees; "fcfs": by arrival (engine/fairness.py).
@@ -144,6 +152,9 @@ class Settings(BaseSettings):
     # A failpoint for tests and drills, off when unset: the path of a JSON control file
     # whose token budgets hold this engine's batch generations (engine/gate.py).
     engine_gate: Path | None = None
+    # Off when unset: a file the engine worker appends its timeline to (engine/trace.py),
+    # for `ballast bench batch`'s picture of where the time goes.
+    engine_trace: Path | None = None
 
     @model_validator(mode="after")
     def _surge_band(self) -> Settings:

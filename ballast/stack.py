@@ -30,7 +30,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from ballast import procs
+from ballast import affinity, procs
 from ballast.pg import EmbeddedPostgres
 from ballast.settings import Settings
 from ballast.temporal_server import TemporalDevServer
@@ -62,6 +62,8 @@ def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
         try:
             children, settings, keys = _start(settings, data, logs, stack)
             _wait_ready(settings, children, logs, ready_timeout)
+            if settings.isolate_engine_cpus and (held := affinity.keep_off_model_workers(os.getpid())):
+                _step(f"the control plane keeps off cores {sorted(held)}: vLLM's model worker holds them")
             _banner(settings, data, logs, keys)
             while all(c.alive for c in children):
                 time.sleep(0.5)

@@ -96,6 +96,7 @@ async def engine_worker(settings: Settings) -> None:
     from engine.models import resolve_model
     from engine.server import EmbeddedServer, create_app
     from engine.slots import EngineSlots
+    from engine.trace import Trace
     from engine.vllm_engine import Engine
     from journal.checkpointer import Checkpointer
 
@@ -128,12 +129,16 @@ async def engine_worker(settings: Settings) -> None:
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)
-        checkpointer = await stack.enter_async_context(Checkpointer(db))
+        trace = Trace(str(settings.engine_trace) if settings.engine_trace else None)
+        tracing = asyncio.create_task(trace.run(engine.load))
+        stack.callback(tracing.cancel)
+        checkpointer = await stack.enter_async_context(Checkpointer(db, settings.checkpoint_interval_s, trace=trace))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
         announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
-        acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens)
+        acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
+                                    trace=trace)
         worker = Worker(
             client,
             task_queue=settings.engine_queue,

@@ -23,6 +23,7 @@ class Stack:
     db_url: str  # its embedded Postgres, for reading the journal back
     # What its engine worker's own endpoint (/stats, /v1/generate) demands: the engine token.
     engine_headers: dict[str, str]
+    pid: int  # `ballast up`'s: every process of the stack runs under it
 
 
 @contextmanager
@@ -46,7 +47,7 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
         # BALLAST_ENGINE_TOKEN where given; else the one `ballast up` made in the data dir.
         token = env.get("BALLAST_ENGINE_TOKEN", "").strip() or (data_dir / "engine-token").read_text().strip()
         yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres",
-                    {"Authorization": f"Bearer {token}"})
+                    {"Authorization": f"Bearer {token}"}, up.pid)
     finally:
         api.close()
         up.stop(60)

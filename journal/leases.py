@@ -8,7 +8,9 @@ appends fenced with the previous token wait for it, then fail.
 
 from __future__ import annotations
 
-from sqlalchemy import func
+from collections.abc import Sequence
+
+from sqlalchemy import func, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -23,3 +25,22 @@ async def acquire(conn: AsyncConnection, stream: str, holder: str) -> int:
         set_=dict(token=leases.c.token + 1, holder=stmt.excluded.holder, acquired_at=func.now()),
     )
     return (await conn.execute(stmt.returning(leases.c.token))).scalar_one()
+
+
+_ACQUIRE_MANY = text(
+    """
+    INSERT INTO leases (stream, token, holder)
+    SELECT s, 1, :holder FROM unnest(CAST(:streams AS text[])) AS s ORDER BY s  -- one lock order: no deadlocks
+    ON CONFLICT (stream) DO UPDATE
+      SET token = leases.token + 1, holder = excluded.holder, acquired_at = now()
+    RETURNING stream, token
+    """
+)
+
+
+async def acquire_many(conn: AsyncConnection, streams: Sequence[str], holder: str) -> dict[str, int]:
+    """`acquire` for many streams in one statement (a generation group's items)."""
+    if len(set(streams)) != len(streams):
+        raise ValueError("a stream appears twice: its lease would be taken twice in one statement")
+    rows = await conn.execute(_ACQUIRE_MANY, dict(streams=list(streams), holder=holder))
+    return dict(rows.tuples().all())

@@ -40,8 +40,10 @@ def projects(event_type: str):
 
 
 async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
-    # Consecutive runs of one type keep the journal's order between types.
-    for event_type, run in groupby(new, key=lambda e: e.type):
+    # Consecutive runs of one type keep the journal's order between the types that have
+    # read models; events without one (an item's chunks, between its neighbours' results)
+    # do not split a run, so a checkpoint's results project as one statement, not one each.
+    for event_type, run in groupby((e for e in new if e.type in _projectors), key=lambda e: e.type):
         fn = _projectors.get(event_type)
         if fn is not None:
             await fn(conn, list(run))

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +30,7 @@ import httpx
 import pytest
 
 from ballast import pg, procs
+from ballast.affinity import descendants
 from journal import tenants
 from journal.db import connect
 from journal.migrate import upgrade
@@ -240,3 +242,19 @@ def gate(stack):
 @pytest.fixture
 def client(stack):
     return stack.openai()
+
+
+@contextmanager
+def vllm_paused(stack: Stack) -> Iterator[None]:
+    """vLLM's own processes (the engine worker's descendants) stopped: no request makes
+    progress or ends, so what the engine worker decides is seen whatever the machine's
+    speed; the engine worker itself keeps serving."""
+    pids = descendants(stack.engine.proc.pid)[1:]
+    assert pids, "vLLM's processes not found"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)

@@ -7,17 +7,13 @@ client sees their first tokens, and the engine's own /stats."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import WAIT_S, make_key, own_stack
+from tests.e2e.conftest import WAIT_S, make_key, own_stack, vllm_paused
 
 pytestmark = pytest.mark.e2e
 
@@ -32,39 +28,6 @@ def narrow(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
                    BALLAST_MAX_NUM_SEQS=str(SLOTS), BALLAST_FLEX_MIN_SHARE="0.5",
                    BALLAST_FLEX_STARVE_AFTER_S="0.2") as stack_and_url:
         yield stack_and_url
-
-
-def _descendants(pid: int) -> list[int]:
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(stat.parent.name)] = int(fields[1])
-    out, todo = [], [pid]
-    while todo:
-        of = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == of]
-        out += kids
-        todo += kids
-    return out
-
-
-@contextlib.contextmanager
-def vllm_paused(stack):
-    """vLLM's own processes (the engine worker's descendants) stopped: no request makes
-    progress or ends, so what the engine worker's fair share decides is seen whatever the
-    machine's speed; the engine worker itself keeps serving."""
-    pids = _descendants(stack.engine.proc.pid)
-    assert pids, "vLLM's processes not found"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
 
 
 async def until(http: httpx.AsyncClient, stack, ready) -> dict:

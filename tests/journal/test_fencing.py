@@ -5,10 +5,11 @@ import asyncio
 
 import psycopg
 import pytest
+from sqlalchemy import text
 
 from journal.db import libpq_url
 from journal.events import NewEvent, StaleAttempt, append, read_stream
-from journal.leases import acquire
+from journal.leases import acquire, acquire_many
 
 
 def chunk(stream: str, key: str, fence: int | None) -> NewEvent:
@@ -94,3 +95,20 @@ async def test_an_append_in_flight_commits_before_the_next_token(db):
 async def _append(db, new):
     async with db.begin() as c:
         return await append(c, new)
+
+
+async def test_a_group_takes_its_items_leases_in_one_statement_as_one_by_one_would(db):
+    await take(db, "item:many:a", "earlier attempt")
+    async with db.begin() as c:
+        got = await acquire_many(c, ["item:many:b", "item:many:a"], "group attempt")
+    assert got == {"item:many:a": 2, "item:many:b": 1}
+    async with db.connect() as c:
+        rows = (await c.execute(text("SELECT stream, token, holder FROM leases WHERE stream LIKE 'item:many:%' "
+                                     "ORDER BY stream"))).tuples().all()
+    assert rows == [("item:many:a", 2, "group attempt"), ("item:many:b", 1, "group attempt")]
+    with pytest.raises(StaleAttempt):  # the earlier attempt's token no longer writes
+        async with db.begin() as c:
+            await append(c, [chunk("item:many:a", "late", 1)])
+    with pytest.raises(ValueError, match="twice"):
+        async with db.begin() as c:
+            await acquire_many(c, ["item:many:c", "item:many:c"], "confused")
