@@ -8,9 +8,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from temporalio.client import Client
-from temporalio.worker import Worker
 
-from activities.requests import RequestActivities
 from api import admin, batches, errors, files, health, interactive, models
 from api.admission import Admission
 from api.auth import Authenticate, KeyCache
@@ -20,7 +18,6 @@ from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
 from protocol import schema
-from workflows.interactive import InteractiveWorkflow
 
 # Multipart framing on top of the file itself.
 UPLOAD_SLACK = 64 * 1024
@@ -38,16 +35,13 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         admission = await Admission(db, settings).start()  # limits and the quota ledger
         app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http,
                                       keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
-        # Interactive request workflows start eagerly here, in this process: no dispatch.
-        acts = RequestActivities(db)
-        worker = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
-                        activities=[acts.journal_request])
-        async with worker:
-            try:
-                yield
-            finally:
-                following.cancel()
-                await http.aclose()
+        # No Temporal worker here: a request's workflow runs on the control worker, so its
+        # bookkeeping never competes with the next request's first token in this process.
+        try:
+            yield
+        finally:
+            following.cancel()
+            await http.aclose()
         await admission.stop()  # what is still unwritten reaches the ledger
         await db.dispose()
 

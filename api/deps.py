@@ -32,7 +32,9 @@ class Services:
     admission: Admission | None = None  # limits and the quota ledger (api/admission.py); None: admit all
 
 
-def _services(request: Request) -> Services:
+# Dependencies are coroutines: FastAPI runs a plain `def` dependency in a worker thread,
+# a thread hop (and a GIL hand-off) on every request's path for a dictionary lookup.
+async def _services(request: Request) -> Services:
     return request.app.state.services
 
 
@@ -48,15 +50,15 @@ async def _principal(request: Request,
     # it does not cover still gets the same check here.
     found = getattr(request.state, "principal", None)
     if found is None:
-        found = await authenticate(_services(request).keys, request.headers.get("authorization"))
+        found = await authenticate(request.app.state.services.keys, request.headers.get("authorization"))
     return found
 
 
-def _tenant(principal: Annotated[Principal, Depends(_principal)]) -> str:
+async def _tenant(principal: Annotated[Principal, Depends(_principal)]) -> str:
     return principal.tenant
 
 
-def _admin(principal: Annotated[Principal, Depends(_principal)]) -> Principal:
+async def _admin(principal: Annotated[Principal, Depends(_principal)]) -> Principal:
     if not principal.admin:
         raise APIError(403, "This endpoint needs an admin key.", code="admin_key_required")
     return principal

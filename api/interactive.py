@@ -6,8 +6,11 @@ The path of a request, one step per function: check it (`protocol.requests`) →
 bounded-stale view) and open its token stream there, correcting the reservation to the
 prompt's real size → relay the stream (SSE) or collect it (JSON) → release the
 reservation the moment it ends, however it ends (done, failed, client gone). Once the
-engine has accepted it, the request's workflow is started eagerly in the background and
+engine has accepted it, the request's workflow is started in the background and
 signalled with the outcome at the end: Temporal is never between the client and a token.
+The workflow runs on the control worker, not here: this process only sends the start and
+the signal (two RPCs, in the background), so one request's bookkeeping does not hold up
+the next one's first token.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ class Run:
         return self.record.prompt_tokens
 
     def start_workflow(self) -> None:
-        # Once the first token is on its way: the start is cheap, but not free, and the
-        # first token must not wait for it.
+        # Once the first token is on its way: the start is one RPC, but the first token
+        # must not wait for it.
         if not self.started:
             self.started.append(_spawn(_start_workflow(self.svc, self.record)))
 
@@ -337,7 +340,7 @@ async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
 async def _start_workflow(svc: Services, record: InteractiveInput):
     return await svc.temporal.start_workflow(
         InteractiveWorkflow.run, record, id=f"request:{record.request_id}", task_queue=svc.settings.interactive_queue,
-        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE, request_eager_start=True,
+        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
     )
 
 

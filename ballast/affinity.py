@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 
 def descendants(root: int) -> list[int]:
-    """`root` and every live process under it (Linux)."""
+    """`root` and every live process under it (Linux), from one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _ in procs.live_processes():
+        children.setdefault(ppid, []).append(pid)
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
         out.append(pid)
-        todo += procs.children_of(pid)
+        todo += children.get(pid, [])
     return out
 
 

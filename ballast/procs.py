@@ -68,7 +68,7 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _live_processes() -> list[tuple[int, int, int]]:
+def live_processes() -> list[tuple[int, int, int]]:
     """(pid, ppid, pgrp) of every live, non-zombie process, from /proc (Linux)."""
     out = []
     for entry in os.listdir("/proc"):
@@ -97,7 +97,7 @@ def group_members(pgid: int) -> list[int]:
         except ProcessLookupError:
             return []
         return [pgid]
-    return [pid for pid, _, pgrp in _live_processes() if pgrp == pgid]
+    return [pid for pid, _, pgrp in live_processes() if pgrp == pgid]
 
 
 def children_of(pid: int) -> list[int]:
@@ -105,7 +105,7 @@ def children_of(pid: int) -> list[int]:
     process group, as every Postgres backend does (each calls setsid)."""
     if not os.path.isdir("/proc"):
         return []
-    return [child for child, ppid, _ in _live_processes() if ppid == pid]
+    return [child for child, ppid, _ in live_processes() if ppid == pid]
 
 
 @dataclass

@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     engine_nice: int = Field(10, ge=0, le=19)
     # `ballast up` on a CPU engine: every other process keeps off the cores vLLM binds its
     # model worker to (ballast/affinity.py), as vLLM's own frontend and engine core do.
-    isolate_engine_cpus: bool = True
+    isolate_engine_cpus: bool = False
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last
     # commit: one interval and one commit, and at most checkpoint_tokens plus one commit.
-    checkpoint_interval_s: float = Field(0.5, gt=0)
+    checkpoint_interval_s: float = Field(1.0, gt=0)
     checkpoint_tokens: int = Field(256, ge=1)
     # Interactive requests' turn on an engine within a tier: "vtc", the tenant served least
     # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a

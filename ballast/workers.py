@@ -19,6 +19,7 @@ from temporalio.worker import Worker
 from activities.batch import BatchActivities
 from activities.fleet import FleetActivities
 from activities.quota import QuotaActivities
+from activities.requests import RequestActivities
 from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
@@ -28,6 +29,7 @@ from protocol.requests import Limits
 from workflows.batch import BatchWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
 from workflows.inputs import FleetInput, QuotaInput
+from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QUOTA_ID, QuotaReconciler
 
 if TYPE_CHECKING:
@@ -60,11 +62,17 @@ async def control_worker(settings: Settings) -> None:
         activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.fail_batch, acts.finalize_batch,
                     fleet.observe_fleet, fleet.apply_fleet, quota.reconcile_quota],
     )
-    log.info("control worker polling %s", settings.control_queue)
+    # Interactive requests' workflows (started by the API replicas, which run no worker):
+    # journal each outcome and settle it in the ledger.
+    requests = RequestActivities(db)
+    interactive = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
+                         activities=[requests.journal_request])
+    log.info("control worker polling %s and %s", settings.control_queue, settings.interactive_queue)
     try:
         await start_fleet(client, settings)
         await start_quota(client, settings)
-        await _run_until_signalled(worker)
+        async with interactive:
+            await _run_until_signalled(worker)
     finally:
         await db.dispose()
 

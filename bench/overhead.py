@@ -2,7 +2,7 @@
 
 Arm 1: the same streamed chat requests straight to an in-process vLLM AsyncLLM.
 Arm 2: through `ballast up`: HTTP → API (validate, place, engine worker NDJSON stream,
-eager workflow start off the token path) → SSE. Requests go one at a time so queueing
+workflow start off the token path) → SSE. Requests go one at a time so queueing
 does not blur the overhead, twice: paced (GAP_S apart, as users send them: the path's own
 cost) and back to back (each request's bookkeeping — signal, workflow task, journal
 write — then runs during the next one's TTFT: what the control plane's CPU costs on a
@@ -91,11 +91,12 @@ async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
             await asyncio.sleep(0.1)
     history = await handle.fetch_history()
     kinds = [e.WhichOneof("attributes") for e in history.events]
-    local = sum(1 for e in history.events if e.WhichOneof("attributes") == "marker_recorded_event_attributes")
+    local = kinds.count("marker_recorded_event_attributes")
     signals = kinds.count("workflow_execution_signaled_event_attributes")
     activities = kinds.count("activity_task_scheduled_event_attributes")
-    return dict(history_events=len(history.events), actions=1 + signals + activities + local,
-                workflow_starts=1, signals=signals, activities=activities, local_activities=local)
+    timers = kinds.count("timer_started_event_attributes")  # billed as actions too
+    return dict(history_events=len(history.events), actions=1 + signals + activities + local + timers,
+                workflow_starts=1, signals=signals, activities=activities, local_activities=local, timers=timers)
 
 
 def main(settings: Settings) -> int:

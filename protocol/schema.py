@@ -16,6 +16,11 @@ from typing import Any
 
 from protocol.requests import INT64, MAX_STOP, ROLES, SERVICE_TIERS
 
+# A seed is any int64; the schema states a range a little inside it, so that a client whose
+# JSON numbers are doubles (ULP 2,048 at 2**63) cannot round a seed it thinks valid to one
+# just past int64's ends (schemathesis found -9223372036854776000).
+SEED_RANGE = (INT64[0] + 4096, INT64[1] - 4096)
+
 Schema = dict[str, Any]
 
 _NULL: Schema = {"type": "null"}
@@ -50,7 +55,7 @@ _COMMON: dict[str, Schema] = dict(
     temperature=_opt({"type": "number", "minimum": 0, "maximum": 2}),
     top_p=_opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     n=_only(1, "n > 1 is not supported."),
-    seed=_opt({"type": "integer", "minimum": INT64[0], "maximum": INT64[1]}),
+    seed=_opt({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
     stop=_opt({"anyOf": [_string(minLength=1),
                          {"type": "array", "maxItems": MAX_STOP, "items": _string(minLength=1)}]}),
     stream=_opt({"type": "boolean"}),

@@ -1,10 +1,11 @@
 """One interactive request: a durable record of it, kept off its token path.
 
-The API streams tokens straight from the engine worker; this workflow is started eagerly
-(its first task runs inside the API process, no dispatch) once the engine has accepted the
-request, learns the outcome from one signal, and journals it with a local activity. Three
-Temporal actions per request, whatever its length: start, signal, local activity. A
-request whose API replica dies mid-stream is journaled as abandoned when the timer fires.
+The API streams tokens straight from the engine worker; this workflow is started (in the
+background, once the engine has accepted the request and its first token is on its way;
+it runs on the control worker) and learns the outcome from one signal, then journals it
+with a local activity. Four billed Temporal actions per request, whatever its length:
+start, signal, the abandon timer, local activity. A request whose API replica dies
+mid-stream is journaled as abandoned when the timer fires.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ with workflow.unsafe.imports_passed_through():
 ABANDON_AFTER = timedelta(hours=1)
 
 
-# Unsandboxed: one runs per request on the API's hot path, and the sandbox's per-run module
-# re-import costs milliseconds of CPU there. It imports nothing and does no I/O.
+# Unsandboxed: one runs per request, and the sandbox's per-run module re-import costs
+# milliseconds of CPU each. It imports nothing and does no I/O.
 @workflow.defn(name="InteractiveRequest", sandboxed=False)
 class InteractiveWorkflow:
     def __init__(self) -> None:
