@@ -3,9 +3,10 @@
 The API streams tokens straight from the engine worker; this workflow is started (in the
 background, once the engine has accepted the request and its first token is on its way;
 it runs on the control worker) and learns the outcome from one signal, then journals it
-with a local activity. Four billed Temporal actions per request, whatever its length:
-start, signal, the abandon timer, local activity. A request whose API replica dies
-mid-stream is journaled as abandoned when the timer fires.
+with a local activity. Three billed Temporal actions per request, whatever its length:
+start, signal, local activity; a fourth, the abandon timer, when the workflow's first task
+runs before the outcome is in. A request whose API replica dies mid-stream is journaled
+as abandoned when the timer fires.
 """
 
 from __future__ import annotations
