@@ -127,8 +127,12 @@ class EngineReport:
 
 def pressure(r: EngineReport) -> float:
     """How close interactive work on the engine is to waiting, 0 (idle) .. 1 (full)."""
-    slots = (r.interactive + r.waiting) / max(1, r.max_seqs)
-    # A KV cache filled by batch alone is batch doing its job, not pressure.
+    # vLLM's queue and a full KV cache count only while interactive work is there: filled by
+    # batch alone they are batch doing its job (a batch submits its items at once, so vLLM's
+    # queue holds hundreds of them for the first second), and a surge declared on them would
+    # preempt that very batch and hold it out for the cool-down.
+    queued = r.waiting if r.interactive else 0
+    slots = (r.interactive + queued) / max(1, r.max_seqs)
     kv = r.kv_cache_usage if r.interactive else 0.0
     return round(min(1.0, max(slots, kv)), 4)
 

@@ -18,6 +18,19 @@ def test_pressure_is_chat_and_queue_against_slots_or_kv_under_chat():
     assert pressure(report("a", interactive=1, kv=0.9)) == 0.9
     assert pressure(report("a", batch=8, kv=0.95)) == 0.0  # a KV cache full of batch is batch doing its job
     assert pressure(report("a", interactive=8, waiting=30)) == 1.0
+    # A batch's items queued inside vLLM, with no chat anywhere: batch doing its job too.
+    assert pressure(report("a", batch=8, waiting=200, max_seqs=256)) == 0.0
+
+
+def test_a_batch_filling_vllms_queue_alone_starts_no_surge():
+    """bench batch found it: 256 items submitted at once sat in vLLM's queue for the first
+    second; the controller called that a surge and preempted the batch for its cool-down."""
+    start = [report("a", batch=256, waiting=230, max_seqs=256)]
+    d = pool_step("m", start, Surge(), 0.0, POLICY)
+    assert not d.started and not d.state.surging and d.caps == (("a", None),)
+    # With chat in flight the same queue is chat's wait too: it counts.
+    d = pool_step("m", [report("a", interactive=4, batch=252, waiting=230, max_seqs=256)], Surge(), 1.0, POLICY)
+    assert d.started
 
 
 def test_a_pool_surges_at_high_and_calms_only_after_staying_under_low_for_the_cool_down():
