@@ -1,7 +1,10 @@
 """ballast/affinity.py on the real kernel: a process that calls itself VLLM::Worker and is
-bound to some cores keeps them; every other process under the root is moved off them."""
+bound to some cores keeps them; every other process under the root is moved off them.
+Each test builds its own process tree (a root and its children), so nothing else that
+runs under pytest (e2e stacks' real vLLM workers) is looked at or moved."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,38 +25,48 @@ print("ready", flush=True)
 time.sleep(60)
 """
 OTHER = "import time; print('ready', flush=True); time.sleep(60)"
+ROOT = """
+import subprocess, sys, time
+kids = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for code in sys.argv[1:]]
+for k in kids:
+    k.stdout.readline()
+print(*[k.pid for k in kids], flush=True)
+time.sleep(60)
+"""
 
 
-def spawn(code: str) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    return p
+def tree(*codes: str) -> tuple[subprocess.Popen, list[int]]:
+    root = subprocess.Popen([sys.executable, "-c", ROOT, *codes], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert root.stdout is not None
+    return root, [int(p) for p in root.stdout.readline().split()]
+
+
+def stop(root: subprocess.Popen) -> None:
+    os.killpg(root.pid, signal.SIGKILL)
+    root.wait()
 
 
 def test_the_control_plane_keeps_off_the_model_workers_cores():
     everywhere = os.sched_getaffinity(0)
-    worker, other = spawn(WORKER), spawn(OTHER)
+    root, (worker, other) = tree(WORKER, OTHER)
     try:
-        assert {worker.pid, other.pid} <= set(descendants(os.getpid()))
-        assert model_worker_cpus(descendants(os.getpid())) == {CPUS[0]}
-        held = keep_off_model_workers(os.getpid())
-        assert held == {CPUS[0]}
-        assert os.sched_getaffinity(worker.pid) == {CPUS[0]}  # vLLM's own binding stays
-        assert os.sched_getaffinity(other.pid) == everywhere - {CPUS[0]}
-        assert os.sched_getaffinity(0) == everywhere - {CPUS[0]}  # the root too, every thread
+        assert set(descendants(root.pid)) == {root.pid, worker, other}
+        assert model_worker_cpus(descendants(root.pid)) == {CPUS[0]}
+        assert keep_off_model_workers(root.pid) == {CPUS[0]}
+        assert os.sched_getaffinity(worker) == {CPUS[0]}  # vLLM's own binding stays
+        assert os.sched_getaffinity(other) == everywhere - {CPUS[0]}
+        assert os.sched_getaffinity(root.pid) == everywhere - {CPUS[0]}  # the root too
+        assert os.sched_getaffinity(0) == everywhere  # outside the tree: untouched
     finally:
-        for tid in map(int, os.listdir(f"/proc/{os.getpid()}/task")):
-            os.sched_setaffinity(tid, everywhere)
-        for p in (worker, other):
-            p.kill()
-            p.wait()
+        stop(root)
 
 
 def test_nothing_moves_where_no_model_worker_is_bound():
-    other = spawn(OTHER)
+    root, (other,) = tree(OTHER)
     try:
-        assert keep_off_model_workers(os.getpid()) == set()
-        assert os.sched_getaffinity(other.pid) == os.sched_getaffinity(0)
+        before = os.sched_getaffinity(other)
+        assert keep_off_model_workers(root.pid) == set()
+        assert os.sched_getaffinity(other) == before
     finally:
-        other.kill()
-        other.wait()
+        stop(root)
