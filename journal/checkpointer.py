@@ -55,7 +55,6 @@ class Checkpointer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._committing = False
-        self.commits = 0  # for /stats and the benchmarks: how often we write
 
     async def __aenter__(self) -> Checkpointer:
         self._task = asyncio.create_task(self._run(), name="checkpointer")
@@ -110,7 +109,6 @@ class Checkpointer:
                 started = time.time()
                 try:
                     await self._commit(batch)
-                    self.commits += 1
                 finally:
                     self._committing = False
                 if self.trace:
