@@ -8,7 +8,8 @@ sooner, once an item has `checkpoint_tokens` unsaved), and the activity heartbea
 is journaled. A retried attempt (worker killed, heartbeat lost) resumes each unfinished
 item from its journaled tokens by submitting prompt + tokens; with greedy decoding the
 result is token-for-token the uninterrupted one. A preempted item flushes every token it
-has, records `item_preempted`, and is handed back to the workflow to run again later.
+has, records `item_preempted`, and waits on this engine for a slot again: the resume
+costs one prefill (mostly prefix-cache hits), not a Temporal round trip and a reload.
 
 Items are isolated: one that fails for any reason of its own ends in the error file with
 its own status and message and never fails, retries or delays the others. Attempts are
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 BATCH_PRIORITY = TIERS["batch"]  # vLLM serves lower values first: batch waits behind chat
 ITEM_TRIES = 3  # an item the engine keeps failing is failed alone after this many tries
+PREEMPTED = "preempted"  # _on_engine's word for "yielded, every token journaled"
 
 
 class GenerationActivities:
@@ -119,47 +121,60 @@ class GenerationActivities:
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
         prompt, params = ready.prompt, ready.sampling
         at.resume(item["tokens"])  # what is journaled: this run continues from there
-        tokens, resumed_from, reason = at.tokens, at.saved, None
-        if not self._already_finished(prompt, tokens, params):
-            request_id = f"{at.stream}:{at.fence}:{at.tries}:{resumed_from}"
-            async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
-                self.trace("submit", item=at.stream)
-                try:
-                    with self.checkpointer.track(at):  # its tokens go to the journal every commit
-                        async for step in self.engine.generate(
-                            request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
-                            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                            stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
-                            item=at.stream, resumed_from=resumed_from,  # who and from where: for engine/gate.py
-                        ):
-                            tokens += step.token_ids
-                            reason = step.finish_reason
-                            hold.generated, hold.unsaved = len(tokens), len(tokens) - at.saved
-                            if hold.unsaved >= self.checkpoint_tokens:
-                                self.checkpointer.soon()
-                            if hold.preempted.is_set() and reason is None:
-                                # Preempted before vLLM had the request, so that abort missed it.
-                                await self.engine.abort(request_id)
-                            at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
-                    self.trace("finish", item=at.stream, tokens=len(tokens))
-                except asyncio.CancelledError:
-                    # Cancelled (batch cancelled, worker stopping): keep every token we have.
-                    await self.engine.abort(request_id)
-                    await asyncio.shield(self.checkpointer.submit(at.due(), urgent=True))
-                    raise
-                except BaseException:
-                    await self.engine.abort(request_id)
-                    raise
-                if hold.preempted.is_set() and reason in ("abort", None):
-                    await self.checkpointer.submit([*at.due(), at.preempted(len(tokens))], urgent=True)
-                    return GenerateResult("preempted", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
-
+        resumed_from, reason = at.saved, None
+        while not self._already_finished(prompt, at.tokens, params):
+            got = await self._on_engine(at, prompt, params)
+            if got != PREEMPTED:
+                reason = got
+                break
+            # Yielded, its tokens journaled with the preemption: it waits here for a slot
+            # (the cap lifts after the cool-down) and goes on from them, with no round trip
+            # through the workflow and no reload, while the engine serves the chat.
+        tokens = at.tokens
         text, reason, used = rq.finish(self.engine, prompt, tokens, params, reason)
         meta = dict(id=f"{'chatcmpl' if req.endpoint == rq.CHAT else 'cmpl'}-{jb.stable_id('', at.stream)}",
                     created=int(time.time()), model=req.model)
         body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
         await self.checkpointer.submit([*at.due(), at.completed(body)])
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
+
+    async def _on_engine(self, at: Attempt, prompt: list[int], params: rq.Sampling) -> str | None:
+        """One stretch of the item on vLLM, under a batch slot: its finish reason, or
+        PREEMPTED once every token it has is journaled."""
+        tokens, reason = at.tokens, None
+        request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}"
+        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
+            self.trace("submit", item=at.stream)
+            try:
+                with self.checkpointer.track(at):  # its tokens go to the journal every commit
+                    async for step in self.engine.generate(
+                        request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
+                        temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                        stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
+                        item=at.stream, resumed_from=at.saved,  # who and from where: for engine/gate.py
+                    ):
+                        tokens += step.token_ids
+                        reason = step.finish_reason
+                        hold.generated, hold.unsaved = len(tokens), len(tokens) - at.saved
+                        if hold.unsaved >= self.checkpoint_tokens:
+                            self.checkpointer.soon()
+                        if hold.preempted.is_set() and reason is None:
+                            # Preempted before vLLM had the request, so that abort missed it.
+                            await self.engine.abort(request_id)
+                        at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
+                self.trace("finish", item=at.stream, tokens=len(tokens))
+            except asyncio.CancelledError:
+                # Cancelled (batch cancelled, worker stopping): keep every token we have.
+                await self.engine.abort(request_id)
+                await asyncio.shield(self.checkpointer.submit(at.due(), urgent=True))
+                raise
+            except BaseException:
+                await self.engine.abort(request_id)
+                raise
+        if hold.preempted.is_set() and reason in ("abort", None):
+            await self.checkpointer.submit([*at.due(), at.preempted(len(tokens))], urgent=True)
+            return PREEMPTED
+        return reason
 
     def _already_finished(self, prompt: list[int], tokens: list[int], params: rq.Sampling) -> bool:
         """A previous attempt produced everything but died before recording completion."""

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
     b.add_argument("--seconds", type=float, default=None,
-                   help="surge: seconds per arm (30); fairness: seconds of backlog per arm (20); "
+                   help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=3, help="batch: rounds, alternating raw vLLM and Ballast (3)")
     args = parser.parse_args(argv)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "surge":
             from bench.surge import main as bench_surge
 
-            return bench_surge(settings, duration_s=args.seconds or 30.0)
+            return bench_surge(settings, duration_s=args.seconds or 90.0)
         if args.name == "fairness":
             from bench.fairness import main as bench_fairness
 

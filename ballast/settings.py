@@ -120,6 +120,11 @@ class Settings(BaseSettings):
     # flight, and how long demand must stay low before batch gets its slots back.
     batch_busy_cap: int = 0
     batch_cool_down_s: float = 2.0
+    # false: no preemption at all, batch keeps the slots it holds and interactive work goes
+    # ahead only by vLLM's priority scheduling. batch_max_share < 1: a static partition,
+    # batch never holds more than that share of an engine's slots.
+    batch_preemption: bool = True
+    batch_max_share: float = Field(1.0, gt=0, le=1)
     # Batch's floor: squeezed below batch_min_share of an engine's slots (by chat or a
     # surge) for longer than batch_starve_after_s, batch gets that share back, so
     # continuous chat slows batch down but never stops it. 0 disables the floor.

@@ -123,7 +123,8 @@ async def engine_worker(settings: Settings) -> None:
     client = await Client.connect(settings.require("temporal_address"), namespace=settings.temporal_namespace)
     db = connect(settings.require("service_db_url"))
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
-                        min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s)
+                        min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s,
+                        preemption=settings.batch_preemption, max_share=settings.batch_max_share)
     port = settings.engine_port or procs.free_port(settings.engine_host)
     url = settings.engine_url or f"http://{settings.engine_host}:{port}"
     engine_id = f"{socket.gethostname()}-{os.getpid()}"

@@ -1,16 +1,29 @@
-"""`ballast bench surge`: interactive traffic on an engine that batch work backfills.
+"""`ballast bench surge`: interactive traffic surging over a batch backlog, through the
+real path, as shipped.
 
-Three arms, one engine, one run, the same seeded interactive arrivals:
-  alone    interactive requests only;
-  ballast  plus batch backfill under Ballast's slots: batch runs at low priority, yields
-           (abort + resume from its tokens) when interactive work arrives, returns after
-           the cool-down;
-  fifo     plus the same backfill with no preemption and no priorities.
-An extra short arm runs the backfill alone, to know the engine's batch capacity. The
-backfill has as many streams as the engine has sequence slots (vLLM max_num_seqs). Prints
-TTFT p50/p99 and TPOT per arm (and as ratios to `alone`), batch tokens/s harvested and
-the share of idle capacity that is, preemption latency (decision → engine slot free) and
-tokens re-prefilled per preemption; then one JSON line.
+Every arm is a fresh `ballast up` on default settings: interactive load is streamed chat
+through the API, batch is one large file through the Batches API (REST → batch workflow
+→ engine worker → journal), the fleet controller is on. The arms see the same seeded
+arrivals and differ only in how batch yields:
+
+  alone      interactive load only (the engine is warmed first, so "alone" is not slowed
+             by an idle engine waking up): the reference for TTFT and TPOT;
+  ballast    defaults: batch is preempted while interactive work is in flight and comes
+             back after the cool-down (engine/slots.py, policy/preemption.py);
+  priority   vLLM's priority scheduling alone: batch goes in at low priority and keeps
+             every slot it holds, no preemption, no cap (BALLAST_BATCH_PREEMPTION=false);
+  partition  a static partition: batch never holds more than half the slots, busy or not
+             (BALLAST_BATCH_MAX_SHARE=0.5, no busy cap).
+
+In each batch arm the backlog first runs alone for a while: its rate then is the engine's
+batch capacity. Then the interactive arrivals play: calm, a surge at five times the rate,
+calm again. Batch progress is read from the journal (the tokens of the chunks committed
+during the interactive window, the preemptions recorded there). Harvest is the batch
+rate during the window over the capacity left idle by interactive work (capacity × the
+share of the window with no interactive request in flight); capacity is the median of the
+uncapped arms' (ballast, priority), so every arm is held to the same yardstick. Re-
+prefilled tokens are those a preempted item sends again on resume (its prompt and what it
+had generated), an upper bound: vLLM's prefix cache serves part of them. One JSON line last.
 """
 
 from __future__ import annotations
@@ -19,27 +32,28 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
-from functools import partial
+from pathlib import Path
 from typing import Any
 
+import httpx
+
 from ballast.settings import Settings
-from engine.slots import EngineSlots
-from policy.preemption import TIERS
+from bench.batch import ALPHABET
+from bench.stack import Stack, ballast_up
 
 SEED = 11
-
-
-@dataclass
-class Arm:
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
-    busy_s: float = 0.0  # time with at least one interactive request in flight
-    batch_tokens: int = 0
-    reprefill: int = 0
-    seconds: float = 0.0
-    slots: EngineSlots | None = None
+MAX_TOKENS = 64  # per chat request
+BATCH_ITEMS = 4000  # enough backlog for the whole arm on an engine twice this one's speed
+CAPACITY_S = (3.0, 13.0)  # batch alone: the window, after its first commit, its rate is read in
+ARMS: dict[str, dict[str, str]] = {
+    "alone": {},
+    "ballast": {},
+    "priority": dict(BALLAST_BATCH_PREEMPTION="false"),
+    "partition": dict(BALLAST_BATCH_MAX_SHARE="0.5", BALLAST_BATCH_BUSY_CAP="1000000", BALLAST_SURGE_BATCH_SHARE="0.5"),
+}
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -47,151 +61,244 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def run_arm(engine, mode: str, duration_s: float, rate: float, backfill: int, seed: int = SEED) -> Arm:
+def arrivals(seconds: float, rate: float, seed: int = SEED) -> list[tuple[float, str]]:
+    """(offset, prompt): bursts of 1-4 requests, Poisson at `rate` bursts/s; the middle
+    third of the window surges at five times that."""
     rng = random.Random(seed)
-    arm = Arm()
-    slots = EngineSlots(max(backfill, 1), busy_cap=0, cool_down_s=0.5, preemption=(mode == "ballast"))
-    arm.slots = slots
-    inflight = [0]
-    busy_since = [0.0]
-    stop = asyncio.Event()
-
-    async def interactive(i: int) -> None:
-        prompt = engine.render_chat([dict(role="user", content=f"question {i}: {'x' * rng.randint(20, 120)}")])
-        t0 = time.perf_counter()
-        inflight[0] += 1
-        if inflight[0] == 1:
-            busy_since[0] = t0
-        first: float | None = None
-        last: float | None = None
-        n = 0
-        async with slots.interactive_request():
-            async for step in engine.generate(f"i-{mode}-{i}", prompt, max_tokens=32, temperature=0.0, ignore_eos=True,
-                                              priority=0):
-                if step.token_ids:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += len(step.token_ids)
-        inflight[0] -= 1
-        if inflight[0] == 0:
-            arm.busy_s += time.perf_counter() - busy_since[0]
-        assert first is not None and last is not None, "an interactive request produced no tokens"
-        arm.ttft.append(first - t0)
-        if n > 1:
-            arm.tpot.append((last - first) / (n - 1))
-
-    async def batch_worker(w: int) -> None:
-        k = 0
-        while not stop.is_set():
-            prompt = engine.render_text(f"batch {w}-{k} " + "y" * 200)
-            tokens: list[int] = []
-            while len(tokens) < 256 and not stop.is_set():
-                rid = f"b-{mode}-{w}-{k}-{len(tokens)}"
-                if tokens:
-                    arm.reprefill += len(prompt) + len(tokens)
-                prio = TIERS["batch"] if mode == "ballast" else 0
-                async with slots.batch(rid, prio, partial(engine.abort, rid)):
-                    async for step in engine.generate(rid, prompt + tokens, max_tokens=256 - len(tokens),
-                                                      temperature=0.0, ignore_eos=True, priority=prio):
-                        tokens += step.token_ids
-                        arm.batch_tokens += len(step.token_ids)
-            k += 1
-
-    workers = [asyncio.create_task(batch_worker(w)) for w in range(backfill)]
-    t0 = time.perf_counter()
-    tasks, i = [], 0
-    while time.perf_counter() - t0 < duration_s:
-        # Bursty arrivals: quiet gaps, then a few requests close together.
-        await asyncio.sleep(rng.expovariate(rate))
+    out: list[tuple[float, str]] = []
+    t = 0.0
+    while True:
+        surging = seconds / 3 <= t < 2 * seconds / 3
+        t += rng.expovariate(rate * (5 if surging else 1))
+        if t >= seconds:
+            return out
         for _ in range(rng.choice((1, 1, 2, 4))):
-            tasks.append(asyncio.create_task(interactive(i)))
-            i += 1
-    await asyncio.gather(*tasks)
-    arm.seconds = time.perf_counter() - t0
-    stop.set()
-    for w in workers:
-        w.cancel()
-    await asyncio.gather(*workers, return_exceptions=True)
+            words = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(20, 200)))
+            out.append((t, f"Question {len(out)}: {words}"))
+
+
+def backlog(n: int, seed: int = SEED) -> list[dict]:
+    """n completions: prompts of 100-300 tokens, 128-256 output tokens each."""
+    rng = random.Random(seed + 1)
+    return [dict(prompt="".join(rng.choice(ALPHABET) for _ in range(rng.randint(100, 300))),
+                 max_tokens=rng.randint(128, 256), temperature=0, ignore_eos=True) for _ in range(n)]
+
+
+@dataclass
+class Chat:
+    start: float
+    first: float
+    end: float
+    tokens: int
+
+
+@dataclass
+class Arm:
+    name: str
+    chats: list[Chat] = field(default_factory=list)
+    window: tuple[float, float] = (0.0, 0.0)  # the interactive load's, wall clock
+    capacity: float | None = None  # batch tokens/s alone, in this arm's stack
+    batch: dict[str, Any] = field(default_factory=dict)  # from the journal, over the window
+    batch_slots: list[int] = field(default_factory=list)  # batch holds on the engine, sampled
+
+    @property
+    def idle_share(self) -> float:
+        """The share of the window with no interactive request in flight."""
+        busy, until = 0.0, self.window[0]
+        for c in sorted(self.chats, key=lambda c: c.start):
+            if c.end > until:
+                busy += c.end - max(c.start, until)
+                until = c.end
+        return max(0.0, 1 - busy / (self.window[1] - self.window[0]))
+
+
+async def chat(http: httpx.AsyncClient, model: str, prompt: str) -> Chat:
+    body = dict(model=model, messages=[dict(role="user", content=prompt)], max_tokens=MAX_TOKENS, temperature=0,
+                ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
+    t0 = time.time()
+    first: float | None = None
+    n = 0  # as the usage chunk counts them: a chunk may carry several tokens
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat answered {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = first or time.time()
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    assert first is not None and n, f"no content (or no usage) streamed back for {prompt[:40]!r}"
+    return Chat(t0, first, time.time(), n)
+
+
+async def play(http: httpx.AsyncClient, model: str, plan: list[tuple[float, str]]) -> list[Chat]:
+    t0 = time.time()
+    tasks = []
+    for offset, prompt in plan:
+        await asyncio.sleep(max(0.0, t0 + offset - time.time()))
+        tasks.append(asyncio.create_task(chat(http, model, prompt)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def sample_slots(stack: Stack, url: str, out: list[int], stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(headers=stack.engine_headers, timeout=5) as http:
+        while not stop.is_set():
+            out.append((await http.get(url + "/stats")).json()["batch"])
+            await asyncio.sleep(0.1)
+
+
+def submit_batch(stack: Stack, model: str, reqs: list[dict]) -> str:
+    lines = "".join(json.dumps(dict(custom_id=f"s{i}", method="POST", url="/v1/completions",
+                                    body=dict(r, model=model))) + "\n" for i, r in enumerate(reqs)).encode()
+    fid = stack.api.post("/v1/files", files={"file": ("surge.jsonl", lines)},
+                         data={"purpose": "batch"}).raise_for_status().json()["id"]
+    return stack.api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions",
+                                                   completion_window="24h")).raise_for_status().json()["id"]
+
+
+def journal(db_url: str, sql: str, *args) -> Any:
+    import psycopg
+
+    with psycopg.connect(db_url) as conn:
+        return conn.execute(sql, args).fetchone()
+
+
+def chunk_tokens(db_url: str, t0: float, t1: float) -> int:
+    row = journal(db_url, "SELECT coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events"
+                          " WHERE type = 'item_chunk' AND committed_at >= to_timestamp(%s)"
+                          " AND committed_at < to_timestamp(%s)", t0, t1)
+    return int(row[0])
+
+
+def first_commit(db_url: str, timeout_s: float = 120) -> float:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        row = journal(db_url, "SELECT extract(epoch FROM min(committed_at))::float FROM events"
+                              " WHERE type = 'item_chunk'")
+        if row[0] is not None:
+            return row[0]
+        time.sleep(0.2)
+    raise RuntimeError("the batch wrote no checkpoint in time: see the stack's logs")
+
+
+def batch_in_window(db_url: str, t0: float, t1: float, prompt_tokens: list[int]) -> dict:
+    import psycopg
+
+    with psycopg.connect(db_url) as conn:
+        preempted = conn.execute("SELECT (payload->>'idx')::int, (payload->>'offset')::int FROM events"
+                                 " WHERE type = 'item_preempted' AND committed_at >= to_timestamp(%s)"
+                                 " AND committed_at < to_timestamp(%s)", (t0, t1)).fetchall()
+        surges = conn.execute("SELECT count(*) FROM events WHERE type = 'surge_started'"
+                              " AND committed_at >= to_timestamp(%s) AND committed_at < to_timestamp(%s)",
+                              (t0, t1)).fetchone()
+    return dict(tokens=chunk_tokens(db_url, t0, t1), preemptions=len(preempted),
+                reprefill_tokens=sum(prompt_tokens[idx] + offset for idx, offset in preempted),
+                fleet_surges=surges[0] if surges else 0)
+
+
+def run_arm(settings: Settings, name: str, plan: list[tuple[float, str]], prompt_tokens: list[int],
+            reqs: list[dict], log=print) -> Arm:
+    arm = Arm(name)
+    with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d, \
+            ballast_up(settings, Path(d), **ARMS[name]) as stack:
+        engine_url = journal(stack.db_url, "SELECT url FROM engines LIMIT 1")[0]
+
+        async def interactive() -> None:
+            async with httpx.AsyncClient(base_url=str(stack.api.base_url), headers=dict(stack.api.headers),
+                                         timeout=120) as http:
+                for i in range(3):  # the engine and the path warm
+                    await chat(http, settings.model_name, f"warm up {i}")
+                if name != "alone":
+                    await asyncio.to_thread(batch_phase)
+                stop = asyncio.Event()
+                sampler = asyncio.create_task(sample_slots(stack, engine_url, arm.batch_slots, stop))
+                t0 = time.time()
+                arm.chats = await play(http, settings.model_name, plan)
+                arm.window = (t0, time.time())
+                stop.set()
+                await sampler
+
+        def batch_phase() -> None:
+            submit_batch(stack, settings.model_name, reqs)
+            start = first_commit(stack.db_url)
+            time.sleep(max(0.0, start + CAPACITY_S[1] - time.time()))
+            a, b = start + CAPACITY_S[0], start + CAPACITY_S[1]
+            time.sleep(1.5)  # the checkpoints of the window's last second land
+            arm.capacity = chunk_tokens(stack.db_url, a, b) / (b - a)
+            log(f"  {name}: batch alone {arm.capacity:.0f} tok/s")
+
+        asyncio.run(interactive())
+        if name != "alone":
+            time.sleep(1.5)
+            arm.batch = batch_in_window(stack.db_url, *arm.window, prompt_tokens)
     return arm
 
 
-async def batch_alone(engine, backfill: int, seconds: float) -> float:
-    arm = Arm()
-    stop = time.perf_counter() + seconds
-
-    async def worker(w: int) -> None:
-        k = 0
-        while time.perf_counter() < stop:
-            prompt = engine.render_text(f"alone {w}-{k} " + "y" * 200)
-            async for step in engine.generate(f"a-{w}-{k}", prompt, max_tokens=256, temperature=0.0, ignore_eos=True):
-                arm.batch_tokens += len(step.token_ids)
-            k += 1
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(backfill)))
-    return arm.batch_tokens / (time.perf_counter() - t0)
-
-
-async def bench(settings: Settings, duration_s: float, rate: float, backfill: int) -> dict:
-    from engine.models import resolve_model
-    from engine.vllm_engine import Engine
-
-    # Batch backfill fills every sequence slot, as it would on a busy fleet: without
-    # preemption an interactive request waits for a batch sequence to finish.
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib, max_num_seqs=backfill,
-                                nice=settings.engine_nice)
-    try:
-        await run_arm(engine, "alone", 2, rate, 0, seed=1)  # warm-up
-        capacity = await batch_alone(engine, backfill, 5)
-        arms = {m: await run_arm(engine, m, duration_s, rate, 0 if m == "alone" else backfill)
-                for m in ("alone", "ballast", "fifo")}
-    finally:
-        engine.shutdown()
-    alone = arms["alone"]
-    out: dict[str, Any] = dict(bench="surge", duration_s=duration_s, arrival_rate=rate, backfill=backfill,
-                               batch_alone_tokens_per_s=round(capacity, 1))
-    for name, a in arms.items():
-        idle = max(0.0, 1 - a.busy_s / a.seconds)
-        harvest = a.batch_tokens / a.seconds
-        out[name] = dict(
-            requests=len(a.ttft), ttft_p50_ms=round(1000 * pct(a.ttft, 50), 1),
-            ttft_p99_ms=round(1000 * pct(a.ttft, 99), 1),
-            tpot_ms=round(1000 * statistics.mean(a.tpot), 2),
-            ttft_p50_ratio=round(pct(a.ttft, 50) / pct(alone.ttft, 50), 3),
-            ttft_p99_ratio=round(pct(a.ttft, 99) / pct(alone.ttft, 99), 3),
-            tpot_ratio=round(statistics.mean(a.tpot) / statistics.mean(alone.tpot), 3),
-            batch_tokens_per_s=round(harvest, 1),
-            idle_share=round(idle, 3),
-            harvest_of_idle=round(harvest / (capacity * idle), 3) if idle and name != "alone" else None,
-        )
-    ballast_slots = arms["ballast"].slots
-    assert ballast_slots is not None  # run_arm sets it
-    s = ballast_slots.stats
-    out["ballast"].update(
-        preemptions=s.preemptions,
-        preemption_ms_p50=round(1000 * pct(s.latencies_s, 50), 2),
-        preemption_ms_p99=round(1000 * pct(s.latencies_s, 99), 2),
-        reprefill_tokens_per_preemption=round(arms["ballast"].reprefill / max(1, s.preemptions), 1),
-    )
+def summarise(arms: dict[str, Arm]) -> dict:
+    ttft = {n: [c.first - c.start for c in a.chats] for n, a in arms.items()}
+    tpot = {n: statistics.mean((c.end - c.first) / (c.tokens - 1) for c in a.chats if c.tokens > 1)
+            for n, a in arms.items()}
+    capacity = statistics.median(arms[n].capacity or 0.0 for n in ("ballast", "priority") if n in arms)
+    out: dict[str, Any] = dict(batch_capacity_tokens_per_s=round(capacity, 1))
+    for n, a in arms.items():
+        seconds = a.window[1] - a.window[0]
+        r: dict[str, Any] = dict(
+            requests=len(a.chats), ttft_p50_ms=round(1000 * pct(ttft[n], 50), 1),
+            ttft_p99_ms=round(1000 * pct(ttft[n], 99), 1), tpot_ms=round(1000 * tpot[n], 2),
+            ttft_p50_ratio=round(pct(ttft[n], 50) / pct(ttft["alone"], 50), 3),
+            ttft_p99_ratio=round(pct(ttft[n], 99) / pct(ttft["alone"], 99), 3),
+            tpot_ratio=round(tpot[n] / tpot["alone"], 3), idle_share=round(a.idle_share, 3),
+            seconds=round(seconds, 1))
+        if a.batch:
+            rate = a.batch["tokens"] / seconds
+            r.update(batch_tokens_per_s=round(rate, 1), harvest_of_idle=round(rate / (capacity * a.idle_share), 3),
+                     batch_alone_tokens_per_s=round(a.capacity or 0, 1), preemptions=a.batch["preemptions"],
+                     reprefill_tokens=a.batch["reprefill_tokens"], fleet_surges=a.batch["fleet_surges"],
+                     batch_slots_max=max(a.batch_slots, default=0),
+                     batch_slots_mean=round(statistics.mean(a.batch_slots), 1) if a.batch_slots else 0)
+        out[n] = r
     return out
 
 
-def main(settings: Settings, duration_s: float = 30.0, rate: float = 1.0, backfill: int = 32) -> int:
-    print(f"bench surge: {duration_s:.0f} s per arm, bursts at {rate}/s, {backfill} batch streams backfilling",
-          flush=True)
-    out = asyncio.run(bench(settings, duration_s, rate, backfill))
-    print(f"\nbatch alone: {out['batch_alone_tokens_per_s']} tokens/s")
-    print(f"{'arm':8} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT':>7} {'p50×':>6} {'p99×':>6} {'TPOT×':>6} "
-          f"{'batch tok/s':>11} {'of idle':>8}")
-    for name in ("alone", "ballast", "fifo"):
-        a = out[name]
-        print(f"{name:8} {a['requests']:4d} {a['ttft_p50_ms']:7.1f}ms {a['ttft_p99_ms']:6.1f}ms {a['tpot_ms']:5.2f}ms "
-              f"{a['ttft_p50_ratio']:6.2f} {a['ttft_p99_ratio']:6.2f} {a['tpot_ratio']:6.2f} "
-              f"{a['batch_tokens_per_s']:11.1f} "
-              f"{a['harvest_of_idle'] if a['harvest_of_idle'] is not None else '-':>8}")
+def verdict(out: dict) -> dict:
     b = out["ballast"]
-    print(f"preemptions {b['preemptions']}, latency p50 {b['preemption_ms_p50']} ms p99 {b['preemption_ms_p99']} ms, "
-          f"re-prefilled {b['reprefill_tokens_per_preemption']} tokens per preemption")
+    better = {o: (b["ttft_p99_ms"] < out[o]["ttft_p99_ms"] and b["harvest_of_idle"] >= out[o]["harvest_of_idle"])
+             or (b["harvest_of_idle"] > out[o]["harvest_of_idle"] and b["ttft_p99_ms"] <= out[o]["ttft_p99_ms"])
+             for o in ("priority", "partition")}
+    return dict(ttft_p99_le_1_10=b["ttft_p99_ratio"] <= 1.10, tpot_le_1_05=b["tpot_ratio"] <= 1.05,
+                harvest_ge_0_6=b["harvest_of_idle"] >= 0.6, better_than=better)
+
+
+def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3) -> int:
+    from transformers import AutoTokenizer
+
+    from engine.models import resolve_model
+
+    plan = arrivals(duration_s, rate)
+    reqs = backlog(BATCH_ITEMS)
+    tok = AutoTokenizer.from_pretrained(resolve_model(settings).path)
+    prompt_tokens = [len(tok(r["prompt"])["input_ids"]) for r in reqs]
+    print(f"bench surge: {len(plan)} streamed chat requests over {duration_s:.0f} s (bursts at {rate}/s, ×5 in the "
+          f"middle third), {MAX_TOKENS} tokens each; a {len(reqs)}-item batch backlog; arms {', '.join(ARMS)}, "
+          f"each a fresh `ballast up`", flush=True)
+    arms = {}
+    for name in ARMS:
+        print(f"arm {name} …", flush=True)
+        arms[name] = run_arm(settings, name, plan, prompt_tokens, reqs)
+    out: dict[str, Any] = dict(bench="surge", seconds=duration_s, burst_rate=rate, chat_requests=len(plan),
+                               max_tokens=MAX_TOKENS, **summarise(arms))
+    out["targets"] = verdict(out)
+    print(f"\nbatch capacity (alone): {out['batch_capacity_tokens_per_s']} tok/s")
+    print(f"{'arm':10} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT':>7} {'p50×':>6} {'p99×':>6} {'TPOT×':>6} "
+          f"{'batch tok/s':>11} {'harvest':>8} {'preempt':>8} {'re-prefill':>10}")
+    for name in ARMS:
+        a = out[name]
+        print(f"{name:10} {a['requests']:4d} {a['ttft_p50_ms']:7.1f}ms {a['ttft_p99_ms']:6.1f}ms {a['tpot_ms']:5.2f}ms "
+              f"{a['ttft_p50_ratio']:6.2f} {a['ttft_p99_ratio']:6.2f} {a['tpot_ratio']:6.2f} "
+              f"{a.get('batch_tokens_per_s', '-'):>11} {a.get('harvest_of_idle', '-'):>8} "
+              f"{a.get('preemptions', '-'):>8} {a.get('reprefill_tokens', '-'):>10}")
+    print(f"targets: {out['targets']}")
     print(json.dumps(out))
     return 0

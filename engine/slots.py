@@ -42,12 +42,15 @@ class SlotStats:
 
 class EngineSlots:
     def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0, min_share: float = 0.0,
-                 starve_after_s: float = 30.0, preemption: bool = True, clock: Callable[[], float] = time.monotonic,
-                 report_window: int = 3):
+                 starve_after_s: float = 30.0, preemption: bool = True, max_share: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, report_window: int = 3):
         self.max_seqs = max_seqs
         self.busy_cap = busy_cap
+        self.batch_max = None if max_share >= 1 else min_slots(max_share, max_seqs)
         self.cool_down_s = cool_down_s
-        self.preemption = preemption  # False: FIFO, batch keeps what it holds (a benchmark arm)
+        # False: batch keeps what it holds and takes any free slot; interactive work goes
+        # ahead only by vLLM's priority scheduling (no caps, no preemption, no fleet cap).
+        self.preemption = preemption
         self.clock = clock
         self.state = SlotState(cap=max_seqs)
         self.floor = Floor(min_slots(min_share, max_seqs))
@@ -127,7 +130,7 @@ class EngineSlots:
         return dict(self.snapshot(), interactive=max(self._peaks))
 
     def _update_cap(self) -> None:
-        demand = Demand(self.interactive, self.max_seqs, self.busy_cap)
+        demand = Demand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)
         now = self.clock()
         self.state = batch_slots(demand, self.state, now, self.cool_down_s)
         cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)

@@ -49,6 +49,7 @@ class Demand:
     interactive: int  # running + waiting interactive requests
     max_seqs: int  # the engine's sequence slots (vLLM max_num_seqs)
     busy_cap: int = 0  # batch sequences allowed while interactive work is in flight
+    batch_max: int | None = None  # a static partition: batch never holds more, busy or not
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def batch_slots(d: Demand, prev: SlotState, now: float, cool_down_s: float = 2.0
     room = d.max_seqs - d.interactive
     if d.interactive:
         room = min(room, d.busy_cap)
+    if d.batch_max is not None:
+        room = min(room, d.batch_max)
     wanted = max(0, room)
     if wanted <= prev.cap:  # demand rose or held: apply at once, and calm starts over
         return SlotState(wanted, None)

@@ -111,3 +111,33 @@ async def test_continuous_chat_and_a_surge_cap_cannot_starve_batch_past_its_floo
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_static_partition_caps_batch_at_its_share_and_chat_then_preempts_nothing():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(8, busy_cap=8, max_share=0.5, clock=clock)  # batch: at most 4 slots, busy or not
+    tasks = await start_batch(slots, ["a", "b", "c", "d"], clock, aborted)
+    waiter = asyncio.create_task(start_batch(slots, ["e"], clock, aborted))
+    await asyncio.sleep(0.3)
+    assert not waiter.done() and slots.cap == 4  # the fifth waits though 4 slots are free
+    async with slots.interactive_request(), slots.interactive_request():
+        assert aborted == [] and slots.cap == 4  # chat fits in the other half
+    waiter.cancel()
+    for t in [*tasks, waiter]:
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+async def test_without_preemption_batch_keeps_its_slots_through_chat_and_a_surge():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=0, preemption=False, clock=clock)
+    tasks = await start_batch(slots, ["a", "b", "c", "d"], clock, aborted)
+    await slots.direct(0)
+    async with slots.interactive_request():
+        more = await asyncio.wait_for(start_batch(slots, ["e"], clock, aborted), 2)  # and takes a slot freed
+        assert aborted == [] and len(slots.holds) == 5
+    for t in [*tasks, *more]:
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t

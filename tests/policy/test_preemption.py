@@ -27,6 +27,12 @@ def test_interactive_is_never_capped_but_batch_never_goes_negative():
     assert s.cap == 0
 
 
+def test_a_static_partition_holds_batch_to_its_share_idle_or_busy():
+    assert batch_slots(Demand(0, max_seqs=8, busy_cap=8, batch_max=4), SlotState(8), now=0).cap == 4
+    assert batch_slots(Demand(3, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 4
+    assert batch_slots(Demand(6, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 2  # chat beyond its half
+
+
 def test_victims_lowest_tier_then_least_progress_then_newest_then_id():
     running = [
         r("a", tier=10, generated=50, started=1),
