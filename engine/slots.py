@@ -86,9 +86,10 @@ class EngineSlots:
                     self._update_cap()
                     if len(self.holds) < self.cap or not self.preemption:
                         break
-                    # Re-check on every change, and now and then for the cool-down to pass.
+                    # Re-check on every change, and when the cool-down or the floor's grace
+                    # ends: hundreds of waiters must not poll while chat holds the engine.
                     try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=0.25)
+                        await asyncio.wait_for(self._changed.wait(), timeout=self._next_change())
                     except TimeoutError:
                         pass
             finally:
@@ -128,6 +129,17 @@ class EngineSlots:
         self._peaks.append(self.interactive_peak)
         self.interactive_peak = self.interactive
         return dict(self.snapshot(), interactive=max(self._peaks))
+
+    def _next_change(self) -> float | None:
+        """Seconds until the cap may change with no event (the cool-down or the floor's
+        grace ends; the fleet controller's every tick is an event too); None when only an
+        event can change it."""
+        now, pending = self.clock(), []
+        if self.state.calm_since is not None:
+            pending.append(self.state.calm_since + self.cool_down_s - now)
+        if self.floor.squeezed_since is not None:
+            pending.append(self.floor.squeezed_since + self.starve_after_s - now)
+        return min(5.0, max(0.01, min(pending))) if pending else None
 
     def _update_cap(self) -> None:
         demand = Demand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)

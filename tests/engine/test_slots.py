@@ -48,7 +48,8 @@ async def test_chat_preempts_batch_newest_first_and_batch_returns_after_the_cool
     waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
     await asyncio.sleep(0.05)
     assert not waiter.done()
-    clock.now = 12.5  # the cool-down has passed: the waiting one gets in on its next look
+    clock.now = 12.5  # the cool-down has passed: the waiting one gets in on the next event
+    await slots.direct(None)  # (the fleet controller's tick; on a real clock, the cool-down's end)
     more = await asyncio.wait_for(waiter, 2)
     assert slots.cap == 4 and set(slots.holds) == {"a", "d"}
     for t in [tasks[0], *more]:
@@ -106,6 +107,7 @@ async def test_continuous_chat_and_a_surge_cap_cannot_starve_batch_past_its_floo
         await asyncio.sleep(0.3)
         assert not slots.holds  # within the grace: chat has every slot
         clock.now = 33.0  # squeezed since t=2 for over 30 s: batch gets its floor back
+        await slots.direct(0)  # the fleet's next tick
         await asyncio.sleep(0.6)
         assert slots.cap == 2 and len(slots.holds) == 2  # the floor, no more
         for w in waiters:

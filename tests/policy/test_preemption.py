@@ -30,7 +30,8 @@ def test_interactive_is_never_capped_but_batch_never_goes_negative():
 def test_a_static_partition_holds_batch_to_its_share_idle_or_busy():
     assert batch_slots(Demand(0, max_seqs=8, busy_cap=8, batch_max=4), SlotState(8), now=0).cap == 4
     assert batch_slots(Demand(3, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 4
-    assert batch_slots(Demand(6, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 2  # chat beyond its half
+    # chat beyond its half takes slots from batch
+    assert batch_slots(Demand(6, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 2
 
 
 def test_victims_lowest_tier_then_least_progress_then_newest_then_id():
