@@ -1,4 +1,5 @@
-"""The quota reconciler's side effect: expire dead holders' reservations, fold the ledger.
+"""The quota reconciler's side effect: expire dead holders' reservations, fold the ledger,
+and now and then journal the requests no API reported (activities/requests.py).
 
 A local activity of `workflows/quota.py` on the control worker; one transaction per tick.
 """
@@ -10,19 +11,28 @@ import time
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
+from activities.requests import account_unreported
 from journal import ledger
 from workflows.inputs import ReconcileInput, ReconcileResult
 
+SWEEP_EVERY_S = 10.0
+
 
 class QuotaActivities:
-    def __init__(self, db: AsyncEngine):
+    def __init__(self, db: AsyncEngine, unreported_after_s: float = 60.0):
         self.db = db
+        self.unreported_after_s = unreported_after_s
+        self._next_sweep = 0.0
 
     @activity.defn
     async def reconcile_quota(self, inp: ReconcileInput) -> ReconcileResult:
         t0 = time.monotonic()
         async with self.db.begin() as conn:
             folded = await ledger.reconcile(conn, inp.holder_ttl_s)
+        if t0 >= self._next_sweep:
+            self._next_sweep = t0 + min(SWEEP_EVERY_S, self.unreported_after_s)
+            if n := await account_unreported(self.db, self.unreported_after_s):
+                activity.logger.warning("journaled %d requests no API reported, from their engines' records", n)
         took = time.monotonic() - t0
         if folded.expired:
             activity.logger.info("expired %d reservations of holders not seen for %ss", len(folded.expired),

@@ -4,17 +4,22 @@ The same transaction settles the request in the quota ledger: its reservation (u
 API's flusher has written it already), a settle row of exactly the tokens the event
 records (prompt_tokens, completion_tokens), and the refund of what the reservation held
 beyond them. So for every request the ledger's settled tokens are the journal's.
+
+A request no API reported (its process died mid-stream) is journaled the same way from
+the engine worker's record of it (journal/served.py), by the quota reconciler's sweep;
+whichever of the two comes second finds the outcome journaled and leaves it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio import activity
 
-from journal import ledger
-from journal.events import NewEvent, append_one
+from journal import ledger, served
+from journal.events import IdempotencyConflict, NewEvent, append_one
 from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
@@ -24,13 +29,46 @@ class RequestActivities:
 
     @activity.defn
     async def journal_request(self, inp: JournalRequestInput) -> None:
-        r = inp.request
-        payload = dict(dataclasses.asdict(r), **dataclasses.asdict(inp.outcome))
-        stream = f"request:{r.request_id}"
-        async with self.db.begin() as conn:
-            await append_one(conn, NewEvent(stream, "request_finished", payload, f"{stream}:finished", r.tenant))
-            used, reservation = ledger_rows(r, inp.outcome)
-            await ledger.settle(conn, used, reservation)
+        try:
+            async with self.db.begin() as conn:
+                await journal_outcome(conn, inp.request, inp.outcome)
+        except IdempotencyConflict:
+            # Journaled already, from the engine's record: this outcome came too late.
+            activity.logger.warning("request %s was journaled from its engine's record before its outcome came",
+                                    inp.request.request_id)
+
+
+async def journal_outcome(conn: AsyncConnection, r: InteractiveInput, outcome: RequestOutcome) -> None:
+    payload = dict(dataclasses.asdict(r), **dataclasses.asdict(outcome))
+    stream = f"request:{r.request_id}"
+    await append_one(conn, NewEvent(stream, "request_finished", payload, f"{stream}:finished", r.tenant))
+    used, reservation = ledger_rows(r, outcome)
+    await ledger.settle(conn, used, reservation)
+
+
+async def account_unreported(db: AsyncEngine, after_s: float) -> int:
+    """Journal and settle the requests engines served over `after_s` ago that no API
+    reported; how many."""
+    async with db.connect() as conn:
+        records = await served.unreported(conn, after_s)
+    done = 0
+    for record in records:
+        request, outcome = from_engine(record)
+        try:
+            async with db.begin() as conn:
+                await journal_outcome(conn, request, outcome)
+            done += 1
+        except IdempotencyConflict:
+            pass  # its workflow journaled it meanwhile
+    return done
+
+
+def from_engine(record: dict[str, Any]) -> tuple[InteractiveInput, RequestOutcome]:
+    """The request and its outcome as the engine recorded them; `abandoned`: no API
+    reported it. The reservation is left to the ledger (settle refunds what it held)."""
+    names = {f.name for f in dataclasses.fields(InteractiveInput)}
+    request = InteractiveInput(**{k: v for k, v in record.items() if k in names})
+    return request, RequestOutcome("abandoned", record["completion_tokens"], record.get("finish_reason"))
 
 
 def ledger_rows(r: InteractiveInput, outcome: RequestOutcome) -> tuple[ledger.Entry, ledger.Entry | None]:

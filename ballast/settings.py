@@ -151,6 +151,9 @@ class Settings(BaseSettings):
     admission_refresh_s: float = Field(1.0, gt=0)
     admission_flush_s: float = Field(0.1, gt=0)
     admission_holder_ttl_s: float = Field(30.0, gt=0)
+    # A request an engine served this long ago that no API reported (its process died
+    # mid-stream) is journaled and settled from the engine's record (journal/served.py).
+    unreported_after_s: float = Field(60.0, gt=0)
     admission_headroom_priority: float = Field(1.0, gt=0, le=1)
     admission_headroom_default: float = Field(0.95, gt=0, le=1)
     admission_headroom_flex: float = Field(0.8, gt=0, le=1)

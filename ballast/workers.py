@@ -54,7 +54,7 @@ async def control_worker(settings: Settings) -> None:
         Limits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
     )
     fleet = FleetActivities(db)
-    quota = QuotaActivities(db)
+    quota = QuotaActivities(db, settings.unreported_after_s)
     worker = Worker(
         client,
         task_queue=settings.control_queue,
@@ -107,6 +107,7 @@ async def engine_worker(settings: Settings) -> None:
     from engine.trace import Trace
     from engine.vllm_engine import Engine
     from journal.checkpointer import Checkpointer
+    from journal.served import served_event
 
     token = engine_token(settings)  # before minutes of vLLM start-up, not after
     spec = resolve_model(settings)
@@ -133,8 +134,6 @@ async def engine_worker(settings: Settings) -> None:
                      floors=dict(flex=min_slots(settings.flex_min_share, settings.max_num_seqs)),
                      starve_after_s=settings.flex_starve_after_s, long_prompt=settings.fair_long_prompt,
                      long_prefills=settings.fair_long_prefills)
-    server = EmbeddedServer(uvicorn.Config(create_app(engine, slots, fair, token=token), host=settings.engine_host,
-                                           port=port, log_level="warning", lifespan="off"))
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)
@@ -142,6 +141,12 @@ async def engine_worker(settings: Settings) -> None:
         tracing = asyncio.create_task(trace.run(engine.load))
         stack.callback(tracing.cancel)
         checkpointer = await stack.enter_async_context(Checkpointer(db, settings.checkpoint_interval_s, trace=trace))
+        # Every request served is journaled from here too, on the checkpointer's next tick:
+        # the record that accounts for it if its API process dies (journal/served.py).
+        app = create_app(engine, slots, fair, token=token,
+                         served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])))
+        server = EmbeddedServer(uvicorn.Config(app, host=settings.engine_host, port=port, log_level="warning",
+                                               lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
         announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair))
@@ -189,6 +194,15 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)
         await asyncio.sleep(settings.announce_s)
+
+
+def _logged(commit: asyncio.Future) -> None:
+    """A commit nobody awaits: say so if it fails."""
+    def seen(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            log.warning("could not journal a served request: %s", f.exception())
+
+    commit.add_done_callback(seen)
 
 
 async def _withdraw(db, engine_id: str, announcing: asyncio.Task) -> None:

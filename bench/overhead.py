@@ -157,6 +157,8 @@ def _rows_per_request(db_url: str, request_id: str) -> int:
     import psycopg
 
     with psycopg.connect(db_url) as conn:
-        row = conn.execute("SELECT count(*) FROM events WHERE stream = %s", (f"request:{request_id}",)).fetchone()
+        # Its workflow's record, and the engine worker's (journal/served.py).
+        row = conn.execute("SELECT count(*) FROM events WHERE stream IN (%s, %s)",
+                           (f"request:{request_id}", f"served:{request_id}")).fetchone()
         assert row is not None  # count(*) always has its row
         return row[0]

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -46,8 +47,10 @@ from protocol.requests import Limits, parse
 log = logging.getLogger(__name__)
 
 
-def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, token: str) -> Starlette:
-    """`token`: the engine token every request must present (never empty)."""
+def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, token: str,
+               served: Callable[[dict], None] | None = None) -> Starlette:
+    """`token`: the engine token every request must present (never empty). `served`: told
+    of every request once its stream ends, however it ends (journal/served.py)."""
     if not token:
         raise ValueError("the engine endpoint needs a token (BALLAST_ENGINE_TOKEN)")
     fair = fair or FairShare("fcfs", slots.max_seqs)
@@ -64,31 +67,37 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         prompt, params = ready.prompt, ready.sampling
 
         async def lines():
-            yield _line(prompt_tokens=len(prompt))
             ids, reason, ttft = [], None, None
             try:
-                # Counted before vLLM sees it: batch yields its slots first.
-                async with (slots.interactive_request(),
-                            fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
-                    async for step in engine.generate(
-                        job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
-                        top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
-                        ignore_eos=params.ignore_eos, priority=turn.priority, detokenize=True,
-                    ):
-                        ids += step.token_ids
-                        turn.produced(len(step.token_ids))
-                        reason = step.finish_reason
-                        if step.text or step.token_ids:
-                            ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                            yield _line(text=step.text, tokens=len(step.token_ids))
-            except Exception as err:  # the client gets an error event, not a cut stream
-                log.exception("generation %s failed", job["request_id"])
-                yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",
-                                         None, "engine_error"), status=500)
-                return
-            # One uninterrupted run: text, finish reason and count are vLLM's own.
-            yield _line(finish_reason=reason or "stop", completion_tokens=len(ids), engine_ttft_ms=ttft,
-                        engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+                yield _line(prompt_tokens=len(prompt))
+                try:
+                    # Counted before vLLM sees it: batch yields its slots first.
+                    async with (slots.interactive_request(),
+                                fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
+                        async for step in engine.generate(
+                            job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
+                            top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
+                            ignore_eos=params.ignore_eos, priority=turn.priority, detokenize=True,
+                        ):
+                            ids += step.token_ids
+                            turn.produced(len(step.token_ids))
+                            reason = step.finish_reason
+                            if step.text or step.token_ids:
+                                ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
+                                yield _line(text=step.text, tokens=len(step.token_ids))
+                except Exception as err:  # the client gets an error event, not a cut stream
+                    log.exception("generation %s failed", job["request_id"])
+                    yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",
+                                             None, "engine_error"), status=500)
+                    return
+                # One uninterrupted run: text, finish reason and count are vLLM's own.
+                yield _line(finish_reason=reason or "stop", completion_tokens=len(ids), engine_ttft_ms=ttft,
+                            engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+            finally:  # however it ended, the API gone mid-stream included
+                if served is not None:
+                    served(dict(request_id=job["request_id"], tenant=tenant or "default", tier=tier or "default",
+                                model=engine.spec.name, endpoint=endpoint, prompt_tokens=len(prompt),
+                                completion_tokens=len(ids), finish_reason=reason))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

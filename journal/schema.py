@@ -42,6 +42,8 @@ events = Table(
     # read through SQL text in `journal.events.follow` and so is not mapped here.
     UniqueConstraint("stream", "version", name="events_stream_version_key"),
     UniqueConstraint("idempotency_key", name="events_idempotency_key_key"),
+    # The reconciler's sweep for requests no API reported (journal/served.py; migration 0007).
+    Index("events_served", "committed_at", postgresql_where=text("type = 'request_served'")),
 )
 
 files = Table(

@@ -6,7 +6,8 @@ it runs on the control worker) and learns the outcome from one signal, then jour
 with a local activity. Three billed Temporal actions per request, whatever its length:
 start, signal, local activity; a fourth, the abandon timer, when the workflow's first task
 runs before the outcome is in. A request whose API replica dies mid-stream is journaled
-as abandoned when the timer fires.
+by the quota reconciler from the engine worker's record of it (journal/served.py), long
+before the timer fires; the timer's own outcome then finds it journaled.
 """
 
 from __future__ import annotations

@@ -185,6 +185,9 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_QUEUE=f"engine-{tag}",
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
+        # Requests no API reported are journaled from the engine's record this soon (not
+        # sooner: a slow workflow's outcome must not be beaten to it on a busy machine).
+        BALLAST_UNREPORTED_AFTER_S="15",
         BALLAST_ENGINE_GATE=str(root / "gate.json"),  # unlimited until a test holds
         BALLAST_ENGINE_TOKEN=secrets.token_urlsafe(32),  # the API's and the engine workers' shared secret
     )

@@ -129,10 +129,10 @@ def test_a_batch_over_the_enqueued_token_limit_fails_validation(stack, db_url):
     assert kinds == [(f"batch:{small.id}", "reserve"), (f"batch:{small.id}", "refund")]
 
 
-def test_the_reservations_of_a_killed_api_process_expire(stack, db_url):
-    """An API process SIGKILLed mid-stream never settles what it reserved: the reconciler
-    expires its reservation once the process has been silent for the holder TTL, and the
-    tenant has no reservation left open."""
+def test_a_request_whose_api_process_dies_mid_stream_is_still_accounted_for(stack, db_url):
+    """An API process SIGKILLed mid-stream reports nothing: the request is journaled and
+    settled from the engine worker's record of what it served, once, and the reservation
+    the dead process held is closed (settled and refunded, or expired first)."""
     from ballast import procs
 
     tenant, key, _ = tenant_client(stack, db_url, "killed")
@@ -159,14 +159,26 @@ def test_the_reservations_of_a_killed_api_process_expire(stack, db_url):
             finally:
                 os.kill(stack.engine.proc.pid, signal.SIGCONT)
             doomed.proc.wait(10)
-    deadline = time.monotonic() + 90  # the holder TTL (30 s) and a fold or two
-    while _kinds(db_url, subject) == ["reserve"]:
-        assert time.monotonic() < deadline, "the dead process's reservation never expired"
+    finished = "SELECT payload FROM events WHERE idempotency_key = %(k)s"
+    deadline = time.monotonic() + 90  # the unreported delay (15 s here), a sweep, the holder TTL (30 s)
+    while not _sql(db_url, finished, k=f"{subject}:finished"):
+        assert time.monotonic() < deadline, f"never accounted for: ledger {_kinds(db_url, subject)}"
         time.sleep(0.5)
-    assert _kinds(db_url, subject) == ["reserve", "expire"]  # never settled: the process died first
-    reserve, expire = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s "
-                                   "ORDER BY position", s=subject)
-    assert expire == reserve and reserve[1] == 1000  # all of it released
+    [(outcome,)] = _sql(db_url, finished, k=f"{subject}:finished")
+    [(record,)] = _sql(db_url, "SELECT payload FROM events WHERE idempotency_key = %(k)s", k=f"served:{rid}")
+    # The engine's own count, journaled when its stream ended (the API gone, it stopped).
+    assert outcome["status"] == "abandoned" and outcome["completion_tokens"] == record["completion_tokens"]
+    assert outcome["tenant"] == tenant and outcome["prompt_tokens"] == record["prompt_tokens"] > 0
+    settles = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s AND kind = 'settle'",
+                   s=subject)
+    assert settles == [(record["prompt_tokens"], record["completion_tokens"])]
+    # Closed: the reservation's excess refunded (none if the engine ran to max_tokens before
+    # it saw the API gone), or expired first with its holder.
+    [(r_in, r_out)] = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s "
+                                   "AND kind = 'reserve'", s=subject)
+    excess = r_in > record["prompt_tokens"] or r_out > record["completion_tokens"]
+    assert _kinds(db_url, subject) in (["reserve", "settle"] + ["refund"] * excess,
+                                       ["reserve", "expire", "settle"] + ["refund"] * excess)
     assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
 
 

@@ -41,8 +41,8 @@ class FakeEngine:
         yield _Step([8], "length", "b")
 
 
-def client(engine: FakeEngine, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
-    app = create_app(engine, EngineSlots(4), token=TOKEN)
+def client(engine: FakeEngine, headers: dict[str, str] | None = None, served=None) -> httpx.AsyncClient:
+    app = create_app(engine, EngineSlots(4), token=TOKEN, served=served)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://engine.test", headers=headers)
 
 
@@ -84,6 +84,16 @@ async def test_with_the_token_it_streams():
     assert got[-1]["finish_reason"] == "length" and got[-1]["completion_tokens"] == 2
     assert engine.generated == ["req-1"]
     assert stats.status_code == 200 and "acme" in stats.json()["fairness"]["counters"]
+
+
+async def test_every_stream_that_ends_is_recorded_as_served_with_the_engines_counts():
+    served: list[dict] = []
+    async with client(FakeEngine(), {"Authorization": f"Bearer {TOKEN}"}, served.append) as http:
+        r = await http.post("/v1/generate", json=JOB)
+        await http.post("/v1/generate", json=dict(JOB, body=dict(JOB["body"], max_tokens=10**6)))  # refused: 4xx
+    assert r.status_code == 200
+    assert served == [dict(request_id="req-1", tenant="acme", tier="default", model="ballast-tiny",
+                           endpoint="/v1/completions", prompt_tokens=3, completion_tokens=2, finish_reason="length")]
 
 
 async def test_refused_before_the_body_is_read():

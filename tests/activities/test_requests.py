@@ -1,0 +1,83 @@
+"""Every request an engine served is accounted for once: journaled and settled from its
+workflow's outcome or, where no API reported it (the process died mid-stream), from the
+engine worker's record; whichever comes second changes nothing. Checked in SQL."""
+
+import uuid
+
+from sqlalchemy import text
+from temporalio.testing import ActivityEnvironment
+
+from activities.requests import RequestActivities, account_unreported
+from journal import ledger
+from journal.events import append
+from journal.served import served_event
+from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+async def engine_served(db, rid: str, tenant: str, prompt: int = 5, completion: int = 7) -> None:
+    """As the engine worker records a request when its stream ends (cut short here)."""
+    record = dict(request_id=rid, tenant=tenant, tier="default", model="m", endpoint="/v1/chat/completions",
+                  prompt_tokens=prompt, completion_tokens=completion, finish_reason=None)
+    async with db.begin() as c:
+        await append(c, [served_event("engine-1", record)])
+
+
+async def reserved_by_api(db, rid: str, tenant: str, i: int = 5, o: int = 100) -> None:
+    async with db.begin() as c:
+        await ledger.insert(c, [ledger.Entry(ledger.RESERVE, ledger.request_subject(rid), tenant, "m", "default", i, o,
+                                             "api-dead")])
+
+
+async def finished(db, rid: str) -> list[dict]:
+    async with db.connect() as c:
+        q = text("SELECT payload FROM events WHERE idempotency_key = :k")
+        return [r[0] for r in (await c.execute(q, dict(k=f"request:{rid}:finished"))).all()]
+
+
+async def ledger_rows(db, rid: str) -> list[tuple]:
+    async with db.connect() as c:
+        q = text("SELECT kind, input_tokens, output_tokens FROM ledger WHERE subject = :s ORDER BY position")
+        return [tuple(r) for r in (await c.execute(q, dict(s=ledger.request_subject(rid)))).all()]
+
+
+def outcome_of(rid: str, tenant: str, status="completed", completion: int = 7) -> JournalRequestInput:
+    return JournalRequestInput(InteractiveInput(rid, tenant, "default", "m", "/v1/chat/completions", "engine-1", 5),
+                               RequestOutcome(status, completion, "length"))
+
+
+async def test_a_request_no_api_reported_is_journaled_and_settled_from_the_engines_record(db):
+    tenant, rid = uid("t"), uid("r")
+    await reserved_by_api(db, rid, tenant)  # the API's flusher wrote its reservation, then the process died
+    await engine_served(db, rid, tenant)
+    await account_unreported(db, after_s=3600)
+    assert await finished(db, rid) == []  # not unreported for that long yet
+    assert await account_unreported(db, after_s=0) >= 1
+    [got] = await finished(db, rid)
+    assert (got["status"], got["prompt_tokens"], got["completion_tokens"], got["engine_id"]) == \
+        ("abandoned", 5, 7, "engine-1")
+    # Settled for exactly what the engine served; the rest of the reservation refunded.
+    assert await ledger_rows(db, rid) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    await account_unreported(db, after_s=0)  # a second sweep: nothing more
+    assert len(await finished(db, rid)) == 1 and len(await ledger_rows(db, rid)) == 3
+
+
+async def test_a_reported_request_is_left_alone_and_a_late_outcome_changes_nothing(db):
+    acts, env = RequestActivities(db), ActivityEnvironment()
+    tenant, reported, late = uid("t"), uid("r"), uid("r")
+    for rid in (reported, late):
+        await reserved_by_api(db, rid, tenant)
+        await engine_served(db, rid, tenant)
+    await env.run(acts.journal_request, outcome_of(reported, tenant))  # its API reported it
+    await account_unreported(db, after_s=0)
+    [got] = await finished(db, reported)
+    assert got["status"] == "completed"
+    assert await ledger_rows(db, reported) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    # The sweep came first for `late`; its workflow's outcome arrives after: journaled once.
+    await env.run(acts.journal_request, outcome_of(late, tenant, "abandoned", completion=0))
+    [got] = await finished(db, late)
+    assert (got["status"], got["completion_tokens"]) == ("abandoned", 7)
+    assert await ledger_rows(db, late) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
