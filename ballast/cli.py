@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=3, help="batch: rounds, alternating raw vLLM and Ballast (3)")
+    b.add_argument("--arms", default=None,
+                   help="surge: which arms, comma-separated (all: alone,ballast,priority,partition)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "surge":
             from bench.surge import main as bench_surge
 
-            return bench_surge(settings, duration_s=args.seconds or 90.0)
+            return bench_surge(settings, duration_s=args.seconds or 90.0,
+                               arms=args.arms.split(",") if args.arms else None)
         if args.name == "fairness":
             from bench.fairness import main as bench_fairness
 

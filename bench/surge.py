@@ -266,34 +266,36 @@ def verdict(out: dict) -> dict:
     b = out["ballast"]
     better = {o: (b["ttft_p99_ms"] < out[o]["ttft_p99_ms"] and b["harvest_of_idle"] >= out[o]["harvest_of_idle"])
              or (b["harvest_of_idle"] > out[o]["harvest_of_idle"] and b["ttft_p99_ms"] <= out[o]["ttft_p99_ms"])
-             for o in ("priority", "partition")}
+             for o in ("priority", "partition") if o in out}
     return dict(ttft_p99_le_1_10=b["ttft_p99_ratio"] <= 1.10, tpot_le_1_05=b["tpot_ratio"] <= 1.05,
                 harvest_ge_0_6=b["harvest_of_idle"] >= 0.6, better_than=better)
 
 
-def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3) -> int:
+def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3, arms: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from engine.models import resolve_model
 
+    names = [n for n in ARMS if arms is None or n in arms]  # alone and ballast always: the ratios need them
+    names = sorted({"alone", "ballast", *names}, key=list(ARMS).index)
     plan = arrivals(duration_s, rate)
     reqs = backlog(BATCH_ITEMS)
     tok = AutoTokenizer.from_pretrained(resolve_model(settings).path)
     prompt_tokens = [len(tok(r["prompt"])["input_ids"]) for r in reqs]
     print(f"bench surge: {len(plan)} streamed chat requests over {duration_s:.0f} s (bursts at {rate}/s, ×5 in the "
-          f"middle third), {MAX_TOKENS} tokens each; a {len(reqs)}-item batch backlog; arms {', '.join(ARMS)}, "
+          f"middle third), {MAX_TOKENS} tokens each; a {len(reqs)}-item batch backlog; arms {', '.join(names)}, "
           f"each a fresh `ballast up`", flush=True)
-    arms = {}
-    for name in ARMS:
+    ran = {}
+    for name in names:
         print(f"arm {name} …", flush=True)
-        arms[name] = run_arm(settings, name, plan, prompt_tokens, reqs)
+        ran[name] = run_arm(settings, name, plan, prompt_tokens, reqs)
     out: dict[str, Any] = dict(bench="surge", seconds=duration_s, burst_rate=rate, chat_requests=len(plan),
-                               max_tokens=MAX_TOKENS, **summarise(arms))
+                               max_tokens=MAX_TOKENS, **summarise(ran))
     out["targets"] = verdict(out)
     print(f"\nbatch capacity (alone): {out['batch_capacity_tokens_per_s']} tok/s")
     print(f"{'arm':10} {'n':>4} {'TTFT p50':>9} {'p99':>8} {'TPOT':>7} {'p50×':>6} {'p99×':>6} {'TPOT×':>6} "
           f"{'batch tok/s':>11} {'harvest':>8} {'preempt':>8} {'re-prefill':>10}")
-    for name in ARMS:
+    for name in names:
         a = out[name]
         print(f"{name:10} {a['requests']:4d} {a['ttft_p50_ms']:7.1f}ms {a['ttft_p99_ms']:6.1f}ms {a['tpot_ms']:5.2f}ms "
               f"{a['ttft_p50_ratio']:6.2f} {a['ttft_p99_ratio']:6.2f} {a['tpot_ratio']:6.2f} "
