@@ -6,8 +6,9 @@ through the API, batch is one large file through the Batches API (REST → batch
 → engine worker → journal), the fleet controller is on. The arms see the same seeded
 arrivals and differ only in how batch yields:
 
-  alone      interactive load only (the engine is warmed first, so "alone" is not slowed
-             by an idle engine waking up): the reference for TTFT and TPOT;
+  alone      interactive load only, the engine kept hot by a one-token request every
+             0.25 s straight to the engine worker (batch keeps the other arms' hot), so
+             "alone" is not slowed by vLLM waking from idle: the reference for TTFT, TPOT;
   ballast    defaults: batch is preempted while interactive work is in flight and comes
              back after the cool-down (engine/slots.py, policy/preemption.py);
   priority   vLLM's priority scheduling alone: batch goes in at low priority and keeps
@@ -47,7 +48,8 @@ from bench.stack import Stack, ballast_up
 SEED = 11
 MAX_TOKENS = 64  # per chat request
 BATCH_ITEMS = 4000  # enough backlog for the whole arm on an engine twice this one's speed
-CAPACITY_S = (3.0, 13.0)  # batch alone: the window, after its first commit, its rate is read in
+CAPACITY_S = (5.0, 20.0)  # batch alone: the window, after its first commit, its rate is read in
+WARM_EVERY_S = 0.25  # alone: a one-token request this often keeps vLLM from parking (it spins 1 s)
 ARMS: dict[str, dict[str, str]] = {
     "alone": {},
     "ballast": {},
@@ -142,6 +144,20 @@ async def play(http: httpx.AsyncClient, model: str, plan: list[tuple[float, str]
     return list(await asyncio.gather(*tasks))
 
 
+async def keep_warm(stack: Stack, url: str, model: str, stop: asyncio.Event) -> None:
+    """The alone arm's engine kept hot, as batch keeps the others': a one-token request
+    straight to the engine worker every WARM_EVERY_S, so that a chat after a quiet gap
+    does not also pay vLLM's wake-up from idle (its workers stop spinning after 1 s)."""
+    job = dict(endpoint="/v1/completions", priority=0, tenant="warm", tier="default", weight=1,
+               body=dict(model=model, prompt="warm", max_tokens=1))
+    async with httpx.AsyncClient(headers=stack.engine_headers, timeout=10) as http:
+        n = 0
+        while not stop.is_set():
+            (await http.post(url + "/v1/generate", json=dict(job, request_id=f"warm-{n}"))).raise_for_status()
+            n += 1
+            await asyncio.sleep(WARM_EVERY_S)
+
+
 async def sample_slots(stack: Stack, url: str, out: list[int], stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(headers=stack.engine_headers, timeout=5) as http:
         while not stop.is_set():
@@ -213,12 +229,14 @@ def run_arm(settings: Settings, name: str, plan: list[tuple[float, str]], prompt
                 if name != "alone":
                     await asyncio.to_thread(batch_phase)
                 stop = asyncio.Event()
-                sampler = asyncio.create_task(sample_slots(stack, engine_url, arm.batch_slots, stop))
+                background = [asyncio.create_task(sample_slots(stack, engine_url, arm.batch_slots, stop))]
+                if name == "alone":
+                    background.append(asyncio.create_task(keep_warm(stack, engine_url, settings.model_name, stop)))
                 t0 = time.time()
                 arm.chats = await play(http, settings.model_name, plan)
                 arm.window = (t0, time.time())
                 stop.set()
-                await sampler
+                await asyncio.gather(*background)
 
         def batch_phase() -> None:
             submit_batch(stack, settings.model_name, reqs)
