@@ -142,7 +142,8 @@ class GenerationActivities:
         """One stretch of the item on vLLM, under a batch slot: its finish reason, or
         PREEMPTED once every token it has is journaled."""
         tokens, reason = at.tokens, None
-        request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}"
+        at.runs += 1  # a preemption before any new token resumes at the same offset: ids stay unique
+        request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
         async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
             self.trace("submit", item=at.stream)
             try:
@@ -206,6 +207,7 @@ class Attempt:
         self.idx: int = item["idx"]
         self.stream = jb.item_stream(batch["id"], self.idx)
         self.tries = 1
+        self.runs = 0  # stretches on the engine (one more after each preemption)
         self.tokens: list[int] = []  # every token the item has, journaled or not
         self.saved = 0  # tokens[:saved] are journaled, or in a commit on its way
         self.progress = progress if progress is not None else {}  # heartbeat details, by idx

@@ -154,6 +154,13 @@ class Settings(BaseSettings):
     # A request an engine served this long ago that no API reported (its process died
     # mid-stream) is journaled and settled from the engine's record (journal/served.py).
     unreported_after_s: float = Field(60.0, gt=0)
+    # `ballast up` restarts a crashed child after restart_backoff_s, doubling (up to
+    # restart_max_backoff_s) for each crash within restart_healthy_after_s of its start;
+    # restart_max_quick_crashes such crashes in a row is a crash loop: it gives up.
+    restart_backoff_s: float = Field(1.0, ge=0)
+    restart_max_backoff_s: float = Field(30.0, ge=0)
+    restart_healthy_after_s: float = Field(30.0, ge=0)
+    restart_max_quick_crashes: int = Field(5, ge=1)
     admission_headroom_priority: float = Field(1.0, gt=0, le=1)
     admission_headroom_default: float = Field(0.95, gt=0, le=1)
     admission_headroom_flex: float = Field(0.8, gt=0, le=1)

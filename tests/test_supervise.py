@@ -1,0 +1,39 @@
+"""`ballast up`'s supervisor over real processes: a crashed child is restarted after its
+backoff and says so with its exit code and log; a crash loop gives up with the reason;
+a healthy child is left alone."""
+
+import sys
+import time
+
+from ballast.supervise import Supervisor
+from policy.restarts import RestartPolicy
+
+
+def run_until(sup: Supervisor, done, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (msg := sup.tick()) is not None:
+            return msg
+        if done():
+            return None
+        time.sleep(0.05)
+    raise AssertionError("supervision did not get there in time")
+
+
+def test_a_crashing_child_is_restarted_with_its_exit_code_said_then_a_loop_gives_up(tmp_path):
+    said: list[str] = []
+    sup = Supervisor(RestartPolicy(initial_backoff_s=0.1, max_backoff_s=0.2, healthy_after_s=30, max_quick_crashes=3),
+                     say=said.append)
+    crash = sup.start("flaky", [sys.executable, "-c", "print('boom, bad setting'); raise SystemExit(3)"], {},
+                      tmp_path / "flaky.log")
+    calm = sup.start("calm", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "calm.log")
+    try:
+        gave_up = run_until(sup, lambda: False)
+        assert gave_up is not None and gave_up.startswith("flaky keeps crashing (code 3; 3 times in a row")
+        assert "boom, bad setting" in gave_up and str(tmp_path / "flaky.log") in gave_up
+        assert [m.split(";")[0] for m in said if m.startswith("flaky exited")] == ["flaky exited (code 3)"] * 2
+        assert "restarting in 0.1 s" in said[0] and "restarting in 0.2 s" in said[2]  # doubling
+        assert crash.restarts == 2 and calm.restarts == 0 and calm.child.alive
+    finally:
+        sup.stop_all(5)
+    assert not calm.child.alive
