@@ -39,7 +39,8 @@ class RequestActivities:
 
 
 async def journal_outcome(conn: AsyncConnection, r: InteractiveInput, outcome: RequestOutcome) -> None:
-    payload = dict(dataclasses.asdict(r), **dataclasses.asdict(outcome))
+    payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
+    payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
     stream = f"request:{r.request_id}"
     await append_one(conn, NewEvent(stream, "request_finished", payload, f"{stream}:finished", r.tenant))
     used, reservation = ledger_rows(r, outcome)

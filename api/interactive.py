@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -151,19 +151,12 @@ class Run:
     upstream: httpx.Response
     t0: float
     ticket: Ticket | None = None
-    started: list[asyncio.Task] = field(default_factory=list)
     tokens: int = 0  # completion tokens streamed so far
     done: bool = False  # finished: its outcome is on its way to the journal
 
     @property
     def prompt_tokens(self) -> int:
         return self.record.prompt_tokens
-
-    def start_workflow(self) -> None:
-        # Once the first token is on its way: the start is one RPC, but the first token
-        # must not wait for it.
-        if not self.started:
-            self.started.append(_spawn(_start_workflow(self.svc, self.record)))
 
     async def events(self) -> AsyncGenerator[tuple[str | None, dict[str, Any] | None], None]:
         """(text delta, None) while generating, then (None, the final line). Raises
@@ -178,12 +171,10 @@ class Run:
                     return
                 self.tokens += msg.get("tokens", 0)
                 yield msg["text"], None
-                self.start_workflow()
             raise EngineFailed("The engine worker ended the stream early.")
         except httpx.HTTPError as err:
             raise EngineFailed(f"The engine worker's stream broke ({type(err).__name__}).") from err
         finally:
-            self.start_workflow()
             await self.upstream.aclose()
 
     def finished(self, final: dict[str, Any] | None, ttft: float | None, status: RequestStatus | None = None) -> None:
@@ -199,15 +190,14 @@ class Run:
                                      final.get("engine_ttft_ms"))
         if self.ticket is not None:
             self.ticket.release(self.prompt_tokens, outcome.completion_tokens)
-        _spawn(_finish(self.svc, self.started, outcome, self.ticket))
+        _spawn(_finish(self.svc, self.record, outcome, self.ticket))
 
     async def abandon(self) -> None:
         """The client left before the relay ran (or while it waited to send): close the
         engine's stream and finish as cancelled. Nothing once finished."""
         if self.done:
             return
-        self.start_workflow()  # the engine accepted it: it has a record like any other
-        await self.upstream.aclose()
+        await self.upstream.aclose()  # the engine accepted it: it has a record like any other
         self.finished(None, None, "cancelled")
 
     def ttft(self) -> float:
@@ -337,23 +327,18 @@ async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
                                              run.prompt_tokens, final["completion_tokens"]))
 
 
-async def _start_workflow(svc: Services, record: InteractiveInput):
-    return await svc.temporal.start_workflow(
-        InteractiveWorkflow.run, record, id=f"request:{record.request_id}", task_queue=svc.settings.interactive_queue,
-        id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-    )
-
-
-async def _finish(svc: Services, started: list[asyncio.Task], outcome: RequestOutcome,
+async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutcome,
                   ticket: Ticket | None = None) -> None:
+    """The request's workflow, started once it has ended and carrying its outcome: its
+    bookkeeping never runs during a stream (2 Temporal actions: the start and the local
+    activity that journals it). If the start fails, or this process dies first, the quota
+    reconciler journals the request from the engine worker's record (journal/served.py)."""
     try:
-        handle = await started[0]
-    except Exception:  # no workflow: nothing will journal or settle it
-        log.exception("could not start the workflow of a request")
+        await svc.temporal.start_workflow(
+            InteractiveWorkflow.run, dataclasses.replace(record, outcome=outcome), id=f"request:{record.request_id}",
+            task_queue=svc.settings.interactive_queue, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        )
+    except Exception:
+        log.exception("could not start the workflow of a request; its engine's record will account for it")
         if ticket is not None:
             ticket.unjournaled()
-        return
-    try:
-        await handle.signal(InteractiveWorkflow.finished, outcome)
-    except Exception:  # the response is already out; the workflow journals it as abandoned
-        log.exception("could not record the outcome of a request")

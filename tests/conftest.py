@@ -8,6 +8,7 @@ what only the owner may do (rebuilding read models, rewriting anything).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -109,3 +110,7 @@ def temporal_address():
 
     with TemporalDevServer(None) as server:
         yield server.address
+        if out := os.environ.get("BALLAST_RECORD_HISTORIES"):  # the replay gate's material
+            from tests.workflows.histories import record
+
+            asyncio.run(record(server.address, Path(out)))

@@ -105,6 +105,9 @@ class InteractiveInput:
     reserved_output: int | None = None
     holder: str | None = None  # the admitting process
     admitted_at: float | None = None  # unix seconds: the reservation's window
+    # How it ended, where the workflow starts once it has (APIs since session 10); None:
+    # started mid-stream, the outcome comes by the `finished` signal.
+    outcome: RequestOutcome | None = None
 
 
 @dataclass

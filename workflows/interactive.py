@@ -1,17 +1,19 @@
 """One interactive request: a durable record of it, kept off its token path.
 
-The API streams tokens straight from the engine worker; this workflow is started (in the
-background, once the engine has accepted the request and its first token is on its way;
-it runs on the control worker) and learns the outcome from one signal, then journals it
-with a local activity. Three billed Temporal actions per request, whatever its length:
-start, signal, local activity; a fourth, the abandon timer, when the workflow's first task
-runs before the outcome is in. A request whose API replica dies mid-stream is journaled
-by the quota reconciler from the engine worker's record of it (journal/served.py), long
-before the timer fires; the timer's own outcome then finds it journaled.
+The API streams tokens straight from the engine worker. Once the request has ended it
+starts this workflow (on the control worker) with the outcome in its input; the workflow
+journals it with a local activity. Two billed Temporal actions per request, whatever its
+length, and none of its bookkeeping runs while any token of it is streaming. A request
+whose API process dies before that is journaled by the quota reconciler from the engine
+worker's record of it (journal/served.py).
+
+Histories from APIs before session 10 start the workflow mid-stream with no outcome: it
+then comes by the `finished` signal, or the abandon timer journals the request abandoned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
@@ -35,13 +37,17 @@ class InteractiveWorkflow:
 
     @workflow.run
     async def run(self, inp: InteractiveInput) -> str:
-        try:
-            await workflow.wait_condition(lambda: self._outcome is not None, timeout=ABANDON_AFTER)
-        except TimeoutError:
-            self._outcome = RequestOutcome(status="abandoned")
+        if inp.outcome is not None:
+            self._outcome = inp.outcome
+        else:
+            try:
+                await workflow.wait_condition(lambda: self._outcome is not None, timeout=ABANDON_AFTER)
+            except TimeoutError:
+                self._outcome = RequestOutcome(status="abandoned")
         outcome = self._outcome
-        assert outcome is not None  # the signal set it, or the timeout did
+        assert outcome is not None  # the input, the signal or the timeout set it
         await workflow.execute_local_activity(
-            "journal_request", JournalRequestInput(inp, outcome), start_to_close_timeout=timedelta(seconds=30)
+            "journal_request", JournalRequestInput(dataclasses.replace(inp, outcome=None), outcome),
+            start_to_close_timeout=timedelta(seconds=30),
         )
         return outcome.status

@@ -130,14 +130,17 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 
 
 class Workflows:
-    """Temporal, as far as the interactive path uses it: start, then signal the outcome."""
+    """Temporal, as far as the interactive path uses it: one start per request, once it has
+    ended, with the outcome in its input."""
 
     def __init__(self):
-        self.started, self.outcomes = [], []
+        self.started = []
 
     async def start_workflow(self, run, record, **_):
+        assert record.outcome is not None, "started before the request ended"
         self.started.append(record)
         return self
 
-    async def signal(self, _, outcome):
-        self.outcomes.append(outcome)
+    @property
+    def outcomes(self):
+        return [r.outcome for r in self.started]
