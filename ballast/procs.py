@@ -161,14 +161,16 @@ class Child:
             time.sleep(0.05)
 
 
-def _pdeathsig_preexec(sig: int) -> Callable[[], None] | None:
+def _pdeathsig_preexec(sig: int, nice: int = 0) -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
-        return None
+        return (lambda: os.nice(nice)) if nice else None  # noqa: E731
     # Resolve prctl before fork: the child should do as little as possible.
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
 
     def preexec() -> None:
+        if nice:  # before exec: every thread the child starts inherits it
+            os.nice(nice)
         prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os.kill(os.getpid(), sig)
@@ -185,6 +187,7 @@ def spawn(
     cwd: Path | None = None,
     user: str | None = None,
     death_signal: int = signal.SIGTERM,
+    nice: int = 0,
 ) -> Child:
     """Start `argv` in a new session; stdout and stderr go to `log_path` (appended) if given.
 
@@ -192,7 +195,8 @@ def spawn(
     PR_SET_PDEATHSIG to the thread), so spawn from a long-lived thread, not a pool worker.
     Grandchildren do not inherit it; stop() and their own parent watch cover them.
     `user` runs the child as that user (the preexec hook runs after the uid change, which
-    matters because changing credentials clears the death signal).
+    matters because changing credentials clears the death signal). `nice` > 0 runs it at a
+    lower CPU priority.
     """
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +211,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
-            preexec_fn=_pdeathsig_preexec(death_signal),
+            preexec_fn=_pdeathsig_preexec(death_signal, nice),
         )
     return Child(name, proc, log_path)
 

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # vLLM's processes busy-poll; a lower CPU priority keeps the request path (and the
     # control plane) ahead of them where they share cores. 0 disables.
     engine_nice: int = Field(10, ge=0, le=19)
+    # `ballast up`: the bookkeeping (the control worker and the embedded Temporal server)
+    # runs at a lower CPU priority than the request path (the API and the engine worker),
+    # so a request's journaling never takes the CPU from the next request's first token.
+    bookkeeping_nice: int = Field(5, ge=0, le=19)
     # `ballast up` on a CPU engine: every other process keeps off the cores vLLM binds its
     # model worker to (ballast/affinity.py), as vLLM's own frontend and engine core do.
     isolate_engine_cpus: bool = False

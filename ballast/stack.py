@@ -105,7 +105,8 @@ def _start(settings: Settings, data: Path, logs: Path,
         port = settings.temporal_port if procs.port_is_free(settings.temporal_port) else procs.free_port()
         ui = settings.temporal_ui_port if procs.port_is_free(settings.temporal_ui_port) else procs.free_port()
         _step(f"starting the Temporal dev server on 127.0.0.1:{port} (state in {data / 'temporal'})")
-        temporal = stack.enter_context(TemporalDevServer(data / "temporal", port=port, ui_port=ui))
+        temporal = stack.enter_context(TemporalDevServer(data / "temporal", port=port, ui_port=ui,
+                                                         nice=settings.bookkeeping_nice))
         env["BALLAST_TEMPORAL_ADDRESS"] = temporal.address
         env["BALLAST_TEMPORAL_UI_PORT"] = str(ui)
     else:
@@ -125,11 +126,13 @@ def _start(settings: Settings, data: Path, logs: Path,
                                           settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
                             say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True))
     stack.callback(supervisor.stop_all, 30)
-    parts = (("engine worker", ["worker", "engine"], with_token), ("control worker", ["worker", "control"], env),
-             ("api", ["api"], with_token))
-    for name, args, child_env in parts:
+    parts = (("engine worker", ["worker", "engine"], with_token, 0),
+             ("control worker", ["worker", "control"], env, settings.bookkeeping_nice),
+             ("api", ["api"], with_token, 0))
+    for name, args, child_env, nice in parts:
         _step(f"starting the {name} (log: {logs / (args[-1] + '.log')})")
-        supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{args[-1]}.log")
+        supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{args[-1]}.log",
+                         nice)
     effective = settings.model_copy(update=dict(
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),

@@ -24,6 +24,7 @@ class Service:
     argv: Sequence[str]
     env: Mapping[str, str]
     log_path: Path
+    nice: int
     child: procs.Child
     started_at: float
     streak: Streak = field(default_factory=Streak)
@@ -37,9 +38,9 @@ class Supervisor:
         self.policy, self.say, self.clock = policy, say, clock
         self.services: list[Service] = []
 
-    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Service:
-        child = procs.spawn(name, argv, env=env, log_path=log_path)
-        service = Service(name, argv, env, log_path, child, self.clock())
+    def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path, nice: int = 0) -> Service:
+        child = procs.spawn(name, argv, env=env, log_path=log_path, nice=nice)
+        service = Service(name, argv, env, log_path, nice, child, self.clock())
         self.services.append(service)
         return service
 
@@ -53,7 +54,7 @@ class Supervisor:
         for s in self.services:
             if s.restart_at is not None:
                 if now >= s.restart_at:
-                    s.child = procs.spawn(s.name, s.argv, env=s.env, log_path=s.log_path)
+                    s.child = procs.spawn(s.name, s.argv, env=s.env, log_path=s.log_path, nice=s.nice)
                     s.started_at, s.restart_at = now, None
                     s.restarts += 1
                     self.say(f"{s.name} restarted (pid {s.child.pid}; restart {s.restarts})")

@@ -51,6 +51,7 @@ class TemporalDevServer:
         namespace: str = "default",
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
+        nice: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
         self.port = port if port is not None else procs.free_port()
@@ -65,6 +66,7 @@ class TemporalDevServer:
                 log_path = Path(name)
         self.log_path = log_path
         self.extra_args = list(extra_args)
+        self.nice = nice
         self.child: procs.Child | None = None
 
     @property
@@ -100,7 +102,7 @@ class TemporalDevServer:
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
-        self.child = procs.spawn("temporal dev server", self.argv(), log_path=self.log_path)
+        self.child = procs.spawn("temporal dev server", self.argv(), log_path=self.log_path, nice=self.nice)
         try:
             procs.wait_until(
                 lambda: procs.port_open(self.port), timeout,

@@ -2,11 +2,13 @@
 
 Arm 1: the same streamed chat requests straight to an in-process vLLM AsyncLLM.
 Arm 2: through `ballast up`: HTTP → API (validate, place, engine worker NDJSON stream,
-workflow start off the token path) → SSE. Requests go one at a time so queueing
+workflow started once it has ended) → SSE. Requests go one at a time so queueing
 does not blur the overhead, twice: paced (GAP_S apart, as users send them: the path's own
-cost) and back to back (each request's bookkeeping — signal, workflow task, journal
+cost) and back to back (each request's bookkeeping — workflow start and task, journal
 write — then runs during the next one's TTFT: what the control plane's CPU costs on a
-machine with no cores to spare). Prints TTFT p50/p99 for both arms, the ratio and the
+machine with no cores to spare). Both arms time the first text (the client's first
+non-empty content; the byte-level tiny model's first token is often part of a character
+and carries none). Prints TTFT p50/p99 for both arms, the ratio and the
 added milliseconds; where the time goes (the journal records the TTFT the API and the
 engine worker each saw); then what one request costs the control plane: Temporal actions
 and history events (read back from the server) and Postgres rows written. One JSON line
@@ -45,8 +47,8 @@ async def direct(settings: Settings, gap_s: float) -> list[float]:
             t0 = time.perf_counter()
             ids = engine.render_chat([dict(role="user", content=p)])
             async for step in engine.generate(f"d-{i}", ids, max_tokens=MAX_TOKENS, temperature=0.0, detokenize=True):
-                if step.token_ids:
-                    ttft.append(time.perf_counter() - t0)
+                if step.text:  # the first text, as the client of the other arm sees it (the byte-level
+                    ttft.append(time.perf_counter() - t0)  # model's first token is often only part of a character)
                     break
             await engine.abort(f"d-{i}")
         return ttft[1:]
@@ -83,7 +85,7 @@ async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
 
     client = await Client.connect(temporal_address)
     handle = client.get_workflow_handle(f"request:{request_id}")
-    for _ in range(100):  # its start goes out after the first token, in the background
+    for _ in range(100):  # its start goes out once the request has ended, in the background
         try:
             await handle.result()
             break

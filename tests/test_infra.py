@@ -87,6 +87,16 @@ def test_child_dies_with_sigkilled_parent(tmp_path: Path) -> None:
         parent.wait()
 
 
+def test_a_niced_child_and_every_thread_it_starts_run_at_the_lower_priority(tmp_path: Path) -> None:
+    log = tmp_path / "nice.log"
+    code = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.nice(0))); "
+            "t.start(); t.join(); print(os.nice(0), seen[0])")
+    child = procs.spawn("niced", [sys.executable, "-c", code], log_path=log, nice=5)
+    child.proc.wait(10)
+    base = os.nice(0)
+    assert log.read_text().split() == [str(base + 5), str(base + 5)]
+
+
 def test_wait_until_names_what_and_log(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     child = procs.spawn("sleeper", ["bash", "-c", "echo hello from the child; sleep 1000"], log_path=log)
