@@ -23,7 +23,7 @@ from ballast import procs
 from journal.db import libpq_url
 from tests.e2e.conftest import Gate
 from tests.e2e.test_batch import chat_line, greedy
-from tests.e2e.test_up import start_up, wait_healthy
+from tests.e2e.test_up import start_up, up_env, wait_healthy
 
 pytestmark = pytest.mark.e2e
 
@@ -59,14 +59,8 @@ async def test_a_killed_engine_worker_and_api_are_restarted_and_the_batch_comple
                                                                                             tiny_model, engine):
     # Blocking calls throughout, on purpose: nothing else runs on this loop until the
     # reference outputs at the end.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL", "BALLAST_ENGINE_TOKEN")}
-    port = procs.free_port()
-    env.update(BALLAST_DATA_DIR=str(up_dir), BALLAST_API_PORT=str(port),
-               BALLAST_TEMPORAL_PORT=str(procs.free_port()), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
-               BALLAST_MODEL=tiny_model.path, BALLAST_SERVED_MODEL_NAME=tiny_model.name,
-               BALLAST_MAX_MODEL_LEN=str(tiny_model.max_model_len), BALLAST_KV_CACHE_GIB="0.5",
-               BALLAST_HEARTBEAT_TIMEOUT_S="3", BALLAST_ENGINE_GATE=str(tmp_path / "gate.json"))
+    env, port = up_env(up_dir, tiny_model, BALLAST_HEARTBEAT_TIMEOUT_S="3",
+                       BALLAST_ENGINE_GATE=str(tmp_path / "gate.json"))
     gate = Gate(tmp_path / "gate.json")
     gate.hold(HELD_AT)
     log = tmp_path / "up.log"

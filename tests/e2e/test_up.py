@@ -95,14 +95,21 @@ def data_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tiny_model):
+def up_env(data_dir: Path, tiny_model, **extra: str) -> tuple[dict[str, str], int]:
+    """`ballast up`'s environment on embedded defaults in `data_dir` (no DATABASE_URL, no
+    engine token: it makes its own), on free ports; and its API port."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL", "BALLAST_ENGINE_TOKEN")}
     port = procs.free_port()
     env.update(BALLAST_DATA_DIR=str(data_dir), BALLAST_API_PORT=str(port),
                BALLAST_TEMPORAL_PORT=str(procs.free_port()), BALLAST_TEMPORAL_UI_PORT=str(procs.free_port()),
                BALLAST_MODEL=tiny_model.path, BALLAST_SERVED_MODEL_NAME=tiny_model.name,
-               BALLAST_MAX_MODEL_LEN=str(tiny_model.max_model_len), BALLAST_KV_CACHE_GIB="0.5")
+               BALLAST_MAX_MODEL_LEN=str(tiny_model.max_model_len), BALLAST_KV_CACHE_GIB="0.5", **extra)
+    return env, port
+
+
+def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tiny_model):
+    env, port = up_env(data_dir, tiny_model)
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
 
     first = start_up(env, tmp_path / "up-1.log")
