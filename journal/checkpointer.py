@@ -14,7 +14,9 @@ The bound on recomputation after a crash: a generation loses at most the tokens 
 produced since the start of the last commit that included it, that is at most
 `interval_s` plus one commit's duration of generation, and (because `checkpoint_tokens`
 unsaved asks for a commit at once) never more than `checkpoint_tokens` plus what it
-produces while one commit runs. tests/journal/test_checkpointer.py measures it.
+produces while one commit runs. tests/journal/test_checkpointer.py measures it. While the
+database is unreachable a commit is retried (with backoff) until it lands: the bound then
+grows by the outage, and nothing journaled is skipped.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from journal.events import IdempotencyConflict, NewEvent, StaleAttempt, append
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 5.0  # a commit the database could not take goes again after these
 
 
 class Tracked(Protocol):
@@ -138,12 +143,22 @@ class Checkpointer:
             else:
                 _fail([f], IdempotencyConflict([e.key]))
         todo = [e for e, _ in waiting.values()]
+        delay = RETRY_FIRST_S
         while todo:
             try:
                 async with self.db.begin() as conn:
                     await append(conn, todo)
                 break
             except Exception as err:
+                if _unreachable(err):
+                    # Postgres restarting, the network: every event is idempotent, so the
+                    # same commit goes again until it lands. Nobody's tokens are dropped
+                    # (a gap in an item's chunks), and whoever awaits durability waits.
+                    log.warning("checkpoint commit of %d events failed (%s); again in %.1f s", len(todo),
+                                type(err).__name__, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(RETRY_MAX_S, 2 * delay)
+                    continue
                 # One attempt's stale or conflicting events must not fail every other
                 # generation's checkpoint: fail just theirs and commit the rest again. Any
                 # other error: each waiting generation sees it and fails its attempt.
@@ -156,6 +171,13 @@ class Checkpointer:
             for f in waiting[e.key][1]:
                 if not f.done():
                     f.set_result(None)
+
+
+def _unreachable(err: Exception) -> bool:
+    """The database could not be reached or dropped the connection: worth trying again."""
+    if isinstance(err, DBAPIError):
+        return err.connection_invalidated or isinstance(err, (OperationalError, InterfaceError))
+    return isinstance(err, OSError)
 
 
 def _content(e: NewEvent) -> tuple:

@@ -3,6 +3,10 @@ everyone else's checkpoints in the same commit are written."""
 
 import asyncio
 
+import psycopg
+from sqlalchemy.exc import OperationalError
+
+from journal.batches import journaled_tokens
 from journal.checkpointer import Checkpointer
 from journal.events import (
     IdempotencyConflict,
@@ -75,6 +79,42 @@ async def test_any_other_failure_fails_every_waiting_event(db):
     assert results[0] is results[1] and issubclass(results[0], Exception)
     async with db.connect() as c:
         assert await read_stream(c, "item:cp:bad") == []
+
+
+class Outage:
+    """The journal's database, unreachable for its first `commits` commits (restarting)."""
+
+    def __init__(self, db, commits: int):
+        self.db, self.left = db, commits
+
+    def begin(self):
+        if self.left > 0:
+            self.left -= 1
+            raise OperationalError("INSERT INTO events", {}, psycopg.OperationalError("connection refused"))
+        return self.db.begin()
+
+
+async def test_an_outage_delays_the_commit_and_drops_no_tokens(db):
+    """Unreachable Postgres: the commit goes again until it lands, so an item's chunks stay
+    contiguous (no tokens counted as saved that never were) and whoever awaits durability
+    waits for it instead of failing."""
+    gen, down = Producer("item:cp:outage"), Outage(db, commits=3)
+    async with Checkpointer(down, interval_s=0.05) as cp:
+        with cp.track(gen):
+            gen.tokens = list(range(10))
+            result = cp.submit([chunk("item:cp:outage-result", 0, "x")], urgent=True)
+            await asyncio.sleep(0.05)
+            gen.tokens += list(range(10, 25))  # produced while the database is away
+            assert await asyncio.wait_for(result, 10) == [None]
+            await cp.flush()
+            cp.soon()
+            await asyncio.sleep(0.2)
+            await cp.flush()
+    assert down.left == 0 and gen.refused == [] and gen.saved == 25
+    async with db.connect() as c:
+        chunks = [e.payload for e in await read_stream(c, "item:cp:outage")]
+        assert len(await read_stream(c, "item:cp:outage-result")) == 1
+    assert journaled_tokens(chunks) == list(range(25))  # contiguous from 0: nothing skipped
 
 
 class Producer:
