@@ -8,8 +8,10 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException
 
+from journal.db import unreachable
 from protocol.errors import bad_char, error_type, storable
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,15 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException):
         return error_response(e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(DBAPIError)
+    async def _database(_: Request, e: DBAPIError):
+        if unreachable(e):  # Postgres restarting: say when to come back, not "server error"
+            log.warning("the database is unreachable: %s", type(e.orig).__name__ if e.orig else e)
+            return error_response(503, "The service's database is unreachable right now; try again shortly.", None,
+                                  "unavailable", {"Retry-After": "5"})
+        log.exception("database error")
+        return error_response(500, "The server had an error while processing your request.", None, "server_error")
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):

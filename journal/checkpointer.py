@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from journal.db import unreachable
 from journal.events import IdempotencyConflict, NewEvent, StaleAttempt, append
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Checkpointer:
                     await append(conn, todo)
                 break
             except Exception as err:
-                if _unreachable(err):
+                if unreachable(err):
                     # Postgres restarting, the network: every event is idempotent, so the
                     # same commit goes again until it lands. Nobody's tokens are dropped
                     # (a gap in an item's chunks), and whoever awaits durability waits.
@@ -171,13 +171,6 @@ class Checkpointer:
             for f in waiting[e.key][1]:
                 if not f.done():
                     f.set_result(None)
-
-
-def _unreachable(err: Exception) -> bool:
-    """The database could not be reached or dropped the connection: worth trying again."""
-    if isinstance(err, DBAPIError):
-        return err.connection_invalidated or isinstance(err, (OperationalError, InterfaceError))
-    return isinstance(err, OSError)
 
 
 def _content(e: NewEvent) -> tuple:

@@ -39,3 +39,13 @@ def _with_driver(url: str, driver: str) -> str:
 
 def connect(url: str, *, pool_size: int = 10) -> AsyncEngine:
     return create_async_engine(sync_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def unreachable(err: BaseException) -> bool:
+    """Postgres could not be reached or dropped the connection (restarting, the network):
+    worth trying again, not the caller's fault."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if isinstance(err, DBAPIError):
+        return err.connection_invalidated or isinstance(err, (OperationalError, InterfaceError))
+    return isinstance(err, OSError)

@@ -57,12 +57,12 @@ def known_keys(known: dict[str, Principal], ttl_s: float = 60.0) -> KeyCache:
     return KeyCache(lookup, ttl_s)
 
 
-def build(settings: Settings, db, temporal, key: str | None = None) -> httpx.AsyncClient:
+def build(settings: Settings, db, temporal, key: str | None = None, keys: KeyCache | None = None) -> httpx.AsyncClient:
     """The app on `db` (or a stand-in) and a client of it sending `key` (None: no key)."""
     app = create_app(settings, temporal=temporal)
     engines: Any = EngineDirectory(db) if not isinstance(db, Untouchable) else db  # or a stand-in
-    keys = (known_keys({BARE_KEY: Principal("default", "key_bare")}) if isinstance(db, Untouchable)
-            else KeyCache.over(db, settings.key_cache_s))
+    keys = keys or (known_keys({BARE_KEY: Principal("default", "key_bare")}) if isinstance(db, Untouchable)
+                    else KeyCache.over(db, settings.key_cache_s))
     app.state.services = Services(settings, db, temporal, ObjectStore(settings.object_store_url), engines,
                                   httpx.AsyncClient(), keys=keys)
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}

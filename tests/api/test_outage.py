@@ -1,0 +1,31 @@
+"""Postgres unreachable (restarting, the network): requests that need it answer 503 with
+`Retry-After` in the OpenAI error shape, never a 500 or a hang; health says which part is
+down. Over a real connection pool pointed at a port nothing listens on."""
+
+from __future__ import annotations
+
+from ballast import procs
+from journal.db import connect
+from journal.tenants import Principal
+from tests.api.conftest import BARE_KEY, Untouchable, assert_openai_error, build, known_keys
+
+
+async def test_an_unreachable_database_is_a_503_with_retry_after(settings):
+    down = connect(f"postgresql://postgres@127.0.0.1:{procs.free_port()}/ballast", pool_size=1)
+    try:
+        # A key the database must check: the check itself says unavailable.
+        async with build(settings, down, Untouchable("temporal"), "sk-ballast-a-key-to-look-up") as api:
+            r = await api.get("/v1/batches")
+            assert_openai_error(r, 503, code="unavailable")
+            assert r.headers["retry-after"]
+            health = await api.get("/healthz")
+            assert health.status_code == 503 and health.json()["parts"]["postgres"].startswith("down")
+        # A key already known (cached): the route's own queries meet the outage.
+        known = known_keys({BARE_KEY: Principal("default", "key_bare")})
+        async with build(settings, down, Untouchable("temporal"), BARE_KEY, keys=known) as api:
+            for path in ("/v1/batches", "/v1/batches/batch_abc", "/v1/files/file-abc"):
+                r = await api.get(path)
+                err = assert_openai_error(r, 503, code="unavailable")
+                assert r.headers["retry-after"] == "5" and "database" in err["message"], (path, err)
+    finally:
+        await down.dispose()
