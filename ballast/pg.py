@@ -108,6 +108,14 @@ class EmbeddedPostgres:
         self._port_file.write_text(str(self.port))
         return self
 
+    def restart(self, timeout: float = 60.0) -> procs.Child:
+        """After a crash: start again on the same port (every service has its URL)."""
+        self.stop()  # sweep what is left of the old one
+        self._requested_port = self.port
+        self.start(timeout)
+        assert self.child is not None  # start() set it
+        return self.child
+
     def stop(self, timeout: float = 30.0) -> None:
         """Fast shutdown (roll back open transactions, checkpoint), then sweep the group."""
         if self.child is None:

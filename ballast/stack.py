@@ -91,9 +91,15 @@ def _step(msg: str) -> None:
 def _start(settings: Settings, data: Path, logs: Path,
            stack: ExitStack) -> tuple[Supervisor, Settings, list[Key]]:
     env = dict(os.environ)
+    # Crashed processes start again (ballast/supervise.py); stopping stops each one.
+    supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
+                                          settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
+                            say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True))
     if not settings.database_url:
         _step(f"starting embedded Postgres in {data / 'pg'}")
         pg = stack.enter_context(EmbeddedPostgres(data))
+        assert pg.child is not None  # started
+        supervisor.adopt("embedded postgres", pg.child, pg.restart, pg.log_path)
         env["BALLAST_DATABASE_URL"] = pg.url
         # For `ballast tenants` in another terminal; gone when the server is.
         url_file = data / URL_FILE
@@ -107,6 +113,8 @@ def _start(settings: Settings, data: Path, logs: Path,
         _step(f"starting the Temporal dev server on 127.0.0.1:{port} (state in {data / 'temporal'})")
         temporal = stack.enter_context(TemporalDevServer(data / "temporal", port=port, ui_port=ui,
                                                          nice=settings.bookkeeping_nice))
+        assert temporal.child is not None  # started
+        supervisor.adopt("temporal dev server", temporal.child, temporal.restart, temporal.log_path)
         env["BALLAST_TEMPORAL_ADDRESS"] = temporal.address
         env["BALLAST_TEMPORAL_UI_PORT"] = str(ui)
     else:
@@ -121,11 +129,7 @@ def _start(settings: Settings, data: Path, logs: Path,
     env.pop("BALLAST_ENGINE_TOKEN", None)
     with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
-    # Crashed children start again (ballast/supervise.py); stopping stops each one.
-    supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
-                                          settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
-                            say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True))
-    stack.callback(supervisor.stop_all, 30)
+    stack.callback(supervisor.stop_all, 30)  # the workers and the API, before Postgres and Temporal
     parts = (("engine worker", ["worker", "engine"], with_token, 0),
              ("control worker", ["worker", "control"], env, settings.bookkeeping_nice),
              ("api", ["api"], with_token, 0))

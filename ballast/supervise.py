@@ -1,5 +1,6 @@
-"""`ballast up`'s children kept running: a crashed one is started again with backoff, and
-`ballast up` gives up only on a crash loop (policy/restarts.py decides; this runs it).
+"""`ballast up`'s processes kept running: a crashed one (a worker, the API, the embedded
+Postgres or Temporal server) is started again with backoff, and `ballast up` gives up only
+on a crash loop (policy/restarts.py decides; this runs it).
 
 Each restart says which process exited, its exit code, when it comes back and the last
 lines of its log. Work in flight does not need the process back to be safe (the journal
@@ -21,12 +22,11 @@ from policy.restarts import RestartPolicy, Streak, after_exit
 @dataclass
 class Service:
     name: str
-    argv: Sequence[str]
-    env: Mapping[str, str]
     log_path: Path
-    nice: int
+    respawn: Callable[[], procs.Child]  # starts it again; returns the new process
     child: procs.Child
     started_at: float
+    owned: bool = True  # stopped by stop_all; False: its owner stops it (Postgres, Temporal)
     streak: Streak = field(default_factory=Streak)
     restart_at: float | None = None  # crashed: when it starts again
     restarts: int = 0
@@ -39,8 +39,17 @@ class Supervisor:
         self.services: list[Service] = []
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path, nice: int = 0) -> Service:
-        child = procs.spawn(name, argv, env=env, log_path=log_path, nice=nice)
-        service = Service(name, argv, env, log_path, nice, child, self.clock())
+        def spawn() -> procs.Child:
+            return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice)
+
+        service = Service(name, log_path, spawn, spawn(), self.clock())
+        self.services.append(service)
+        return service
+
+    def adopt(self, name: str, child: procs.Child, respawn: Callable[[], procs.Child], log_path: Path) -> Service:
+        """Watch a process started elsewhere (the embedded Postgres, the Temporal dev
+        server): `respawn` starts it again, as it was, and returns the new process."""
+        service = Service(name, log_path, respawn, child, self.clock(), owned=False)
         self.services.append(service)
         return service
 
@@ -54,10 +63,14 @@ class Supervisor:
         for s in self.services:
             if s.restart_at is not None:
                 if now >= s.restart_at:
-                    s.child = procs.spawn(s.name, s.argv, env=s.env, log_path=s.log_path, nice=s.nice)
-                    s.started_at, s.restart_at = now, None
-                    s.restarts += 1
-                    self.say(f"{s.name} restarted (pid {s.child.pid}; restart {s.restarts})")
+                    s.restart_at, s.restarts = None, s.restarts + 1
+                    try:
+                        s.child = s.respawn()
+                        self.say(f"{s.name} restarted (pid {s.child.pid}; restart {s.restarts})")
+                    except (RuntimeError, TimeoutError, OSError) as err:
+                        # Its old process stays dead: the next look counts it as a crash.
+                        self.say(f"{s.name} did not start again: {err}")
+                    s.started_at = self.clock()
                 continue
             if s.child.alive:
                 continue
@@ -76,4 +89,5 @@ class Supervisor:
 
     def stop_all(self, timeout: float = 30.0) -> None:
         for s in reversed(self.services):
-            s.child.stop(timeout)
+            if s.owned:
+                s.child.stop(timeout)

@@ -118,6 +118,13 @@ class TemporalDevServer:
             raise
         return self
 
+    def restart(self, timeout: float = 60.0) -> procs.Child:
+        """After a crash: start again on the same port, from its state file."""
+        self.stop()
+        self.start(timeout)
+        assert self.child is not None  # start() set it
+        return self.child
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.child is not None:
             self.child.stop(timeout)
