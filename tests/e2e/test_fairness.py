@@ -52,8 +52,11 @@ async def first_token(http: httpx.AsyncClient, key: str, body: dict, started: di
         async for line in r.aiter_lines():
             if name in started or not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):  # a token, not the opening role chunk
+            choices = json.loads(line[6:]).get("choices")
+            # A token, not the opening role chunk: its text may be empty (the byte-level
+            # model's token can be part of a character), so its first non-empty text
+            # would come a step or more after the engine started it.
+            if choices and "role" not in choices[0]["delta"] and choices[0]["finish_reason"] is None:
                 started[name] = time.monotonic()
 
 
