@@ -108,9 +108,10 @@ class Ticket:
         self._adm._refund(self)
 
     def unjournaled(self) -> None:
-        """The request ran but its outcome will never be journaled (its workflow could not
-        start), so nothing will settle it: close the reservation with a refund rather than
-        leave it open for ever. This process's own count keeps what it used."""
+        """The request ran but its workflow could not start: close the reservation with a
+        refund now rather than leave it open until the quota reconciler settles the request
+        from the engine's record (journal/served.py; the settle still counts then). This
+        process's own count keeps what it used."""
         self.release(self.input_tokens, self.output_tokens)
         if not self.refund:
             self._adm._refund(self)

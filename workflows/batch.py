@@ -187,7 +187,9 @@ class BatchWorkflow:
         )
 
     async def _settle(self, batch_id: str, idxs: list[int], handle: workflow.ActivityHandle) -> list[int]:
-        """The items of a finished group that must run again (preempted)."""
+        """The items of a finished group that must run again (preempted). Engine workers
+        since session 10 resume a preempted item in place and never return it here; an
+        older worker, mid-upgrade, still may."""
         try:
             results: list[GenerateResult] = await handle
         except ActivityError as err:
