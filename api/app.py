@@ -14,6 +14,7 @@ from api.admission import Admission
 from api.auth import Authenticate, KeyCache
 from api.deps import REQUIRE_KEY, Services
 from api.engines import EngineDirectory
+from ballast.procs import notify_ready
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
@@ -37,6 +38,7 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
                                       keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
+        notify_ready()
         try:
             yield
         finally:

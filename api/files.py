@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -13,6 +14,8 @@ from api.deps import ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, require_id
 from journal import batches as jb
 from protocol.schema import errors
+
+log = logging.getLogger("ballast.api")
 
 router = APIRouter(prefix="/v1/files")
 
@@ -41,7 +44,7 @@ _CONTENT: dict[int | str, Any] = {200: {"description": "The file's bytes.",
                                        "content": {"application/octet-stream": {"schema": {"type": "string"}}}}}
 
 
-@router.post("", operation_id="createFile", responses=_UPLOADED | errors(400, 413))
+@router.post("", operation_id="createFile", responses=_UPLOADED | errors(400, 413, 503))
 async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: UploadFile,
                  purpose: str = Form(json_schema_extra={"enum": list(UPLOAD_PURPOSES)})):  # documented, checked below
     limit = svc.settings.max_upload_bytes
@@ -53,12 +56,17 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
     key = f"files/{file_id}"
     size = 0
     # Copy under a temporary name; only a complete upload within the limit becomes an object.
-    with svc.store.writer(key) as out:
-        while chunk := await file.read(_COPY):
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            out.write(chunk)
+    try:
+        with svc.store.writer(key) as out:
+            while chunk := await file.read(_COPY):
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                out.write(chunk)
+    except OSError as err:  # the store is full or unwritable: nothing was kept, and it may pass
+        log.warning("the object store refused an upload: %s", err)
+        raise APIError(503, f"The file store cannot take the file right now ({err.strerror or err}); "
+                            "try again later.", code="storage_unavailable", headers={"Retry-After": "30"}) from err
     if size == 0:
         raise APIError(400, "The uploaded file is empty.", param="file", code="empty_file")
     row = dict(id=file_id, tenant=tenant, purpose=purpose, filename=filename,

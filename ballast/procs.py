@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# Where a supervised process says it serves (notify_ready): ballast/supervise.py sets it.
+READY_FILE_ENV = "BALLAST_READY_FILE"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -225,6 +227,24 @@ def as_user(user: str | None) -> dict:
     if user is None:
         return {}
     return {"user": user, "group": pwd.getpwnam(user).pw_gid, "extra_groups": []}
+
+
+def notify_ready() -> None:
+    """Tell this process's supervisor that it serves now (sd_notify's READY=1, as a file):
+    its pid, written atomically to the file BALLAST_READY_FILE names, if set. A crash after
+    this is an incident to restart from, not a crash loop (policy/restarts.py)."""
+    path = os.environ.get(READY_FILE_ENV)
+    if path:
+        tmp = Path(f"{path}.{os.getpid()}")
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, path)
+
+
+def said_ready(path: Path, pid: int) -> bool:
+    try:
+        return path.read_text().strip() == str(pid)
+    except OSError:
+        return False
 
 
 def wait_until(

@@ -27,6 +27,8 @@ class Service:
     child: procs.Child
     started_at: float
     owned: bool = True  # stopped by stop_all; False: its owner stops it (Postgres, Temporal)
+    ready_file: Path | None = None  # where it says it serves (procs.notify_ready); None: ready once started
+    ready: bool = False
     streak: Streak = field(default_factory=Streak)
     restart_at: float | None = None  # crashed: when it starts again
     restarts: int = 0
@@ -39,17 +41,22 @@ class Supervisor:
         self.services: list[Service] = []
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path, nice: int = 0) -> Service:
+        ready_file = log_path.with_suffix(".ready")
+        env = dict(env, **{procs.READY_FILE_ENV: str(ready_file)})
+
         def spawn() -> procs.Child:
+            ready_file.unlink(missing_ok=True)
             return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice)
 
-        service = Service(name, log_path, spawn, spawn(), self.clock())
+        service = Service(name, log_path, spawn, spawn(), self.clock(), ready_file=ready_file)
         self.services.append(service)
         return service
 
     def adopt(self, name: str, child: procs.Child, respawn: Callable[[], procs.Child], log_path: Path) -> Service:
         """Watch a process started elsewhere (the embedded Postgres, the Temporal dev
-        server): `respawn` starts it again, as it was, and returns the new process."""
-        service = Service(name, log_path, respawn, child, self.clock(), owned=False)
+        server): `respawn` starts it again, as it was, and returns the new process once it
+        serves."""
+        service = Service(name, log_path, respawn, child, self.clock(), owned=False, ready=True)
         self.services.append(service)
         return service
 
@@ -66,21 +73,26 @@ class Supervisor:
                     s.restart_at, s.restarts = None, s.restarts + 1
                     try:
                         s.child = s.respawn()
+                        s.ready = s.ready_file is None
                         self.say(f"{s.name} restarted (pid {s.child.pid}; restart {s.restarts})")
                     except (RuntimeError, TimeoutError, OSError) as err:
                         # Its old process stays dead: the next look counts it as a crash.
                         self.say(f"{s.name} did not start again: {err}")
                     s.started_at = self.clock()
                 continue
+            if not s.ready and s.ready_file is not None and procs.said_ready(s.ready_file, s.child.pid):
+                s.ready = True
+                if s.restarts:
+                    self.say(f"{s.name} is serving again (restart {s.restarts})")
             if s.child.alive:
                 continue
             code = s.child.stop(5)  # reap it, and whatever of its group survived it
-            decision = after_exit(self.policy, s.streak, now - s.started_at)
+            decision = after_exit(self.policy, s.streak, now - s.started_at, s.ready)
             s.streak = decision.streak
             tail = s.child.log_tail(15)
             if not decision.restart:
-                return (f"{s.name} keeps crashing (code {code}; {s.streak.quick_crashes} times in a row within "
-                        f"{self.policy.healthy_after_s:g} s of starting): giving up. Fix what its log says, then run "
+                return (f"{s.name} keeps crashing (code {code}; {s.streak.quick_crashes} times in a row before it "
+                        f"served, within {self.policy.healthy_after_s:g} s of starting): giving up. Fix what its log says, then run "
                         f"`ballast up` again. Log {s.log_path}, last lines:\n{tail}")
             s.restart_at = now + decision.delay_s
             self.say(f"{s.name} exited (code {code}); restarting in {decision.delay_s:g} s. "

@@ -72,6 +72,7 @@ async def control_worker(settings: Settings) -> None:
         await start_fleet(client, settings)
         await start_quota(client, settings)
         async with interactive:
+            procs.notify_ready()
             await _run_until_signalled(worker)
     finally:
         await db.dispose()
@@ -162,6 +163,7 @@ async def engine_worker(settings: Settings) -> None:
             graceful_shutdown_timeout=timedelta(seconds=5),
         )
         log.info("engine worker %s polling %s, streaming at %s", engine_id, settings.engine_queue, url)
+        procs.notify_ready()
         await _run_until_signalled(worker)
 
 

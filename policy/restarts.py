@@ -1,11 +1,14 @@
 """When a crashed process of `ballast up` starts again, and when to stop trying. Pure:
 the run's length and `now` are arguments.
 
-A process that crashes after a healthy run (at least `healthy_after_s`) is restarted
-after `initial_backoff_s`: one crash is an incident, and the journal lets work resume.
-Crashes soon after starting form a streak; each one doubles the wait (up to
-`max_backoff_s`), and `max_quick_crashes` in a row is a crash loop that a restart will not
-fix (a bad setting, a port taken, a broken install): supervision gives up and says so.
+A process that crashes after a healthy run is restarted after `initial_backoff_s`: one
+crash is an incident, and the journal lets work resume. A run was healthy if the process
+said it was ready (serving: its engine loaded, its worker polling) or lasted
+`healthy_after_s`. So a process killed from outside, however often, is always started
+again; one that dies before it ever serves is in a crash loop. Such crashes form a streak;
+each one doubles the wait (up to `max_backoff_s`), and `max_quick_crashes` in a row is a
+loop that a restart will not fix (a bad setting, a port taken, a broken install):
+supervision gives up and says so.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class Streak:
-    """Crashes in a row, each within `healthy_after_s` of its start."""
+    """Crashes in a row, each before the process was ready and within `healthy_after_s`."""
 
     quick_crashes: int = 0
 
@@ -35,9 +38,9 @@ class Restart:
     streak: Streak
 
 
-def after_exit(p: RestartPolicy, streak: Streak, ran_s: float) -> Restart:
-    # 1. A run that lasted was healthy: this crash starts no streak of its own.
-    quick = streak.quick_crashes + 1 if ran_s < p.healthy_after_s else 0
+def after_exit(p: RestartPolicy, streak: Streak, ran_s: float, ready: bool = False) -> Restart:
+    # 1. A run that served, or lasted, was healthy: this crash starts no streak of its own.
+    quick = 0 if ready or ran_s >= p.healthy_after_s else streak.quick_crashes + 1
     # 2. Enough quick crashes in a row: a loop, which restarting will not end.
     if quick >= p.max_quick_crashes:
         return Restart(False, 0.0, Streak(quick))

@@ -1,6 +1,7 @@
 """`ballast up`'s supervisor over real processes: a crashed child is restarted after its
 backoff and says so with its exit code and log; a crash loop gives up with the reason;
-a healthy child is left alone."""
+a healthy child is left alone; a child killed soon after it said it serves is restarted
+however often it happens."""
 
 import sys
 import time
@@ -37,3 +38,17 @@ def test_a_crashing_child_is_restarted_with_its_exit_code_said_then_a_loop_gives
     finally:
         sup.stop_all(5)
     assert not calm.child.alive
+
+
+def test_a_child_that_dies_after_saying_it_serves_is_restarted_every_time(tmp_path):
+    said: list[str] = []
+    sup = Supervisor(RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.1, healthy_after_s=30, max_quick_crashes=2),
+                     say=said.append)
+    script = "from ballast import procs; procs.notify_ready(); raise SystemExit(9)"
+    dies = sup.start("served", [sys.executable, "-c", script], {}, tmp_path / "served.log")
+    try:
+        assert run_until(sup, lambda: dies.restarts >= 5) is None  # never a crash loop
+        assert any(m == "served is serving again (restart 1)" for m in said)
+        assert len([m for m in said if m.startswith("served exited (code 9); restarting in 0.05 s")]) >= 5
+    finally:
+        sup.stop_all(5)

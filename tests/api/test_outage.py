@@ -29,3 +29,18 @@ async def test_an_unreachable_database_is_a_503_with_retry_after(settings):
                 assert r.headers["retry-after"] == "5" and "database" in err["message"], (path, err)
     finally:
         await down.dispose()
+
+
+async def test_an_upload_the_file_store_cannot_take_is_a_503_and_keeps_nothing(settings):
+    # The store's `files` directory is a plain file: every write under it fails, as on a
+    # store that is full or read-only, with the operating system's own error.
+    objects = settings.data_dir / "objects"
+    objects.mkdir(parents=True, exist_ok=True)
+    (objects / "files").write_text("not a directory")
+    known = known_keys({BARE_KEY: Principal("default", "key_bare")})
+    async with build(settings, Untouchable("postgres"), Untouchable("temporal"), BARE_KEY, keys=known) as api:
+        r = await api.post("/v1/files", files={"file": ("in.jsonl", b'{"custom_id": "a"}\n')},
+                           data={"purpose": "batch"})
+        err = assert_openai_error(r, 503, code="storage_unavailable")
+        assert r.headers["retry-after"] == "30" and "(File exists)" in err["message"], err
+    assert [p.name for p in objects.iterdir()] == ["files"]  # no object, no temporary left behind

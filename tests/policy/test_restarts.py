@@ -26,3 +26,12 @@ def test_a_healthy_run_in_between_forgives_the_streak():
     r = after_exit(P, Streak(4), ran_s=45.0)
     assert r.restart and r.streak == Streak(0)
     assert after_exit(P, r.streak, ran_s=1.0).delay_s == 1.0
+
+
+def test_a_process_killed_soon_after_it_said_it_was_ready_is_always_restarted():
+    streak = Streak()
+    for _ in range(10):  # killed from outside every few seconds, each time after it served
+        r = after_exit(P, streak, ran_s=3.0, ready=True)
+        assert (r.restart, r.delay_s) == (True, 1.0)
+        streak = r.streak
+    assert streak == Streak(0)
