@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--runs", type=int, default=3, help="batch: rounds, alternating raw vLLM and Ballast (3)")
     b.add_argument("--arms", default=None,
                    help="surge: which arms, comma-separated (all: alone,ballast,priority,partition)")
+    c = sub.add_parser("chaos", help="faults injected into a fresh `ballast up` under load; the journal's "
+                                     "invariants checked in SQL at the end")
+    c.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
+    sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,6 +97,17 @@ def main(argv: list[str] | None = None) -> int:
             _need_engine_token(settings)
         asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))
         return 0
+    if args.cmd == "chaos":
+        from bench.chaos import main as chaos
+
+        return chaos(settings, minutes=args.minutes)
+    if args.cmd == "verify":
+        from journal.invariants import audit, report
+
+        _need(settings, "database_url")
+        findings = audit(settings.require("database_url"))
+        print(report(findings))
+        return 0 if all(f.ok for f in findings) else 1
     if args.cmd == "bench":
         if args.name == "batch":
             from bench.batch import main as bench_batch

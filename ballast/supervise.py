@@ -92,8 +92,8 @@ class Supervisor:
             tail = s.child.log_tail(15)
             if not decision.restart:
                 return (f"{s.name} keeps crashing (code {code}; {s.streak.quick_crashes} times in a row before it "
-                        f"served, within {self.policy.healthy_after_s:g} s of starting): giving up. Fix what its log says, then run "
-                        f"`ballast up` again. Log {s.log_path}, last lines:\n{tail}")
+                        f"served, within {self.policy.healthy_after_s:g} s of starting): giving up. Fix what its log "
+                        f"says, then run `ballast up` again. Log {s.log_path}, last lines:\n{tail}")
             s.restart_at = now + decision.delay_s
             self.say(f"{s.name} exited (code {code}); restarting in {decision.delay_s:g} s. "
                      f"Last lines of its log ({s.log_path}):\n{tail}")

@@ -77,14 +77,17 @@ CHECKS = (
           """),
     Check("ledger_equals_journal", "the ledger settles exactly the tokens the journal records, once per request and "
                                    "per batch item result",
-          f"""
+          rf"""
           WITH j AS (
             SELECT 'request:' || (payload->>'request_id') AS subject, (payload->>'prompt_tokens')::bigint AS i,
                    (payload->>'completion_tokens')::bigint AS o
               FROM events WHERE type = 'request_finished'
             UNION ALL
-            SELECT stream, coalesce(((payload->>'body_json')::jsonb->'usage'->>'prompt_tokens')::bigint, 0),
-                   coalesce(((payload->>'body_json')::jsonb->'usage'->>'completion_tokens')::bigint, 0)
+            -- Read from the body's text, not cast to JSON: generated text may hold NUL,
+            -- which Postgres's JSON functions refuse. The keys cannot occur unescaped inside
+            -- a JSON string, so the only match is the usage's own.
+            SELECT stream, coalesce(substring(payload->>'body_json' FROM '"prompt_tokens":\s*(\d+)')::bigint, 0),
+                   coalesce(substring(payload->>'body_json' FROM '"completion_tokens":\s*(\d+)')::bigint, 0)
               FROM events e WHERE {_ITEM_RESULTS}),
           l AS (SELECT subject, input_tokens AS i, output_tokens AS o FROM ledger WHERE kind = 'settle')
           SELECT coalesce(j.subject, l.subject), j.i, j.o, l.i, l.o
@@ -118,7 +121,7 @@ def audit(db_url: str, *, at_rest: bool = True, examples: int = 5) -> list[Findi
         for check in CHECKS:
             if check.at_rest and not at_rest:
                 continue
-            rows = conn.execute(check.sql).fetchall()  # type: ignore[arg-type]  # constant SQL
+            rows = conn.execute(check.sql).fetchall()
             out.append(Finding(check, len(rows), rows[:examples]))
     return out
 

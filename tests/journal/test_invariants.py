@@ -68,7 +68,9 @@ class Journal:
         for offset, n in chunks:
             self.event(stream, "item_chunk", dict(batch_id=bid, idx=idx, offset=offset, token_ids=list(range(n))))
         if result:
-            body = dict(usage=dict(prompt_tokens=usage[0], completion_tokens=usage[1]))
+            # Generated text may hold NUL (a byte-level model's), and quotes.
+            body = dict(choices=[dict(message=dict(content='a\0"prompt_tokens": 99'))],
+                        usage=dict(prompt_tokens=usage[0], completion_tokens=usage[1]))
             self.event(stream, result, dict(batch_id=bid, idx=idx, body_json=json.dumps(body)), f"{stream}:result")
             self.ledger(stream, "settle", *usage, tier="batch")
         return stream
