@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +163,7 @@ class Child:
             time.sleep(0.05)
 
 
-def _pdeathsig_preexec(sig: int, nice: int = 0) -> Callable[[], None] | None:
+def _pdeathsig_preexec(sig: int, nice: int = 0, cpus: Collection[int] | None = None) -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
         return (lambda: os.nice(nice)) if nice else None  # noqa: E731
     # Resolve prctl before fork: the child should do as little as possible.
@@ -173,6 +173,8 @@ def _pdeathsig_preexec(sig: int, nice: int = 0) -> Callable[[], None] | None:
     def preexec() -> None:
         if nice:  # before exec: every thread the child starts inherits it
             os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os.kill(os.getpid(), sig)
@@ -190,6 +192,7 @@ def spawn(
     user: str | None = None,
     death_signal: int = signal.SIGTERM,
     nice: int = 0,
+    cpus: Collection[int] | None = None,
 ) -> Child:
     """Start `argv` in a new session; stdout and stderr go to `log_path` (appended) if given.
 
@@ -198,7 +201,7 @@ def spawn(
     Grandchildren do not inherit it; stop() and their own parent watch cover them.
     `user` runs the child as that user (the preexec hook runs after the uid change, which
     matters because changing credentials clears the death signal). `nice` > 0 runs it at a
-    lower CPU priority.
+    lower CPU priority. `cpus`: the cores it may run on (Linux), whatever ours are.
     """
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +216,7 @@ def spawn(
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
-            preexec_fn=_pdeathsig_preexec(death_signal, nice),
+            preexec_fn=_pdeathsig_preexec(death_signal, nice, cpus),
         )
     return Child(name, proc, log_path)
 

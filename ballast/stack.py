@@ -94,7 +94,9 @@ def _start(settings: Settings, data: Path, logs: Path,
     # Crashed processes start again (ballast/supervise.py); stopping stops each one.
     supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
                                           settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
-                            say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True))
+                            say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True),
+                            on_serving=(lambda _: affinity.keep_off_model_workers(os.getpid()))
+                            if settings.isolate_engine_cpus else None)
     if not settings.database_url:
         _step(f"starting embedded Postgres in {data / 'pg'}")
         pg = stack.enter_context(EmbeddedPostgres(data))

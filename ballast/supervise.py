@@ -10,6 +10,7 @@ journaled tokens, a restarted API serves again.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +37,16 @@ class Service:
 
 class Supervisor:
     def __init__(self, policy: RestartPolicy, *, say: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.monotonic):
-        self.policy, self.say, self.clock = policy, say, clock
+                 clock: Callable[[], float] = time.monotonic,
+                 on_serving: Callable[[Service], object] | None = None):
+        """`on_serving`: called when a restarted process serves again (`ballast up` moves
+        it off vLLM's cores, as it did every process at the start)."""
+        self.policy, self.say, self.clock, self.on_serving = policy, say, clock, on_serving
         self.services: list[Service] = []
+        # The cores at the start, before anything was moved off vLLM's: a process started
+        # again gets them all back (a restarted engine worker must not inherit a narrowed
+        # set, or vLLM binds its model worker inside it).
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
     def start(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path, nice: int = 0) -> Service:
         ready_file = log_path.with_suffix(".ready")
@@ -46,7 +54,7 @@ class Supervisor:
 
         def spawn() -> procs.Child:
             ready_file.unlink(missing_ok=True)
-            return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice)
+            return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice, cpus=self.cpus)
 
         service = Service(name, log_path, spawn, spawn(), self.clock(), ready_file=ready_file)
         self.services.append(service)
@@ -75,6 +83,8 @@ class Supervisor:
                         s.child = s.respawn()
                         s.ready = s.ready_file is None
                         self.say(f"{s.name} restarted (pid {s.child.pid}; restart {s.restarts})")
+                        if s.ready and self.on_serving:
+                            self.on_serving(s)
                     except (RuntimeError, TimeoutError, OSError) as err:
                         # Its old process stays dead: the next look counts it as a crash.
                         self.say(f"{s.name} did not start again: {err}")
@@ -84,6 +94,8 @@ class Supervisor:
                 s.ready = True
                 if s.restarts:
                     self.say(f"{s.name} is serving again (restart {s.restarts})")
+                    if self.on_serving:
+                        self.on_serving(s)
             if s.child.alive:
                 continue
             code = s.child.stop(5)  # reap it, and whatever of its group survived it

@@ -82,8 +82,9 @@ class Plan:
         """About `minutes` of faults on this machine, 70 % of them engine kills: one costs
         ~30 s (a restart loads vLLM), a Postgres restart ~5 s, the others ~10-15 s. 15
         minutes: 21 engine kills."""
-        return cls(engine=max(2, round(minutes * 60 * 0.7 / 30)), postgres=max(3, round(minutes * 60 * 0.15 / 5)),
-                   temporal=max(1, round(minutes / 4)), api=max(1, round(minutes / 4)), store=max(1, round(minutes / 8)))
+        s, m = minutes * 60, minutes
+        return cls(engine=max(2, round(s * 0.7 / 30)), postgres=max(3, round(s * 0.15 / 5)),
+                   temporal=max(1, round(m / 4)), api=max(1, round(m / 4)), store=max(1, round(m / 8)))
 
 
 @dataclass

@@ -3,8 +3,11 @@ backoff and says so with its exit code and log; a crash loop gives up with the r
 a healthy child is left alone; a child killed soon after it said it serves is restarted
 however often it happens."""
 
+import os
 import sys
 import time
+
+import pytest
 
 from ballast.supervise import Supervisor
 from policy.restarts import RestartPolicy
@@ -51,4 +54,27 @@ def test_a_child_that_dies_after_saying_it_serves_is_restarted_every_time(tmp_pa
         assert any(m == "served is serving again (restart 1)" for m in said)
         assert len([m for m in said if m.startswith("served exited (code 9); restarting in 0.05 s")]) >= 5
     finally:
+        sup.stop_all(5)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to narrow one's set")
+def test_a_restarted_child_gets_every_core_back_and_the_serving_hook_runs(tmp_path):
+    """`ballast up` narrows its own cores (and its children's) off vLLM's; a process it starts
+    again must not inherit that, or a restarted engine binds vLLM inside the narrow set."""
+    everything = os.sched_getaffinity(0)
+    served: list[str] = []
+    sup = Supervisor(RestartPolicy(initial_backoff_s=0.05), say=lambda _: None,
+                     on_serving=lambda s: served.append(s.name))
+    script = ("import os, time; from ballast import procs; print(sorted(os.sched_getaffinity(0)), flush=True); "
+              "procs.notify_ready(); time.sleep(0.3)")
+    log = tmp_path / "cores.log"
+    child = sup.start("cores", [sys.executable, "-c", script], {}, log)
+    try:
+        os.sched_setaffinity(0, {min(everything)})  # as keep_off_model_workers does to `ballast up`
+        assert run_until(sup, lambda: child.restarts >= 1 and "cores" in served) is None
+        lines = [ln for ln in log.read_text().splitlines() if ln.startswith("[")]
+        assert len(lines) >= 2 and all(ln == str(sorted(everything)) for ln in lines), lines
+    finally:
+        os.sched_setaffinity(0, everything)
         sup.stop_all(5)
