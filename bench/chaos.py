@@ -99,6 +99,8 @@ class Injection:
 
 @dataclass
 class Call:
+    """A chat (every one), or another API call that did not succeed."""
+
     phase: str
     what: str  # chat | upload | batch | poll
     outcome: str  # ok | unavailable (503 + Retry-After) | refused (other 4xx) | error (5xx) | down | broken | hung
@@ -140,10 +142,10 @@ class Report:
         for fault in FAULTS:
             inj = [i for i in self.injections if i.fault == fault]
             rec = sorted(i.recovered_s for i in inj if i.recovered_s is not None)
-            calls = Counter(c.outcome for c in self.calls if c.phase == fault)
+            calls = Counter(f"{c.what} {c.outcome}" for c in self.calls if c.phase == fault)
             out[fault] = dict(injected=len(inj), recovered=len(rec),
                               recovery_p50_s=_pct(rec, 50), recovery_p99_s=_pct(rec, 99),
-                              recovery_max_s=rec[-1] if rec else None, calls=dict(calls))
+                              recovery_max_s=rec[-1] if rec else None, calls=dict(sorted(calls.items())))
         out["batches"] = dict(Counter(self.batches.values()))
         out["batch_items"] = self.batch_items
         out["chats_journaled"] = self.chats_journaled
