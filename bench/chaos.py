@@ -225,7 +225,12 @@ class Chaos:
                 self.stop.wait(0.5)
 
     def _submit(self, api: httpx.Client, n: int) -> int:
-        ids = [f"b{n}-{i}" for i in range(self.plan.items)]
+        made = (up := self._upload(api, f"b{n}")) is not None and self._create(api, *up) is not None
+        return int(made)
+
+    def _upload(self, api: httpx.Client, tag: str) -> tuple[str, list[str]] | None:
+        """A batch input file of `plan.items` chats: (its id, their custom ids)."""
+        ids = [f"{tag}-{i}" for i in range(self.plan.items)]
         lines = []
         for cid in ids:
             self.prompts[cid] = f"chaos {cid}: tell me about the {self.rng.choice(['sea', 'hills', 'rain', 'stars'])}"
@@ -234,18 +239,18 @@ class Chaos:
             lines.append(json.dumps(dict(custom_id=cid, method="POST", url="/v1/chat/completions", body=body)))
         up = self._http("upload", lambda a: a.post("/v1/files", files={"file": ("in.jsonl", "\n".join(lines) + "\n")},
                                                    data={"purpose": "batch"}), api)
-        if up is None:
-            return 0
-        fid = up.json()["id"]
+        return None if up is None else (up.json()["id"], ids)
+
+    def _create(self, api: httpx.Client, fid: str, ids: list[str]) -> str | None:
         made = self._http("batch", lambda a: a.post("/v1/batches", json=dict(
             input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")), api)
         if made is None:
-            return 0  # a batch made whose answer was lost is still checked: the end reads every batch
+            return None  # a batch made whose answer was lost is still checked: the end reads every batch
         bid = made.json()["id"]
         with self.lock:
             self.submitted[bid] = ids
             self.report.batches[bid] = made.json()["status"]
-        return 1
+        return bid
 
     def chats(self) -> None:
         with self._client(timeout=60) as api:
@@ -377,12 +382,21 @@ class Chaos:
             self.report.problems.append(f"store fault not injected: {self.report.store}")
             return
         with self._client() as api:
-            bid = self._running_batch(api)
+            # Its input is stored first; then the store fills; then the batch is made, so
+            # it cannot finalize before the store is full.
+            deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+            while (up := self._upload(api, f"s{n}")) is None and time.monotonic() < deadline:
+                time.sleep(1)
+            if up is None:
+                raise RuntimeError("no input file could be stored for the store fault")
             filler = self.store_dir / f"chaos-fill-{n}"
             inj = Injection("store", time.time(), "filesystem full (ENOSPC)")
             _fill(filler)
             self.report.injections.append(inj)
-            deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+            while (bid := self._create(api, *up)) is None and time.monotonic() < deadline:
+                time.sleep(1)
+            if bid is None:
+                raise RuntimeError("the batch for the store fault could not be made")
             while (status := self._status(api, bid)) != "finalizing":
                 if status in FINAL or time.monotonic() > deadline:
                     break
@@ -399,16 +413,6 @@ class Chaos:
                 time.sleep(0.2)
             inj.recovered_s = round(time.time() - freed, 2) if status == "completed" else None
             inj.note = f"batch {bid}: {held} while full, then {status}"
-
-    def _running_batch(self, api: httpx.Client) -> str:
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            with self.lock:
-                newest = list(self.submitted)[-1:] if self.submitted else []
-            if newest and self._status(api, newest[0]) == "in_progress":
-                return newest[0]
-            time.sleep(0.2)
-        raise RuntimeError("no batch in progress to finalize under a full store")
 
     def _status(self, api: httpx.Client, bid: str) -> str:
         r = self._http("poll", lambda a: a.get(f"/v1/batches/{bid}"), api)
