@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import httpx
@@ -15,6 +15,7 @@ from api.admission import Admission
 from api.auth import KeyCache, authenticate
 from api.engines import EngineDirectory
 from api.errors import APIError
+from api.placer import Placer
 from ballast.settings import Settings
 from journal.objects import ObjectStore
 from journal.tenants import Principal
@@ -30,6 +31,10 @@ class Services:
     http: httpx.AsyncClient  # to engine workers' streaming endpoints
     keys: KeyCache  # API key → tenant, bounded-stale (api/auth.py)
     admission: Admission | None = None  # limits and the quota ledger (api/admission.py); None: admit all
+    placer: Placer = field(init=False)  # where requests go (api/placer.py)
+
+    def __post_init__(self) -> None:
+        self.placer = Placer(self.settings)
 
 
 # Dependencies are coroutines: FastAPI runs a plain `def` dependency in a worker thread,

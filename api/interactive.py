@@ -35,7 +35,7 @@ from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
 from journal.tenants import Principal
 from policy.admission import Refuse, describe, estimate
-from policy.placement import EngineView, rank
+from policy.placement import EngineView
 from policy.preemption import TIERS
 from protocol import responses, schema
 from protocol.errors import ProtocolError
@@ -183,6 +183,7 @@ class Run:
         if self.done:
             return
         self.done = True
+        self.svc.placer.done(self.record.engine_id)
         if final is None:
             outcome = RequestOutcome(status or "cancelled", self.tokens, ttft_ms=ttft)
         else:
@@ -216,13 +217,14 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
                tier=req.service_tier, weight=weight)
-    engine, upstream = await _connect(svc, job)
+    engine, upstream = await _connect(svc, job, req)
     lines = upstream.aiter_lines()
     try:
         first = json.loads(await anext(lines)) if upstream.status_code == 200 else None
     except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError):
         first = None
     if first is None or "error" in first:
+        svc.placer.done(engine.id)
         await upstream.aclose()
         if upstream.status_code == 401:  # a deployment error, not the client's: say so where operators look
             log.error("engine %s refused the engine token (401): BALLAST_ENGINE_TOKEN differs between the API "
@@ -241,17 +243,20 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 
-async def _connect(svc: Services, job: dict) -> tuple[EngineView, httpx.Response]:
-    """Open the stream on the best engine; one that went away since it last announced
-    itself is skipped for the next best."""
+async def _connect(svc: Services, job: dict, req: GenerationRequest) -> tuple[EngineView, httpx.Response]:
+    """Open the stream on the best engine (api/placer.py); one that went away since it last
+    announced itself is skipped for the next best."""
     model = svc.settings.model_name
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    for engine in rank(await svc.engines.live(), model):
+    ranked, blocks = svc.placer.rank(req, await svc.engines.live())
+    for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job, headers=headers)
-            return engine, await svc.http.send(request, stream=True)
+            upstream = await svc.http.send(request, stream=True)
+            svc.placer.sent(engine, blocks)
+            return engine, upstream
         except httpx.TransportError as e:
             log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)
     raise APIError(503, f"No engine worker is serving {model!r} right now; start `ballast worker engine`.",

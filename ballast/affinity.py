@@ -75,3 +75,13 @@ def keep_off_model_workers(root: int) -> set[int]:
         except OSError:
             continue  # gone, or not ours to move
     return held
+
+
+def split_cores(cores: list[int], n: int) -> list[str | None]:
+    """`n` engines on one machine: each vLLM model worker bound to its own share of the
+    cores (VLLM_CPU_OMP_THREADS_BIND), so they do not fight over the same ones; None each
+    where there are fewer cores than engines (vLLM binds as it would alone)."""
+    if n <= 1 or len(cores) < n:
+        return [None] * n
+    share = len(cores) // n
+    return [",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(n)]

@@ -34,7 +34,9 @@ def _need_engine_token(settings: Settings) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ballast", description="Durable workload manager for LLM inference on vLLM.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("up", help="run everything on this machine (embedded Postgres and Temporal unless configured)")
+    u = sub.add_parser("up", help="run everything on this machine (embedded Postgres and Temporal unless configured)")
+    u.add_argument("--engines", type=int, default=None, help="engine workers to run here, one vLLM engine each "
+                                                             "(BALLAST_ENGINES, 1)")
     sub.add_parser("api", help="serve the OpenAI-compatible API")
     w = sub.add_parser("worker", help="run a Temporal worker")
     w.add_argument("kind", choices=["control", "engine"])
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         from ballast.stack import up
 
+        if args.engines is not None:
+            if args.engines < 1:
+                parser.error("--engines must be at least 1")
+            settings = settings.model_copy(update=dict(engines=args.engines))
         return up(settings)
     if args.cmd == "migrate":
         from journal.migrate import upgrade

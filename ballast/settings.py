@@ -75,6 +75,19 @@ class Settings(BaseSettings):
     # model worker to (ballast/affinity.py), as vLLM's own frontend and engine core do.
     isolate_engine_cpus: bool = False
 
+    # Placement (policy/placement.py): the scorers' weights, and the load bound past which
+    # an engine attracts no more of its prefixes (× the pool's mean interactive load).
+    placement_affinity_weight: float = Field(2.0, ge=0)
+    placement_load_weight: float = Field(1.0, ge=0)
+    placement_load_bound: float = Field(1.25, ge=1)
+    # The API's prefix index (policy/prefix.py): prompt blocks remembered, LRU; about the
+    # pool's KV-cache blocks.
+    prefix_index_blocks: int = Field(200_000, ge=1)
+    # `ballast up`: how many engine workers (one vLLM engine each) it runs on this machine.
+    engines: int = Field(1, ge=1)
+    # This engine worker's region: requests fenced to other regions never come here.
+    region: str = "local"
+
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
     engine_queue: str = "ballast-engine"

@@ -132,12 +132,12 @@ def _start(settings: Settings, data: Path, logs: Path,
     with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
     stack.callback(supervisor.stop_all, 30)  # the workers and the API, before Postgres and Temporal
-    parts = (("engine worker", ["worker", "engine"], with_token, 0),
-             ("control worker", ["worker", "control"], env, settings.bookkeeping_nice),
-             ("api", ["api"], with_token, 0))
-    for name, args, child_env, nice in parts:
-        _step(f"starting the {name} (log: {logs / (args[-1] + '.log')})")
-        supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{args[-1]}.log",
+    parts = [*_engine_workers(settings, with_token),
+             ("control worker", ["worker", "control"], env, settings.bookkeeping_nice, "control"),
+             ("api", ["api"], with_token, 0, "api")]
+    for name, args, child_env, nice, log_name in parts:
+        _step(f"starting the {name} (log: {logs / (log_name + '.log')})")
+        supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{log_name}.log",
                          nice)
     effective = settings.model_copy(update=dict(
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
@@ -145,6 +145,19 @@ def _start(settings: Settings, data: Path, logs: Path,
         database_url=env["BALLAST_DATABASE_URL"],
     ))
     return supervisor, effective, keys
+
+
+def _engine_workers(settings: Settings, env: dict[str, str]) -> list[tuple[str, list[str], dict[str, str], int, str]]:
+    """`settings.engines` engine workers: (name, args, env, nice, log name). Several on one
+    machine each bind vLLM to their own cores, unless VLLM_CPU_OMP_THREADS_BIND says how."""
+    n = settings.engines
+    if n == 1:
+        return [("engine worker", ["worker", "engine"], env, 0, "engine")]
+    binds = [None] * n if "VLLM_CPU_OMP_THREADS_BIND" in env else affinity.split_cores(
+        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], n)
+    return [(f"engine worker {i + 1}", ["worker", "engine"],
+             dict(env, VLLM_CPU_OMP_THREADS_BIND=bind) if bind else env, 0, f"engine-{i + 1}")
+            for i, bind in enumerate(binds)]
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
             async with db.begin() as conn:
                 cap = await je.announce(conn, engine_id, url, model, settings.engine_queue,
                                         dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
-                                             flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0)))
+                                             flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0),
+                                             block_size=engine.block_size, region=settings.region))
             await slots.direct(cap)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)

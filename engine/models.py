@@ -21,3 +21,14 @@ def resolve_model(settings: Settings) -> ModelSpec:
 
     path = build_tiny_model(settings.models_dir, settings.max_model_len)
     return ModelSpec(str(path), settings.model_name, settings.max_model_len)
+
+
+def tokenizer_path(settings: Settings) -> str | None:
+    """Where the served model's tokenizer is, building nothing: the configured model, or
+    the tiny model once an engine worker has built it (None until then)."""
+    if settings.model:
+        return settings.model
+    from engine.tiny import tiny_model_dir
+
+    built = tiny_model_dir(settings.models_dir, settings.max_model_len)
+    return str(built) if built.is_dir() else None

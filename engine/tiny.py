@@ -68,10 +68,15 @@ def spec_hash(max_model_len: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def tiny_model_dir(models_dir: Path, max_model_len: int = 2048) -> Path:
+    """Where the tiny model for `max_model_len` is (or will be) built."""
+    return Path(models_dir) / f"{TINY_MODEL_NAME}-{spec_hash(max_model_len)}"
+
+
 def build_tiny_model(models_dir: Path, max_model_len: int = 2048) -> Path:
     """Build (once) and return the directory of the tiny model for `max_model_len`."""
     models_dir = Path(models_dir)
-    final = models_dir / f"{TINY_MODEL_NAME}-{spec_hash(max_model_len)}"
+    final = tiny_model_dir(models_dir, max_model_len)
     if final.is_dir():
         return final
     models_dir.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from engine import prompts
 from engine.models import ModelSpec
 
 GiB = 1 << 30
@@ -36,6 +37,10 @@ class Load:
     running: int = 0  # sequences in vLLM's running batch
     waiting: int = 0  # requests queued in vLLM, not yet scheduled
     kv_cache_usage: float = 0.0  # share of KV-cache blocks in use, 0..1
+    # vLLM's own prefix-cache counters since start, in prompt tokens (new requests; a
+    # preempted one's re-prefill is not counted): placement's measure of its affinity.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class Engine:
@@ -43,6 +48,8 @@ class Engine:
         self.spec = spec
         self._llm = llm
         self.tokenizer = llm.get_tokenizer()
+        # Its prefix cache's unit: placement hashes prompts in blocks of it (policy/prefix.py).
+        self.block_size: int = llm.vllm_config.cache_config.block_size
         self.load = load or Load()
         # vLLM's own bound (renderers/base.py): a prompt id past the tokenizer's and the
         # model's vocabulary is refused.
@@ -115,16 +122,10 @@ class Engine:
         return cls(spec, AsyncLLM.from_engine_args(args, stat_loggers=[_load_gauge(load)]), load)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
-        # Render to text, then encode without extra specials: the template itself
-        # places BOS (or whatever the model wants).
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return prompts.render_chat(self.tokenizer, messages)
 
     def render_text(self, prompt: str) -> list[int]:
-        # The tokenizer's own special-token rule adds BOS where the model expects it.
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return prompts.render_text(self.tokenizer, prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -203,6 +204,8 @@ def _load_gauge(load: Load):
                 load.running = scheduler_stats.num_running_reqs
                 load.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
                 load.kv_cache_usage = scheduler_stats.kv_cache_usage
+                load.prefix_queries += scheduler_stats.prefix_cache_stats.queries
+                load.prefix_hits += scheduler_stats.prefix_cache_stats.hits
 
         def log_engine_initialized(self):
             pass

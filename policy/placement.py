@@ -1,12 +1,26 @@
-"""Which engine worker serves an interactive request. Pure.
+"""Which engine worker serves a request: filters → scorers → picker (llm-d's shape). Pure.
 
-Filters (live, serves the model) → scorers normalised to [0, 1] → a ranking, best first
-(the API falls back down it), with the engine id as the deterministic tiebreak. One scorer
-today, load; prompt-cache affinity joins it as a second weighted scorer.
+1. Filters drop the engines that cannot take it: not serving its model, outside its
+   geography, draining.
+2. Scorers rate each one left in [0, 1], each alone:
+   - affinity: the share of the request's leading prompt blocks the engine holds, as the
+     router's prefix index predicts (policy/prefix.py): a hit in vLLM's prefix cache;
+   - load: the share of its slots not taken by interactive work (batch yields to it).
+3. A bound keeps affinity from piling onto one engine: an engine whose interactive load
+   has reached `load_bound` × the mean (consistent hashing with bounded loads, Mirrokni,
+   Thorup and Zadimoghaddam) scores no affinity, so the prefix spills to the next best
+   and, being sent there, is cached there too.
+4. The picker ranks by the weighted sum, best first (the caller falls back down the list);
+   ties go to the engine with less batch work (fewer to preempt), then to the highest
+   rendezvous hash of the request's first block and the engine's id, so new prefixes
+   spread evenly and stably, then to the id.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -20,6 +34,39 @@ class EngineView:
     max_seqs: int
     flex: int = 0  # flex requests running or waiting there
     flex_floor: int = 0  # the slots flex gets back there when starved (its minimum share)
+    region: str = ""
+    draining: bool = False
+    block_size: int = 16  # vLLM's KV block: prefix-cache keys are whole blocks of it
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    blocks: tuple[int, ...] = ()  # policy.prefix.block_hashes of its prompt
+    regions: frozenset[str] | None = None  # where it may run; None: anywhere
+
+
+@dataclass(frozen=True)
+class Weights:
+    affinity: float = 2.0  # above load's: a full prefix hit outweighs an idle engine, up to the bound
+    load: float = 1.0
+    load_bound: float = 1.25  # no affinity for an engine at this × the mean interactive load (+1)
+
+
+# -- 1. filters ---------------------------------------------------------------------------
+
+
+def eligible(engines: list[EngineView], req: Request) -> list[EngineView]:
+    return [e for e in engines
+            if e.model == req.model and not e.draining and (req.regions is None or e.region in req.regions)]
+
+
+# -- 2. scorers ---------------------------------------------------------------------------
+
+
+def affinity_score(e: EngineView, req: Request, matched: Mapping[str, int]) -> float:
+    """The share of the request's leading blocks this engine holds."""
+    return matched.get(e.id, 0) / len(req.blocks) if req.blocks else 0.0
 
 
 def load_score(e: EngineView) -> float:
@@ -27,6 +74,36 @@ def load_score(e: EngineView) -> float:
     return max(0.0, 1.0 - e.interactive / max(1, e.max_seqs))
 
 
-def rank(engines: list[EngineView], model: str) -> list[EngineView]:
-    """Engines that serve `model`, best first (the next ones are fallbacks)."""
-    return sorted((e for e in engines if e.model == model), key=lambda e: (-load_score(e), e.batch, e.id))
+# -- 3. the bound -------------------------------------------------------------------------
+
+
+def load_cap(engines: list[EngineView], bound: float) -> int:
+    """The interactive load at which an engine stops attracting its prefixes: `bound` ×
+    the mean once this request is counted, rounded up (never below 1)."""
+    total = sum(e.interactive for e in engines) + 1
+    return max(1, math.ceil(bound * total / max(1, len(engines))))
+
+
+# -- 4. the picker ------------------------------------------------------------------------
+
+
+def rendezvous(anchor: int, engine_id: str) -> int:
+    """Stable across processes (unlike hash() of a str): every API replica agrees."""
+    return zlib.crc32(f"{anchor}:{engine_id}".encode())
+
+
+def rank(engines: list[EngineView], req: Request, matched: Mapping[str, int] | None = None,
+         w: Weights = Weights()) -> list[EngineView]:
+    """The engines that can take `req`, best first. `matched`: engine id → leading blocks
+    it holds (PrefixIndex.matched)."""
+    candidates = eligible(engines, req)
+    matched = matched or {}
+    cap = load_cap(candidates, w.load_bound)
+    anchor = req.blocks[0] if req.blocks else 0
+
+    def key(e: EngineView) -> tuple[float, int, int, str]:
+        affinity = affinity_score(e, req, matched) if e.interactive < cap else 0.0
+        score = w.affinity * affinity + w.load * load_score(e)
+        return -round(score, 9), e.batch, -rendezvous(anchor, e.id), e.id
+
+    return sorted(candidates, key=key)

@@ -70,3 +70,12 @@ def test_nothing_moves_where_no_model_worker_is_bound():
         assert os.sched_getaffinity(other) == before
     finally:
         stop(root)
+
+
+def test_engines_on_one_machine_get_their_own_cores():
+    from ballast.affinity import split_cores
+
+    assert split_cores([0, 1, 2, 3], 2) == ["0,1", "2,3"]
+    assert split_cores([0, 1, 2, 3, 4], 2) == ["0,1", "2,3"]  # the odd core is left to the rest
+    assert split_cores([0, 1], 3) == [None, None, None]  # fewer cores than engines: vLLM binds as alone
+    assert split_cores([0, 1, 2, 3], 1) == [None]

@@ -18,8 +18,10 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -261,3 +263,11 @@ def vllm_paused(stack: Stack) -> Iterator[None]:
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def up_dir():
+    """A data dir for a `ballast up` of the test's own."""
+    d = Path(tempfile.mkdtemp(prefix="ballast-test-up-"))  # short: Postgres's socket path
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,13 +37,6 @@ def child(up: procs.Child, args: str) -> int:
         if cmd.endswith(f"ballast.cli {args}") or f" {args} " in f" {cmd} ":
             return pid
     raise AssertionError(f"no child runs {args!r}")
-
-
-@pytest.fixture
-def up_dir():
-    d = Path(tempfile.mkdtemp(prefix="ballast-test-supervise-"))  # short: Postgres's socket path
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def sql(up_dir: Path, q: str, **params) -> list[tuple]:

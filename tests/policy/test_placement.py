@@ -1,23 +1,162 @@
-from policy.placement import EngineView, load_score, rank
+"""Placement, each part alone, then together; and the geo-fence as a property over random
+pools, regions and requests."""
+
+import random
+
+import pytest
+
+from policy.placement import EngineView, Request, Weights, affinity_score, eligible, load_cap, load_score, rank
+from policy.prefix import PrefixIndex, block_hashes
 
 
-def ev(id, interactive=0, batch=0, model="m", max_seqs=8):
-    return EngineView(id, f"http://{id}", model, interactive, batch, max_seqs)
+def ev(id, interactive=0, batch=0, model="m", max_seqs=8, region="eu", draining=False):
+    return EngineView(id, f"http://{id}", model, interactive, batch, max_seqs, region=region, draining=draining)
 
 
-def test_filters_by_model_and_prefers_the_least_interactive_load():
-    engines = [ev("a", interactive=3), ev("b", interactive=1), ev("c", model="other")]
-    assert [e.id for e in rank(engines, "m")] == ["b", "a"]  # the best, then the fallback
-    assert [e.id for e in rank(engines, "other")] == ["c"]
-    assert rank(engines, "nope") == []
+def ids(engines):
+    return [e.id for e in engines]
 
 
-def test_ties_break_on_batch_load_then_id():
-    assert [e.id for e in rank([ev("b", batch=2), ev("a", batch=2), ev("c", batch=1)], "m")] == ["c", "a", "b"]
-    assert rank([ev("b"), ev("a")], "m")[0].id == "a"
+# -- filters ------------------------------------------------------------------------------
 
 
-def test_load_score_is_normalised():
+def test_filters_drop_other_models_draining_engines_and_regions_outside_the_fence():
+    engines = [ev("a"), ev("b", model="other"), ev("c", draining=True), ev("d", region="us"), ev("e", region="ap")]
+    assert ids(eligible(engines, Request("m"))) == ["a", "d", "e"]
+    assert ids(eligible(engines, Request("m", regions=frozenset({"us", "ap"})))) == ["d", "e"]
+    assert eligible(engines, Request("m", regions=frozenset({"sa"}))) == []
+    assert eligible(engines, Request("nope")) == []
+
+
+# -- scorers ------------------------------------------------------------------------------
+
+
+def test_load_score_is_the_share_of_slots_free_of_interactive_work():
     assert load_score(ev("a")) == 1.0
+    assert load_score(ev("a", interactive=2)) == 0.75
     assert load_score(ev("a", interactive=8)) == 0.0
     assert load_score(ev("a", interactive=20)) == 0.0
+    assert load_score(ev("a", batch=8)) == 1.0  # batch yields: not load for interactive work
+
+
+def test_affinity_score_is_the_share_of_leading_blocks_held():
+    req = Request("m", blocks=(1, 2, 3, 4))
+    assert affinity_score(ev("a"), req, {"a": 4}) == 1.0
+    assert affinity_score(ev("a"), req, {"a": 1}) == 0.25
+    assert affinity_score(ev("b"), req, {"a": 4}) == 0.0
+    assert affinity_score(ev("a"), Request("m"), {"a": 4}) == 0.0  # a prompt shorter than a block
+
+
+# -- the bound ----------------------------------------------------------------------------
+
+
+def test_the_load_cap_is_the_bound_times_the_mean_counting_this_request():
+    assert load_cap([ev("a"), ev("b")], 1.25) == 1  # ceil(1.25 * 1 / 2)
+    assert load_cap([ev("a", interactive=4), ev("b", interactive=0)], 1.25) == 4  # ceil(1.25 * 5 / 2)
+    assert load_cap([ev("a", interactive=6), ev("b", interactive=6), ev("c", interactive=6)], 1.25) == 8
+
+
+# -- the picker ---------------------------------------------------------------------------
+
+
+def test_without_a_prefix_the_least_loaded_wins_then_less_batch():
+    assert ids(rank([ev("a", interactive=3), ev("b", interactive=1)], Request("m"))) == ["b", "a"]
+    assert ids(rank([ev("a", batch=2), ev("b", batch=1)], Request("m"))) == ["b", "a"]
+
+
+def test_a_held_prefix_wins_over_an_idler_engine_until_the_bound_then_spills():
+    req = Request("m", blocks=(7, 8, 9, 10))
+    # a holds the whole prefix and is busier than b: affinity wins...
+    assert ids(rank([ev("a", interactive=4), ev("b", interactive=2)], req, {"a": 4}))[0] == "a"
+    # ...until a reaches the bound (1.25 × the mean, this request counted: 5): then b.
+    assert ids(rank([ev("a", interactive=5), ev("b", interactive=2)], req, {"a": 4}))[0] == "b"
+    # A partial match weighs its share.
+    assert ids(rank([ev("a", interactive=4), ev("b", interactive=0)], req, {"a": 1}))[0] == "b"
+
+
+def test_new_prefixes_spread_over_equal_engines_and_each_sticks():
+    engines = [ev(x) for x in "abcd"]
+    firsts = [rank(engines, Request("m", blocks=(n,)))[0].id for n in range(400)]
+    counts = {e: firsts.count(e) for e in "abcd"}
+    assert min(counts.values()) > 60, counts  # rendezvous: about 100 each
+    assert firsts == [rank(list(reversed(engines)), Request("m", blocks=(n,)))[0].id for n in range(400)]
+
+
+def test_weights_are_settings():
+    req = Request("m", blocks=(1,))
+    engines = [ev("a", interactive=1), ev("b")]
+    assert rank(engines, req, {"a": 1})[0].id == "a"
+    assert rank(engines, req, {"a": 1}, Weights(affinity=0.1))[0].id == "b"
+
+
+def place(index: PrefixIndex, load: dict[str, int], blocks: tuple[int, ...]) -> tuple[str, bool]:
+    """Rank, send to the best (recorded in the index, its load up one); (engine, was it a hit)."""
+    engines = [ev(e, interactive=i, max_seqs=64) for e, i in load.items()]
+    best = rank(engines, Request("m", blocks=blocks), index.matched(blocks))[0]
+    hit = index.matched(blocks).get(best.id, 0) == len(blocks)
+    index.record(best.id, blocks)
+    load[best.id] += 1
+    return best.id, hit
+
+
+def test_one_prefix_sticks_to_one_engine_while_its_requests_finish_in_turn():
+    index, load = PrefixIndex(), {"a": 0, "b": 0, "c": 0}
+    placed = []
+    for n in range(10):
+        engine, _ = place(index, load, block_hashes(list(range(1000, 1064)) + [n] * 16, 16))
+        load[engine] -= 1  # done before the next one comes
+        placed.append(engine)
+    assert len(set(placed)) == 1
+
+
+def test_concurrent_requests_of_one_prefix_fill_engines_to_the_bound_and_miss_once_per_engine():
+    index, load = PrefixIndex(), {"a": 0, "b": 0, "c": 0}
+    hits = [place(index, load, block_hashes(list(range(1000, 1064)), 16))[1] for _ in range(12)]
+    assert sorted(load.values()) == [4, 4, 4]  # never above 1.25 × the mean
+    assert hits.count(False) == 3  # the prefix is prefilled once on each engine, and hits after
+
+
+# -- the fence, as a property ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_request_is_ever_placed_outside_its_geography(seed):
+    rng = random.Random(seed)
+    regions = ["eu-west", "eu-north", "us-east", "us-west", "ap-south"]
+    index = PrefixIndex()
+    for _ in range(300):
+        pool = [ev(f"e{i}", interactive=rng.randrange(10), batch=rng.randrange(5), region=rng.choice(regions),
+                   draining=rng.random() < 0.1, model=rng.choice(["m", "m", "n"])) for i in range(rng.randrange(1, 8))]
+        fence = frozenset(rng.sample(regions, rng.randrange(1, 3))) if rng.random() < 0.8 else None
+        blocks = tuple(rng.randrange(50) for _ in range(rng.randrange(4)))
+        for e in rng.sample(pool, min(2, len(pool))):
+            index.record(e.id, blocks)  # affinity pulling anywhere, inside or outside the fence
+        out = rank(pool, Request("m", blocks=blocks, regions=fence), index.matched(blocks))
+        assert all(e.model == "m" and not e.draining and (fence is None or e.region in fence) for e in out)
+        assert ids(out) == ids(sorted(out, key=lambda e: ids(out).index(e.id)))
+        assert set(ids(out)) == {e.id for e in pool if e.model == "m" and not e.draining
+                                 and (fence is None or e.region in fence)}
+
+
+# -- the prefix index -----------------------------------------------------------------------
+
+
+def test_block_hashes_chain_whole_blocks_only():
+    a = block_hashes(list(range(40)), 16)
+    assert len(a) == 2  # 40 tokens: two whole blocks, the partial third is not cached
+    b = block_hashes([99] + list(range(1, 40)), 16)
+    assert a[0] != b[0] and a[1] != b[1]  # the second block matches only with the first
+    assert block_hashes(list(range(40)), 16) == a  # deterministic
+    assert block_hashes(list(range(10)), 16) == ()
+
+
+def test_the_index_matches_leading_blocks_forgets_least_recent_and_a_lost_engine():
+    index = PrefixIndex(capacity=5)
+    index.record("a", [1, 2, 3])
+    index.record("b", [1, 2])
+    assert index.matched([1, 2, 3, 9]) == {"a": 3, "b": 2}
+    assert index.matched([2, 3]) == {"a": 2, "b": 1}  # from wherever its first block is
+    assert index.matched([9, 1]) == {}
+    index.record("c", [7, 8, 9])  # 6 blocks > 5: the least recently sent (3: b was sent 1, 2 after it) goes
+    assert index.matched([1, 2, 3]) == {"a": 2, "b": 2} and index.matched([7, 8]) == {"c": 2}
+    assert index.forget("a") == 2 and index.matched([2, 3]) == {"b": 1}

@@ -1,0 +1,77 @@
+"""Prompt-cache affinity's inputs: a prompt's leading blocks as chained hashes, and the
+router's own index of which engine was last sent each block. Pure (no I/O, no clock).
+
+vLLM keys its prefix cache by full blocks of `block_size` tokens, each block's key chained
+to the key of the block before it, so a block is a hit only if every block before it is
+too. `block_hashes` cuts the prompt the same way (the same token ids, from the engine's own
+tokenizer, and the engine's block size), so a match here predicts a hit there. The hash is
+Python's over tuples of ints: deterministic across processes (only str and bytes hashes are
+salted), and fast.
+
+`PrefixIndex` is the approximate prefix cache of llm-d's router: no engine is asked what it
+holds; the router remembers where it sent each block, least recently used first out, sized
+to the fleet's KV cache. An engine that left is forgotten: only its keys move.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+ROOT = 0x0BA11A57  # the chain's seed: the hash "before" the first block
+MAX_BLOCKS = 512  # a prompt's leading blocks that count (8k tokens at 16 a block)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, limit: int = MAX_BLOCKS) -> tuple[int, ...]:
+    """The chained hashes of the prompt's full leading blocks (a partial last block is
+    never cached by vLLM, so it does not count)."""
+    out: list[int] = []
+    h = ROOT
+    for start in range(0, min(len(token_ids), limit * block_size) - block_size + 1, block_size):
+        h = hash((h, *token_ids[start:start + block_size]))
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixIndex:
+    def __init__(self, capacity: int = 200_000):
+        self.capacity = capacity
+        self._where: OrderedDict[int, set[str]] = OrderedDict()  # block hash → engines sent it, LRU first
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def matched(self, blocks: Sequence[int]) -> dict[str, int]:
+        """For each engine holding the first block: how many leading blocks it holds."""
+        if not blocks or (first := self._where.get(blocks[0])) is None:
+            return {}
+        held = dict.fromkeys(first, 1)
+        alive = set(first)
+        for n, b in enumerate(blocks[1:], start=2):
+            alive &= self._where.get(b, set())
+            if not alive:
+                break
+            for e in alive:
+                held[e] = n
+        return held
+
+    def record(self, engine: str, blocks: Iterable[int]) -> None:
+        """`engine` was sent these blocks: it holds them now (most recently used)."""
+        for b in blocks:
+            where = self._where.pop(b, None) or set()
+            where.add(engine)
+            self._where[b] = where
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def forget(self, engine: str) -> int:
+        """An engine left the pool; how many blocks it held (now held nowhere else lose it)."""
+        gone = 0
+        for b in list(self._where):
+            where = self._where[b]
+            if engine in where:
+                gone += 1
+                where.discard(engine)
+                if not where:
+                    del self._where[b]
+        return gone

@@ -1,0 +1,60 @@
+"""The API's placement hashes a prompt into the blocks vLLM's prefix cache keys: the same
+token ids as the engine renders (vLLM's own tokenizer, in the engine), the engine's block
+size; and the blocks it predicts a second request shares with a first are the tokens vLLM
+itself then reports as prefix-cache hits."""
+
+from __future__ import annotations
+
+import uuid
+
+from api.placer import Placer
+from ballast.settings import Settings
+from policy.placement import EngineView
+from policy.prefix import block_hashes
+from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Message
+
+SYSTEM = "You are the ship's navigator. " * 12  # a long shared prefix: several blocks
+
+
+def chat(*turns: str) -> GenerationRequest:
+    roles = ["system"] + ["user", "assistant"] * len(turns)
+    return GenerationRequest(CHAT, "ballast-tiny", tuple(Message(r, t) for r, t in zip(roles, (SYSTEM, *turns),
+                                                                                       strict=False)))
+
+
+def placer(tiny_model) -> Placer:
+    return Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name,
+                           max_model_len=tiny_model.max_model_len))
+
+
+def test_the_blocks_are_those_of_the_engines_own_rendering(tiny_model, engine):
+    p = placer(tiny_model)
+    req = chat("Where are we?")
+    ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])  # vLLM's tokenizer
+    assert len(ids) > 3 * engine.block_size
+    assert p.blocks(req, engine.block_size) == block_hashes(ids, engine.block_size)
+    text = GenerationRequest(COMPLETIONS, "ballast-tiny", prompt=SYSTEM)
+    assert p.blocks(text, engine.block_size) == block_hashes(engine.render_text(SYSTEM), engine.block_size)
+
+
+async def test_the_predicted_shared_blocks_are_vllms_own_prefix_cache_hits(tiny_model, engine):
+    p = placer(tiny_model)
+    me = EngineView("e1", "http://e1", "ballast-tiny", 0, 0, 8, block_size=engine.block_size)
+    run = uuid.uuid4().hex  # a prefix this engine has never seen, whatever ran before
+    first, second = chat(f"{run}: where are we?"), chat(f"{run}: where are we?", "North.", "How far?")
+    ranked, blocks = p.rank(first, [me])
+    assert ranked == [me] and not p.index.matched(blocks)
+    await generate(engine, first)
+    p.sent(me, blocks)
+
+    ranked, blocks = p.rank(second, [me])
+    predicted = p.index.matched(blocks)["e1"] * engine.block_size
+    before = engine.load.prefix_hits
+    await generate(engine, second)
+    assert predicted > 0 and engine.load.prefix_hits - before == predicted
+
+
+async def generate(engine, req: GenerationRequest) -> None:
+    ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])
+    async for _ in engine.generate(f"placer-{uuid.uuid4().hex}", ids, max_tokens=1, temperature=0.0):
+        pass
