@@ -17,6 +17,7 @@ from api.errors import APIError, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from journal import tenants
 from policy.lifecycle import cancellable
+from policy.placement import batch_region, region_queue
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
 from workflows.batch import BatchWorkflow
@@ -94,10 +95,14 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         await jb.create_batch(conn, row)
         owner = await tenants.get_tenant(conn, tenant)
     s = svc.settings
+    queue = s.engine_queue
+    if owner and owner.get("regions") is not None:  # fenced: only that region's engine workers poll it
+        region = batch_region(frozenset(owner["regions"]), await svc.engines.live(), s.model_name)
+        queue = region_queue(s.engine_queue, region)
     try:
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
-            BatchInput(row["id"], row["expires_at"], s.engine_queue, s.batch_concurrency, s.heartbeat_timeout_s,
+            BatchInput(row["id"], row["expires_at"], queue, s.batch_concurrency, s.heartbeat_timeout_s,
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
                        fairness_weight=float(owner["weight"] if owner else 1)),
             id=workflow_id(row["id"]),

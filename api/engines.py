@@ -37,8 +37,7 @@ class EngineDirectory:
         self._views = [
             EngineView(r["id"], r["url"], r["model"], r["stats"].get("interactive", 0), r["stats"].get("batch", 0),
                        r["stats"].get("max_seqs", 1), r["stats"].get("flex", 0), r["stats"].get("flex_floor", 0),
-                       r["stats"].get("region", ""), r["stats"].get("draining", False),
-                       r["stats"].get("block_size", 16))
+                       r["stats"].get("region", ""), r["draining"], r["stats"].get("block_size", 16))
             for r in rows
         ]
         self._at = time.monotonic()

@@ -37,7 +37,7 @@ async def _db(svc) -> bool:
 
 
 async def _engines(svc) -> bool:
-    return any(e.model == svc.settings.model_name for e in await svc.engines.live())
+    return any(e.model == svc.settings.model_name and not e.draining for e in await svc.engines.live())
 
 
 @router.get("/healthz")

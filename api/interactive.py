@@ -80,7 +80,7 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
     ticket = await _admit(svc, tenant, req, rid)
     try:
-        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight)
+        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight, regions=who.regions)
     except BaseException:
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
@@ -210,14 +210,14 @@ class EngineFailed(Exception):
 
 
 async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
-                ticket: Ticket | None = None, weight: int = 1) -> Run:
+                ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None) -> Run:
     s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
                tier=req.service_tier, weight=weight)
-    engine, upstream = await _connect(svc, job, req)
+    engine, upstream = await _connect(svc, job, req, regions)
     lines = upstream.aiter_lines()
     try:
         first = json.loads(await anext(lines)) if upstream.status_code == 200 else None
@@ -243,14 +243,15 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 
-async def _connect(svc: Services, job: dict, req: GenerationRequest) -> tuple[EngineView, httpx.Response]:
-    """Open the stream on the best engine (api/placer.py); one that went away since it last
-    announced itself is skipped for the next best."""
+async def _connect(svc: Services, job: dict, req: GenerationRequest,
+                   regions: frozenset[str] | None = None) -> tuple[EngineView, httpx.Response]:
+    """Open the stream on the best engine (api/placer.py) inside the tenant's regions; one
+    that went away since it last announced itself is skipped for the next best."""
     model = svc.settings.model_name
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    ranked, blocks = svc.placer.rank(req, await svc.engines.live())
+    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions)
     for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job, headers=headers)
@@ -259,8 +260,9 @@ async def _connect(svc: Services, job: dict, req: GenerationRequest) -> tuple[En
             return engine, upstream
         except httpx.TransportError as e:
             log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)
-    raise APIError(503, f"No engine worker is serving {model!r} right now; start `ballast worker engine`.",
-                   code="engine_unavailable", headers={"Retry-After": "5"})
+    where = f" in your regions ({', '.join(sorted(regions))})" if regions is not None else ""
+    raise APIError(503, f"No engine worker is serving {model!r}{where} right now; start `ballast worker engine`"
+                        f"{' there' if where else ''}.", code="engine_unavailable", headers={"Retry-After": "5"})
 
 
 # -- 4. relay or collect ------------------------------------------------------------

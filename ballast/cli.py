@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--engines", type=int, default=None, help="engine workers to run here, one vLLM engine each "
                                                              "(BALLAST_ENGINES, 1)")
     sub.add_parser("api", help="serve the OpenAI-compatible API")
-    w = sub.add_parser("worker", help="run a Temporal worker")
-    w.add_argument("kind", choices=["control", "engine"])
+    w = sub.add_parser("worker", help="run a Temporal worker; or list the engine workers, or drain one")
+    w.add_argument("kind", choices=["control", "engine", "list", "drain"])
+    w.add_argument("id", nargs="?", help="drain: the engine worker's id (as `ballast worker list` shows it)")
     sub.add_parser("migrate",
                    help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
     tenants_cli.add_parser(sub)
@@ -95,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         config = uvicorn.Config(create_app(settings), log_level="warning")
         uvicorn.Server(config).run(sockets=[listen_nodelay(settings.api_host, settings.api_port)])
         return 0
+    if args.cmd == "worker" and args.kind in ("list", "drain"):
+        from ballast import workers
+
+        # As `ballast tenants`: DATABASE_URL, or the running `ballast up`'s embedded Postgres.
+        settings = settings.model_copy(update=dict(database_url=tenants_cli.database_url(settings)))
+        if args.kind == "drain" and not args.id:
+            parser.error("ballast worker drain ID: which engine worker (`ballast worker list` shows them)")
+        return asyncio.run(workers.list_or_drain(settings, args.id if args.kind == "drain" else None))
     if args.cmd == "worker":
         from ballast import workers
 

@@ -83,8 +83,10 @@ class Settings(BaseSettings):
     # The API's prefix index (policy/prefix.py): prompt blocks remembered, LRU; about the
     # pool's KV-cache blocks.
     prefix_index_blocks: int = Field(200_000, ge=1)
-    # `ballast up`: how many engine workers (one vLLM engine each) it runs on this machine.
+    # `ballast up`: how many engine workers (one vLLM engine each) it runs on this machine,
+    # and their regions in turn (comma-separated; unset: each in `region`).
     engines: int = Field(1, ge=1)
+    engine_regions: str | None = None
     # This engine worker's region: requests fenced to other regions never come here.
     region: str = "local"
 

@@ -151,13 +151,18 @@ def _engine_workers(settings: Settings, env: dict[str, str]) -> list[tuple[str, 
     """`settings.engines` engine workers: (name, args, env, nice, log name). Several on one
     machine each bind vLLM to their own cores, unless VLLM_CPU_OMP_THREADS_BIND says how."""
     n = settings.engines
+    regions = [r.strip() for r in (settings.engine_regions or settings.region).split(",") if r.strip()] or ["local"]
     if n == 1:
-        return [("engine worker", ["worker", "engine"], env, 0, "engine")]
+        return [("engine worker", ["worker", "engine"], dict(env, BALLAST_REGION=regions[0]), 0, "engine")]
     binds = [None] * n if "VLLM_CPU_OMP_THREADS_BIND" in env else affinity.split_cores(
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], n)
-    return [(f"engine worker {i + 1}", ["worker", "engine"],
-             dict(env, VLLM_CPU_OMP_THREADS_BIND=bind) if bind else env, 0, f"engine-{i + 1}")
-            for i, bind in enumerate(binds)]
+    out = []
+    for i, bind in enumerate(binds):
+        own = dict(env, BALLAST_REGION=regions[i % len(regions)])
+        if bind:
+            own["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        out.append((f"engine worker {i + 1}", ["worker", "engine"], own, 0, f"engine-{i + 1}"))
+    return out
 
 
 @dataclass(frozen=True)

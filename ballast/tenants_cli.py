@@ -42,6 +42,12 @@ def add_parser(sub: Any) -> None:
     r = cmds.add_parser("revoke", help="revoke a key by its id (key_…); API processes stop taking it within "
                                        "BALLAST_KEY_CACHE_S")
     r.add_argument("key_id")
+    g = cmds.add_parser("regions", help="show where a tenant's work may run, or fence it (API processes apply it "
+                                        "within BALLAST_KEY_CACHE_S)")
+    g.add_argument("name")
+    g.add_argument("--set", dest="regions", metavar="R1,R2", help="only engine workers in these regions "
+                                                                 "(their BALLAST_REGION)")
+    g.add_argument("--anywhere", action="store_true", help="lift the fence")
     lim = cmds.add_parser("limits", help="show a tenant's limits, or set some (others stay; 'none' clears one)")
     lim.add_argument("name")
     lim.add_argument("--model", default=jt.ANY_MODEL, help="the model they apply to (default '*': every model)")
@@ -146,7 +152,20 @@ async def _limits(conn: AsyncConnection, args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits)
+async def _regions(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    if args.regions is not None or args.anywhere:
+        regions = None if args.anywhere else [r.strip() for r in args.regions.split(",") if r.strip()]
+        if regions is not None and not regions:
+            raise ValueError("--set needs at least one region")
+        await jt.set_regions(conn, args.name, regions)
+    t = await jt.get_tenant(conn, args.name)
+    if t is None:
+        raise LookupError(f"No tenant {args.name!r}.")
+    print(f"tenant {args.name}: " + ("anywhere" if t["regions"] is None else "only in " + ", ".join(t["regions"])))
+    return 0
+
+
+_COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits, regions=_regions)
 _COMMANDS["new-key"] = _new_key
 
 

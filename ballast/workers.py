@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from contextlib import AsyncExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
+from policy.placement import region_queue
 from policy.preemption import SurgePolicy, min_slots
 from protocol.requests import Limits
 from workflows.batch import BatchWorkflow
@@ -43,6 +45,27 @@ async def _run_until_signalled(worker: Worker) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.shutdown()))
     await worker.run()
+
+
+async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engine_id: str) -> None:
+    """Poll until signalled; drained first (`ballast worker drain`), stop polling, which
+    lets running generations finish for the worker's graceful timeout and then cancels them
+    to resume elsewhere from the journal, and keep serving the streams still open (the API
+    sends no new ones) until signalled."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    running = [asyncio.create_task(w.run()) for w in workers]
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(drained.wait())]
+    await asyncio.wait([*running, *waits], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.gather(*(w.shutdown() for w, r in zip(workers, running, strict=True) if not r.done()))
+    await asyncio.gather(*running)
+    if drained.is_set() and not stop.is_set():
+        log.warning("engine worker %s drained: it takes no new work; stop it once its open streams end", engine_id)
+        await stop.wait()
+    for w in waits:
+        w.cancel()
 
 
 async def control_worker(settings: Settings) -> None:
@@ -150,21 +173,48 @@ async def engine_worker(settings: Settings) -> None:
                                                lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
-        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair))
+        drained = asyncio.Event()
+        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair,
+                                                   drained))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
                                     trace=trace)
-        worker = Worker(
-            client,
-            task_queue=settings.engine_queue,
-            activities=[acts.generate],
-            # Enough slots that the engine slots, not Temporal, decide how much runs at once.
-            max_concurrent_activities=settings.max_num_seqs * 2,
-            graceful_shutdown_timeout=timedelta(seconds=5),
-        )
-        log.info("engine worker %s polling %s, streaming at %s", engine_id, settings.engine_queue, url)
+        # The pool's queue, and its region's: a tenant fenced to regions has its batches
+        # sent to one of theirs (policy/placement.py), which no engine elsewhere polls.
+        queues = [settings.engine_queue, region_queue(settings.engine_queue, settings.region)]
+        workers = [Worker(client, task_queue=q, activities=[acts.generate],
+                          # Enough slots that the engine slots, not Temporal, decide how much runs at once.
+                          max_concurrent_activities=settings.max_num_seqs * 2,
+                          graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]
+        log.info("engine worker %s polling %s, streaming at %s", engine_id, " and ".join(queues), url)
         procs.notify_ready()
-        await _run_until_signalled(worker)
+        await _run_until_drained(workers, drained, engine_id)
+
+
+async def list_or_drain(settings: Settings, drain: str | None) -> int:
+    """`ballast worker list`: the engine workers seen lately. `ballast worker drain ID`:
+    that one takes no new work (the API and Temporal stop sending it any)."""
+    from journal import engines as je
+
+    db = connect(settings.require("database_url"), pool_size=1)
+    try:
+        async with db.begin() as conn:
+            if drain is not None:
+                if not await je.drain(conn, drain):
+                    print(f"ballast: no engine worker {drain!r}; `ballast worker list` shows them", file=sys.stderr)
+                    return 1
+                print(f"{drain}: draining. It takes no new work; its generations finish or move to the others.")
+                return 0
+            rows = await je.live(conn, within_s=60)
+        print(f"{'id':<28} {'region':<10} {'model':<16} {'running':>7} {'waiting':>7} {'kv':>5}  state")
+        for r in rows:
+            st = r["stats"]
+            state = "draining" if r["draining"] else "serving"
+            print(f"{r['id']:<28} {st.get('region', ''):<10} {r['model']:<16} {st.get('running', 0):>7} "
+                  f"{st.get('waiting', 0):>7} {st.get('kv_cache_usage', 0):>5.0%}  {state}  {r['url']}")
+        return 0
+    finally:
+        await db.dispose()
 
 
 def engine_token(settings: Settings) -> str:
@@ -179,9 +229,11 @@ def engine_token(settings: Settings) -> str:
     return token
 
 
-async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine, fair) -> None:
+async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine, fair,
+                    drained: asyncio.Event) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
-    engine streams from and how loaded it is; take the controller's batch cap back."""
+    engine streams from and how loaded it is; take the controller's batch cap back, and
+    whether an operator is draining this engine (`drained` is set)."""
     from dataclasses import asdict
 
     from journal import engines as je
@@ -189,11 +241,14 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
     while True:
         try:
             async with db.begin() as conn:
-                cap = await je.announce(conn, engine_id, url, model, settings.engine_queue,
-                                        dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
-                                             flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0),
-                                             block_size=engine.block_size, region=settings.region))
+                cap, draining = await je.announce(
+                    conn, engine_id, url, model, settings.engine_queue,
+                    dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
+                         flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0),
+                         block_size=engine.block_size, region=settings.region))
             await slots.direct(cap)
+            if draining:
+                drained.set()
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)
         await asyncio.sleep(settings.announce_s)

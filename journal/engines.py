@@ -12,12 +12,20 @@ from journal.schema import engines
 
 
 async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str,
-                   stats: dict[str, Any]) -> int | None:
-    """Upsert the engine's row; returns the batch cap the fleet controller set on it."""
+                   stats: dict[str, Any]) -> tuple[int | None, bool]:
+    """Upsert the engine's row; returns the batch cap the fleet controller set on it, and
+    whether it is being drained."""
     row = dict(id=id, url=url, model=model, queue=queue, stats=stats)
     stmt = insert(engines).values(row)
     stmt = stmt.on_conflict_do_update(index_elements=[engines.c.id], set_=dict(row, seen_at=func.now()))
-    return (await conn.execute(stmt.returning(engines.c.batch_cap))).scalar_one()
+    cap, draining = (await conn.execute(stmt.returning(engines.c.batch_cap, engines.c.draining))).one()
+    return cap, draining
+
+
+async def drain(conn: AsyncConnection, id: str) -> bool:
+    """Mark an engine draining; False if there is no such engine."""
+    done = await conn.execute(engines.update().where(engines.c.id == id).values(draining=True))
+    return done.rowcount == 1
 
 
 async def set_caps(conn: AsyncConnection, caps: list[tuple[str, int | None]]) -> None:

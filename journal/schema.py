@@ -21,7 +21,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 metadata = MetaData()
 
@@ -112,6 +112,8 @@ engines = Table(
     Column("stats", JSONB, nullable=False),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("batch_cap", Integer, nullable=True),
+    # `ballast worker drain ID` (migration 0008): no new work goes there.
+    Column("draining", Boolean, nullable=False, server_default="false"),
 )
 
 # One lease per stream fenced by attempts (migration 0004): an attempt takes the next
@@ -133,6 +135,8 @@ tenants = Table(
     Column("id", Text, primary_key=True),
     Column("weight", Integer, nullable=False, server_default="1"),  # fair share within a tier
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # Where its work may run (engine workers' BALLAST_REGION); NULL: anywhere (migration 0008).
+    Column("regions", ARRAY(Text), nullable=True),
 )
 
 api_keys = Table(

@@ -36,6 +36,7 @@ class Principal:
     key_id: str
     admin: bool = False
     weight: int = 1  # the tenant's fair-share weight, as of the lookup (cached with the key)
+    regions: frozenset[str] | None = None  # where its work may run; None: anywhere
 
 
 class TenantExists(ValueError):
@@ -88,6 +89,12 @@ async def get_tenant(conn: AsyncConnection, id: str) -> dict[str, Any] | None:
     return dict(row._mapping) if row else None
 
 
+async def set_regions(conn: AsyncConnection, id: str, regions: list[str] | None) -> None:
+    """Fence the tenant's work to these regions (None: anywhere)."""
+    await _require_tenant(conn, id)
+    await conn.execute(tenants.update().where(tenants.c.id == id).values(regions=regions))
+
+
 async def list_tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in (await conn.execute(select(tenants).order_by(tenants.c.id))).all()]
 
@@ -113,11 +120,14 @@ async def create_key(conn: AsyncConnection, tenant: str, name: str | None = None
 
 async def lookup(conn: AsyncConnection, plaintext: str) -> Principal | None:
     """The key's principal; None for a key that is unknown or revoked."""
-    q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight)
+    q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight, tenants.c.regions)
          .join(tenants, tenants.c.id == api_keys.c.tenant)
          .where(api_keys.c.hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)))
     row = (await conn.execute(q)).first()
-    return Principal(row.tenant, row.id, row.admin, row.weight) if row else None
+    if row is None:
+        return None
+    regions = frozenset(row.regions) if row.regions is not None else None
+    return Principal(row.tenant, row.id, row.admin, row.weight, regions)
 
 
 _SHOWN_COLUMNS = [c for c in api_keys.c if c.name != "hash"]

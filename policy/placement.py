@@ -107,3 +107,20 @@ def rank(engines: list[EngineView], req: Request, matched: Mapping[str, int] | N
         return -round(score, 9), e.batch, -rendezvous(anchor, e.id), e.id
 
     return sorted(candidates, key=key)
+
+
+# -- batch work, by queue -------------------------------------------------------------------
+
+
+def region_queue(base: str, region: str) -> str:
+    """The task queue of one region's engine workers (each polls it and the pool's own)."""
+    return f"{base}@{region}"
+
+
+def batch_region(regions: frozenset[str], engines: list[EngineView], model: str) -> str:
+    """Where a fenced tenant's batch runs: the allowed region with the most free slots among
+    its serving engines now (then by name); the first allowed by name if none serves."""
+    free: dict[str, int] = dict.fromkeys(sorted(regions), 0)
+    for e in eligible(engines, Request(model, regions=regions)):
+        free[e.region] += max(0, e.max_seqs - e.interactive - e.batch) + 1  # +1: serving at all counts
+    return min(free, key=lambda r: (-free[r], r))

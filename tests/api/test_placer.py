@@ -31,7 +31,7 @@ def test_the_blocks_are_those_of_the_engines_own_rendering(tiny_model, engine):
     p = placer(tiny_model)
     req = chat("Where are we?")
     ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])  # vLLM's tokenizer
-    assert len(ids) > 3 * engine.block_size
+    assert len(ids) > 2 * engine.block_size  # vLLM CPU: 128-token blocks
     assert p.blocks(req, engine.block_size) == block_hashes(ids, engine.block_size)
     text = GenerationRequest(COMPLETIONS, "ballast-tiny", prompt=SYSTEM)
     assert p.blocks(text, engine.block_size) == block_hashes(engine.render_text(SYSTEM), engine.block_size)

@@ -1,14 +1,26 @@
 """Placement over a pool: `ballast up --engines 2`, two engine workers with a vLLM engine
-each. Chats that share a long system prompt, one after another, all land on one engine,
-which vLLM itself then reports as prefix-cache hits; chats of another prompt land where
-theirs goes; a burst of one prompt fills its engine to the load bound, then spills to the
-other. Where each request ran is the engine worker's own record of it (`request_served`)."""
+each, one in region eu and one in us. Where each request ran is the engine worker's own
+record of it (`request_served`); prefix-cache hits are vLLM's own counters.
+
+- Chats that share a long system prompt, one after another, all land on one engine, and
+  vLLM reports the prompt as cached; chats of another prompt land where theirs goes; a
+  burst of one prompt fills its engine to the load bound, then spills to the other.
+- A tenant fenced to a region runs only there; fenced where nothing serves, it gets a 503
+  with Retry-After, never an engine outside its fence.
+- A drained engine takes no new work: its prefix moves to the other.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,8 +31,49 @@ from tests.e2e.test_supervise import sql, started
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM = {name: f"You are {name}, the ship's {role}. Answer in one word, always, whatever is asked. " * 2
-          for name, role in (("Ada", "navigator"), ("Brin", "cook"), ("Cole", "lookout"))}
+SYSTEM = {name: f"You are {name}, the ship's {role}. Answer in one word, always, whatever is asked. " * 6
+          for name, role in (("Ada", "navigator"), ("Brin", "cook"), ("Cole", "lookout"), ("Dora", "bosun"))}
+
+
+class Pool:
+    def __init__(self, up: procs.Child, api: httpx.Client, data: Path):
+        self.up, self.api, self.data = up, api, data
+
+    def cli(self, *args: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")}
+        done = subprocess.run([sys.executable, "-m", "ballast.cli", *args], capture_output=True, text=True,
+                              env=dict(env, BALLAST_DATA_DIR=str(self.data)), timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def served_on(self, ids: list[str]) -> list[str]:
+        """The engine each request ran on, as its engine worker recorded it."""
+        q = "SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served'"
+        procs.wait_until(lambda: set(ids) <= {r for r, _ in sql(self.data, q)}, 60, "every request served recorded",
+                         child=self.up)
+        where = dict(sql(self.data, q))
+        return [where[i] for i in ids]
+
+    def engines(self) -> dict[str, dict]:
+        rows = sql(self.data, "SELECT id, stats, draining FROM engines")
+        return {id_: dict(stats, draining=d) for id_, stats, d in rows}
+
+    def region_of(self, engine_id: str) -> str:
+        return self.engines()[engine_id]["region"]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_model):
+    data = Path(tempfile.mkdtemp(prefix="ballast-test-pool-"))  # short: Postgres's socket path
+    up, api, _ = started(tmp_path_factory.mktemp("pool"), data, tiny_model, BALLAST_ENGINES="2",
+                         BALLAST_ENGINE_REGIONS="eu,us")
+    try:
+        p = Pool(up, api, data)
+        procs.wait_until(lambda: len(p.engines()) == 2, 120, "both engine workers announced", child=up)
+        yield p
+    finally:
+        up.stop(60)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def chat(api: httpx.Client, system: str, question: str, max_tokens: int = 8) -> str:
@@ -30,60 +83,69 @@ def chat(api: httpx.Client, system: str, question: str, max_tokens: int = 8) -> 
     return r.json()["id"]
 
 
-def served_on(up_dir, ids: list[str], up: procs.Child) -> list[str]:
-    """The engine each request ran on, as its engine worker recorded it."""
-    q = "SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served'"
-    procs.wait_until(lambda: set(ids) <= {r for r, _ in sql(up_dir, q)}, 60, "every request served recorded",
-                     child=up)
-    where = dict(sql(up_dir, q))
-    return [where[i] for i in ids]
+def test_a_prefix_sticks_to_its_engine_and_vllm_finds_it_cached(pool, tiny_model):
+    ids = {name: [chat(pool.api, SYSTEM[name], f"question {i}?") for i in range(5)] for name in ("Ada", "Brin")}
+    where = {name: pool.served_on(got) for name, got in ids.items()}
+    assert all(len(set(engines)) == 1 for engines in where.values()), where
+
+    # vLLM's own counters: every chat after the first found its system prompt cached.
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    block = pool.engines()[where["Ada"][0]]["block_size"]
+    shared = (len(tok.encode(SYSTEM["Ada"], add_special_tokens=False)) // block - 1) * block
+    time.sleep(2)  # the engines' figures are announced every second
+    hits = sum(s["prefix_hits"] for s in pool.engines().values())
+    assert hits >= 2 * 4 * shared > 0, (hits, shared)
 
 
-def engine_stats(up_dir) -> dict[str, dict]:
-    return {id_: stats for id_, stats in sql(up_dir, "SELECT id, stats FROM engines")}
+def test_a_burst_of_one_prefix_spills_to_the_other_engine_at_the_bound(pool):
+    burst: list[str] = []
+    opened = threading.Barrier(8)
+
+    def stream(i: int) -> None:
+        body = dict(model="ballast-tiny", max_tokens=400, stream=True, messages=[
+            dict(role="system", content=SYSTEM["Cole"]), dict(role="user", content=f"burst {i}")])
+        with pool.api.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            burst.append(json.loads(first[6:])["id"])
+            opened.wait(60)
+            for _ in lines:
+                pass
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(180)
+    spread = pool.served_on(burst)
+    counts = sorted(spread.count(e) for e in set(spread))
+    assert len(counts) == 2 and counts[-1] <= 5, spread  # 1.25 × the mean of 8 over 2, rounded up
 
 
-def test_a_prefix_sticks_to_its_engine_vllm_hits_it_and_a_burst_spills_at_the_bound(tmp_path, up_dir, tiny_model):
-    up, api, _ = started(tmp_path, up_dir, tiny_model, BALLAST_ENGINES="2")
-    try:
-        procs.wait_until(lambda: len(engine_stats(up_dir)) == 2, 120, "both engine workers announced", child=up)
+def test_a_fenced_tenant_runs_only_in_its_region_and_nowhere_else_is_a_503(pool):
+    key = pool.cli("tenants", "create", "fenced").strip().splitlines()[-1]
+    assert "only in us" in pool.cli("tenants", "regions", "fenced", "--set", "us")
+    fenced = httpx.Client(base_url=pool.api.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    ids = [chat(fenced, SYSTEM[name], "where?") for name in ("Ada", "Brin", "Cole", "Dora")]
+    assert {pool.region_of(e) for e in pool.served_on(ids)} == {"us"}
 
-        # One after another: each prompt's chats follow it.
-        ids = {name: [chat(api, SYSTEM[name], f"question {i}?") for i in range(5)] for name in ("Ada", "Brin")}
-        where = {name: served_on(up_dir, got, up) for name, got in ids.items()}
-        assert all(len(set(engines)) == 1 for engines in where.values()), where
+    pool.cli("tenants", "regions", "fenced", "--set", "ap")
+    nowhere = pool.cli("tenants", "new-key", "fenced").strip().splitlines()[-1]  # looked up fresh: the new fence
+    r = httpx.post(f"{pool.api.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {nowhere}"},
+                   json=dict(model="ballast-tiny", max_tokens=4, messages=[dict(role="user", content="hi")]))
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert "in your regions (ap)" in r.json()["error"]["message"]
 
-        # vLLM's own counters: every chat after the first found the system prompt cached.
-        tok = AutoTokenizer.from_pretrained(tiny_model.path)
-        block = engine_stats(up_dir)[where["Ada"][0]]["block_size"]
-        shared = (len(tok.encode(SYSTEM["Ada"], add_special_tokens=False)) // block - 1) * block
-        time.sleep(2)  # the engines' figures are announced every second
-        hits = sum(s["prefix_hits"] for s in engine_stats(up_dir).values())
-        assert hits >= 2 * 4 * shared > 0, (hits, shared)
 
-        # A burst of one prompt, all in flight at once: the bound spreads it over both.
-        burst: list[str] = []
-        opened = threading.Barrier(8)
-
-        def stream(i: int) -> None:
-            body = dict(model="ballast-tiny", max_tokens=600, stream=True, messages=[
-                dict(role="system", content=SYSTEM["Cole"]), dict(role="user", content=f"burst {i}")])
-            with api.stream("POST", "/v1/chat/completions", json=body) as r:
-                lines = r.iter_lines()
-                first = next(ln for ln in lines if ln.startswith("data: "))
-                burst.append(json.loads(first[6:])["id"])
-                opened.wait(60)
-                for _ in lines:
-                    pass
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(180)
-        spread = served_on(up_dir, burst, up)
-        counts = sorted(spread.count(e) for e in set(spread))
-        assert len(counts) == 2 and counts[-1] <= 5, spread  # 1.25 × the mean of 8 over 2, rounded up
-    finally:
-        up.stop(60)
+def test_a_drained_engine_takes_no_new_work(pool):
+    first = pool.served_on([chat(pool.api, SYSTEM["Dora"], "one?")])[0]
+    assert first in pool.cli("worker", "list")
+    assert "draining" in pool.cli("worker", "drain", first)
+    procs.wait_until(lambda: pool.engines()[first]["draining"], 10, "the drain recorded", child=pool.up)
+    time.sleep(1.5)  # the API's engine directory refreshes every 0.5 s
+    later = pool.served_on([chat(pool.api, SYSTEM["Dora"], f"again {i}?") for i in range(4)])
+    assert first not in later and len(set(later)) == 1
+    listed = [ln for ln in pool.cli("worker", "list").splitlines() if ln.startswith(first)]
+    assert listed and "draining" in listed[0]
+    assert pool.api.get("/healthz").status_code == 200  # the other engine serves

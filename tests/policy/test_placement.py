@@ -160,3 +160,33 @@ def test_the_index_matches_leading_blocks_forgets_least_recent_and_a_lost_engine
     index.record("c", [7, 8, 9])  # 6 blocks > 5: the least recently sent (3: b was sent 1, 2 after it) goes
     assert index.matched([1, 2, 3]) == {"a": 2, "b": 2} and index.matched([7, 8]) == {"c": 2}
     assert index.forget("a") == 2 and index.matched([2, 3]) == {"b": 1}
+
+
+def test_an_engine_lost_moves_only_its_own_prefixes():
+    """Many prefixes spread over four engines; one leaves. Every prefix that lived elsewhere
+    stays where it was; only the lost engine's move: the share remapped is its share."""
+    index = PrefixIndex()
+    engines = [ev(x, max_seqs=64) for x in "abcd"]
+    prefixes = [block_hashes(list(range(n * 1000, n * 1000 + 64)), 16) for n in range(400)]
+    home = {}
+    for blocks in prefixes:
+        best = rank(engines, Request("m", blocks=blocks), index.matched(blocks))[0].id
+        index.record(best, blocks)
+        home[blocks] = best
+    index.forget("c")
+    left = [e for e in engines if e.id != "c"]
+    after = {b: rank(left, Request("m", blocks=b), index.matched(b))[0].id for b in prefixes}
+    moved = [b for b in prefixes if after[b] != home[b]]
+    assert set(moved) == {b for b in prefixes if home[b] == "c"}
+    assert 0.15 < len(moved) / len(prefixes) < 0.35  # about a quarter: c's share, no more
+
+
+def test_a_fenced_batch_goes_to_the_allowed_region_with_the_most_free_slots():
+    from policy.placement import batch_region, region_queue
+
+    pool = [ev("a", interactive=6, region="eu"), ev("b", interactive=1, region="us"), ev("c", region="ap"),
+            ev("d", region="us", model="other")]
+    assert batch_region(frozenset({"eu", "us"}), pool, "m") == "us"
+    assert batch_region(frozenset({"eu"}), pool, "m") == "eu"
+    assert batch_region(frozenset({"sa", "za"}), pool, "m") == "sa"  # none serves: the first by name, and it waits
+    assert region_queue("ballast-engine", "us") == "ballast-engine@us"
