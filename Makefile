@@ -31,6 +31,7 @@ bench: install
 	$(VENV)/bin/ballast bench overhead
 	$(VENV)/bin/ballast bench admission
 	$(VENV)/bin/ballast bench fairness
+	$(VENV)/bin/ballast bench placement
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

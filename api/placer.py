@@ -30,8 +30,9 @@ RETRY_LOAD_S = 10.0  # how soon to try loading a tokenizer again after a miss
 class Placer:
     def __init__(self, settings: Settings, tokenizer: Any = None):
         self.settings = settings
-        self.weights = Weights(settings.placement_affinity_weight, settings.placement_load_weight,
-                               settings.placement_load_bound)
+        affinity = settings.placement_affinity_weight if settings.placement == "affinity" else 0.0
+        self.weights = Weights(affinity, settings.placement_load_weight, settings.placement_load_bound)
+        self._turn = 0  # round_robin's
         self.index = PrefixIndex(settings.prefix_index_blocks)
         self._tokenizer = tokenizer
         self._next_try = 0.0
@@ -78,7 +79,12 @@ class Placer:
         request = Request(self.settings.model_name, blocks, regions)
         current = [replace(e, interactive=max(e.interactive, self.inflight[e.id])) if self.inflight[e.id] else e
                    for e in engines]
-        return rank(current, request, self.index.matched(blocks), self.weights), blocks
+        ranked = rank(current, request, self.index.matched(blocks), self.weights)
+        if self.settings.placement == "round_robin" and ranked:
+            ranked = sorted(ranked, key=lambda e: e.id)
+            self._turn = (self._turn + 1) % len(ranked)
+            ranked = ranked[self._turn:] + ranked[:self._turn]
+        return ranked, blocks
 
     def sent(self, engine: EngineView, blocks: tuple[int, ...]) -> None:
         """The request went to `engine`: it holds the blocks now, and one more stream."""

@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
     tenants_cli.add_parser(sub)
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness"])
+    b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness", "placement"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
     b.add_argument("--seconds", type=float, default=None,
                    help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
+                        "placement: seconds of each trace per arm (40); "
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=3, help="batch: rounds, alternating raw vLLM and Ballast (3)")
     b.add_argument("--arms", default=None,
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_surge(settings, duration_s=args.seconds or 90.0,
                                arms=args.arms.split(",") if args.arms else None)
+        if args.name == "placement":
+            from bench.placement import main as bench_placement
+
+            return bench_placement(settings, seconds=args.seconds or 40.0)
         if args.name == "fairness":
             from bench.fairness import main as bench_fairness
 

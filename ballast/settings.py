@@ -77,6 +77,9 @@ class Settings(BaseSettings):
 
     # Placement (policy/placement.py): the scorers' weights, and the load bound past which
     # an engine attracts no more of its prefixes (× the pool's mean interactive load).
+    # `affinity` (the default: prefix affinity under the load bound), or the baselines the
+    # placement bench compares it with: `least_loaded` (load alone), `round_robin`.
+    placement: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     placement_affinity_weight: float = Field(2.0, ge=0)
     placement_load_weight: float = Field(1.0, ge=0)
     placement_load_bound: float = Field(1.25, ge=1)

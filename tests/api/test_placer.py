@@ -58,3 +58,26 @@ async def generate(engine, req: GenerationRequest) -> None:
     ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])
     async for _ in engine.generate(f"placer-{uuid.uuid4().hex}", ids, max_tokens=1, temperature=0.0):
         pass
+
+
+def test_the_baseline_strategies_the_bench_compares_with(tiny_model):
+    pool = [EngineView(x, f"http://{x}", "ballast-tiny", 0, 0, 8, block_size=16) for x in "abc"]
+    req = chat("Where are we?")
+
+    def picks(strategy: str, n: int = 6) -> list[str]:
+        p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement=strategy))
+        out = []
+        for _ in range(n):
+            ranked, blocks = p.rank(req, pool)
+            p.sent(ranked[0], blocks)
+            p.done(ranked[0].id)  # finished before the next: only affinity keeps it in place
+            out.append(ranked[0].id)
+        return out
+
+    assert len(set(picks("affinity"))) == 1
+    assert picks("round_robin") == ["b", "c", "a", "b", "c", "a"]
+    assert len(set(picks("least_loaded"))) == 1  # all idle: the same tiebreak, but no affinity in it
+    p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement="least_loaded"))
+    ranked, blocks = p.rank(req, pool)
+    p.sent(ranked[0], blocks)  # still in flight: the others are less loaded
+    assert p.rank(req, pool)[0][0].id != ranked[0].id

@@ -1,0 +1,187 @@
+"""`ballast bench placement`: prompt-cache affinity under a load bound against least-loaded
+and round-robin placement, on the same pool, in one run.
+
+Each arm is a fresh `ballast up --engines 2` (two engine workers, a vLLM engine each, on
+their own cores), default settings but BALLAST_PLACEMENT. Each plays two seeded traces
+through the API, the same for every arm, no-reuse first (so the prefix-heavy one finds
+nothing of its own cached):
+
+  no-reuse      chats whose prompts share nothing beyond the chat template;
+  prefix-heavy  4 tenants' system prompts of 600-1,400 tokens and multi-turn chats: each
+                next turn of a conversation resends its history (fixed assistant replies,
+                so the history does not depend on what the model said).
+
+The tiny model's context is 2,048 tokens, so the system prompts are shorter than the
+1-4k of a production trace. Arrivals are Poisson; each chat streams MAX_TOKENS tokens.
+
+Per arm and trace: the prefix-cache hit rate from vLLM's own counters (hit over queried
+prompt tokens, summed over both engines, over the trace), TTFT p50/p99 at the client (its
+first token chunk), and load imbalance: max over mean of the engines' running sequences,
+sampled while any run, averaged. One JSON line last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from ballast.settings import Settings
+from bench.stack import Stack, ballast_up
+from journal.db import libpq_url
+
+SEED = 5
+MAX_TOKENS = 16
+ARMS = ("affinity", "least_loaded", "round_robin")
+TRACES = ("no_reuse", "prefix_heavy")
+WORDS = ("harbour", "compass", "lantern", "anchor", "rigging", "galley", "tide", "squall", "keel", "mast", "chart",
+         "ballast", "bosun", "hull", "stern", "bow", "cargo", "reef", "shoal", "beacon")
+
+
+@dataclass
+class Turn:
+    at: float  # seconds into the trace
+    messages: list[dict[str, str]]
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    while sum(len(w) + 1 for w in out) < chars:
+        out.append(rng.choice(WORDS))
+    return " ".join(out)[:chars]
+
+
+def trace(kind: str, seconds: float, rate: float, seed: int = SEED) -> list[Turn]:
+    rng = random.Random(f"{seed}:{kind}")
+    systems = [_text(rng, rng.randrange(600, 1400)) for _ in range(4)]
+    conversations: list[list[dict[str, str]]] = []
+    out, t = [], 0.0
+    while (t := t + rng.expovariate(rate)) < seconds:
+        if kind == "no_reuse":
+            out.append(Turn(t, [dict(role="user", content=f"{rng.random()} " + _text(rng, rng.randrange(600, 1400)))]))
+            continue
+        if conversations and rng.random() < 0.6:  # the next turn of a conversation, its history resent
+            history = rng.choice(conversations)
+            if sum(len(m["content"]) for m in history) < 1700:
+                history += [dict(role="assistant", content=_text(rng, 40)), dict(role="user", content=_text(rng, 60))]
+                out.append(Turn(t, list(history)))
+                continue
+        history = [dict(role="system", content=rng.choice(systems)), dict(role="user", content=_text(rng, 60))]
+        conversations.append(history)
+        out.append(Turn(t, list(history)))
+    return out
+
+
+async def _chat(http: httpx.AsyncClient, model: str, turn: Turn) -> float:
+    """TTFT in seconds: to the first token chunk (no role, not the last)."""
+    body = dict(model=model, messages=turn.messages, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                stream=True)
+    t0 = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"chat answered {r.status_code}: {(await r.aread()).decode()[:300]}")
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if "role" not in choice["delta"] and choice.get("finish_reason") is None:
+                    first = time.perf_counter() - t0
+    assert first is not None, "no token streamed back"
+    return first
+
+
+def _engines(db_url: str) -> dict[str, dict]:
+    with psycopg.connect(libpq_url(db_url)) as c:
+        return {i: s for i, s in c.execute("SELECT id, stats FROM engines")}
+
+
+async def _sample(db_url: str, out: list[float], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        running = [s.get("running", 0) for s in (await asyncio.to_thread(_engines, db_url)).values()]
+        if len(running) > 1 and sum(running):
+            out.append(max(running) / statistics.mean(running))
+        await asyncio.sleep(0.25)
+
+
+async def play(stack: Stack, model: str, turns: list[Turn]) -> dict[str, Any]:
+    before = _engines(stack.db_url)
+    imbalance: list[float] = []
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(_sample(stack.db_url, imbalance, stop))
+    async with httpx.AsyncClient(base_url=str(stack.api.base_url), headers=dict(stack.api.headers),
+                                 timeout=120, limits=httpx.Limits(max_connections=256)) as http:
+        t0 = time.perf_counter()
+        tasks = []
+        for turn in turns:
+            await asyncio.sleep(max(0.0, t0 + turn.at - time.perf_counter()))
+            tasks.append(asyncio.create_task(_chat(http, model, turn)))
+        ttfts = sorted(await asyncio.gather(*tasks))
+    await asyncio.sleep(2.5)  # the engines' counters are announced every second
+    stop.set()
+    await sampling
+    after = _engines(stack.db_url)
+    queried = sum(after[e]["prefix_queries"] - before.get(e, {}).get("prefix_queries", 0) for e in after)
+    hits = sum(after[e]["prefix_hits"] - before.get(e, {}).get("prefix_hits", 0) for e in after)
+    return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * _pct(ttfts, 50), 1),
+                ttft_p99_ms=round(1000 * _pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
+                imbalance=round(statistics.mean(imbalance), 3) if imbalance else None)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]
+
+
+def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="ballast-bench-placement-") as d, \
+            ballast_up(settings, Path(d), BALLAST_ENGINES="2", BALLAST_PLACEMENT=arm) as stack:
+        deadline = time.monotonic() + 120
+        while len(_engines(stack.db_url)) < 2:  # both announced before any request
+            assert time.monotonic() < deadline, "the second engine worker never announced itself"
+            time.sleep(0.5)
+        return {name: asyncio.run(play(stack, model, turns)) for name, turns in traces.items()}
+
+
+def verdict(out: dict[str, Any]) -> dict[str, bool]:
+    heavy = {a: out[a]["prefix_heavy"] for a in ARMS}
+    plain = {a: out[a]["no_reuse"] for a in ARMS}
+    return dict(
+        hit_rate_2x_round_robin=heavy["affinity"]["hit_rate"] >= 2 * heavy["round_robin"]["hit_rate"],
+        ttft_p50_best_on_prefix_heavy=heavy["affinity"]["ttft_p50_ms"] < min(
+            heavy["least_loaded"]["ttft_p50_ms"], heavy["round_robin"]["ttft_p50_ms"]),
+        ttft_p50_within_5pct_of_least_loaded_on_no_reuse=(
+            plain["affinity"]["ttft_p50_ms"] <= 1.05 * plain["least_loaded"]["ttft_p50_ms"]),
+        imbalance_at_most_1_25=all((out["affinity"][t]["imbalance"] or 1.0) <= 1.25 for t in TRACES),
+    )
+
+
+def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
+    from engine.models import resolve_model
+
+    model = resolve_model(settings).name
+    traces = {kind: trace(kind, seconds, rate) for kind in TRACES}
+    print(f"bench placement: {', '.join(f'{k} {len(v)} chats' for k, v in traces.items())} over {seconds:.0f} s "
+          f"each ({rate}/s, {MAX_TOKENS} tokens each); arms {', '.join(ARMS)}, each a fresh `ballast up --engines 2`",
+          flush=True)
+    out: dict[str, Any] = dict(bench="placement", seconds=seconds, rate=rate)
+    for arm in ARMS:
+        print(f"arm {arm} …", flush=True)
+        out[arm] = run_arm(settings, arm, traces, model)
+    out["targets"] = verdict(out)
+    print(f"\n{'arm':13} {'trace':13} {'n':>4} {'hit rate':>8} {'TTFT p50':>9} {'p99':>9} {'imbalance':>9}")
+    for arm in ARMS:
+        for t in TRACES:
+            a = out[arm][t]
+            print(f"{arm:13} {t:13} {a['requests']:4d} {a['hit_rate']:8.3f} {a['ttft_p50_ms']:7.1f}ms "
+                  f"{a['ttft_p99_ms']:7.1f}ms {a['imbalance'] if a['imbalance'] is not None else '-':>9}")
+    print(f"targets: {out['targets']}")
+    print(json.dumps(out))
+    return 0
