@@ -7,14 +7,18 @@ record of it (`request_served`); prefix-cache hits are vLLM's own counters.
   burst of one prompt fills its engine to the load bound, then spills to the other.
 - A tenant fenced to a region runs only there; fenced where nothing serves, it gets a 503
   with Retry-After, never an engine outside its fence.
+- An engine worker SIGKILLed mid-batch: every item completes once, token for token vLLM's
+  greedy output, on the pool.
 - A drained engine takes no new work: its prefix moves to the other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +31,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from ballast import procs
-from tests.e2e.test_supervise import sql, started
+from tests.e2e.test_batch import chat_line, greedy
+from tests.e2e.test_supervise import child, completed, sql, started, submit
 
 pytestmark = pytest.mark.e2e
 
@@ -136,6 +141,25 @@ def test_a_fenced_tenant_runs_only_in_its_region_and_nowhere_else_is_a_503(pool)
                    json=dict(model="ballast-tiny", max_tokens=4, messages=[dict(role="user", content="hi")]))
     assert r.status_code == 503 and r.headers["retry-after"], r.text
     assert "in your regions (ap)" in r.json()["error"]["message"]
+
+
+async def test_a_worker_killed_mid_batch_loses_nothing_its_items_finish_on_the_pool(pool, engine):
+    prompts = [f"pool item {i}: tell me about the tide" for i in range(12)]
+    lines = [chat_line(f"k-{i}", p, 160, ignore_eos=True) for i, p in enumerate(prompts)]
+    bid = submit(pool.api, lines)
+    like = f"item:{bid}:%"
+    q = "SELECT count(DISTINCT stream) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
+    procs.wait_until(lambda: sql(pool.data, q, s=like)[0][0] >= 6, 120, "items checkpointed", child=pool.up)
+    victim = child(pool.up, "worker engine")
+    os.killpg(victim, signal.SIGKILL)
+    done = completed(pool.api, bid, 300)
+    out = [json.loads(x) for x in pool.api.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"k-{i}" for i in range(12))  # each once
+    expected = await asyncio.gather(*(greedy(engine, p, 160, ignore_eos=True) for p in prompts))
+    got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
+    assert [got[f"k-{i}"] for i in range(12)] == expected
+    procs.wait_until(lambda: len(pool.engines()) >= 2 and pool.api.get("/healthz").status_code == 200, 180,
+                     "the pool whole again", child=pool.up)
 
 
 def test_a_drained_engine_takes_no_new_work(pool):
