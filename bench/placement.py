@@ -150,6 +150,30 @@ def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: 
         return {name: asyncio.run(play(stack, model, turns)) for name, turns in traces.items()}
 
 
+def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> dict[str, float]:
+    """The API's placement of each turn, in-process, as it runs per request: the prompt
+    rendered, tokenized and hashed, then ranked against a local snapshot (nothing called)."""
+    from api.placer import Placer
+    from policy.placement import EngineView
+    from protocol.requests import CHAT, GenerationRequest, Message
+
+    placer = Placer(settings)
+    pool = [EngineView(f"e{i}", f"http://e{i}", settings.model_name, 0, 0, 64, block_size=128) for i in range(engines)]
+    if placer.tokenizer() is None:
+        raise RuntimeError("no tokenizer for the model: `ballast up` once builds the tiny one")
+    costs = []
+    for turn in turns * 3:
+        messages = tuple(Message(m["role"], m["content"]) for m in turn.messages)
+        req = GenerationRequest(CHAT, settings.model_name, messages)
+        t0 = time.perf_counter()
+        ranked, blocks = placer.rank(req, pool)
+        placer.sent(ranked[0], blocks)
+        costs.append(time.perf_counter() - t0)
+        placer.done(ranked[0].id)
+    costs.sort()
+    return dict(decisions=len(costs), p50_ms=round(1000 * _pct(costs, 50), 3), p99_ms=round(1000 * _pct(costs, 99), 3))
+
+
 def verdict(out: dict[str, Any]) -> dict[str, bool]:
     heavy = {a: out[a]["prefix_heavy"] for a in ARMS}
     plain = {a: out[a]["no_reuse"] for a in ARMS}
@@ -160,6 +184,7 @@ def verdict(out: dict[str, Any]) -> dict[str, bool]:
         ttft_p50_within_5pct_of_least_loaded_on_no_reuse=(
             plain["affinity"]["ttft_p50_ms"] <= 1.05 * plain["least_loaded"]["ttft_p50_ms"]),
         imbalance_at_most_1_25=all((out["affinity"][t]["imbalance"] or 1.0) <= 1.25 for t in TRACES),
+        decision_p99_under_1ms=out["decision"]["p99_ms"] < 1.0,
     )
 
 
@@ -175,7 +200,10 @@ def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
     for arm in ARMS:
         print(f"arm {arm} …", flush=True)
         out[arm] = run_arm(settings, arm, traces, model)
+    out["decision"] = decision_cost(settings.model_copy(update=dict(placement="affinity")), traces["prefix_heavy"])
     out["targets"] = verdict(out)
+    print(f"\nplacement decision in the API (tokenize, hash, rank): p50 {out['decision']['p50_ms']} ms, "
+          f"p99 {out['decision']['p99_ms']} ms over {out['decision']['decisions']}")
     print(f"\n{'arm':13} {'trace':13} {'n':>4} {'hit rate':>8} {'TTFT p50':>9} {'p99':>9} {'imbalance':>9}")
     for arm in ARMS:
         for t in TRACES:
