@@ -36,6 +36,7 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         admission = await Admission(db, settings).start()  # limits and the quota ledger
         app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http,
                                       keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
+        app.state.services.placer.tokenizer()  # its load starts now, off the request path
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
         notify_ready()

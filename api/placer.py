@@ -4,14 +4,15 @@ then remembered where it went. Nothing here calls anything: the directory is ref
 the background (api/engines.py) and the index is this process's memory.
 
 The prompt is tokenized with the served model's own tokenizer files (engine/prompts.py
-renders it exactly as the engine worker will), loaded once, lazily: until an engine worker
-has built the local tiny model, or where no tokenizer can be loaded, requests are placed
-by load alone.
+renders it exactly as the engine worker will), loaded once, in the background from the
+API's start: until it is loaded, until an engine worker has built the local tiny model, or
+where no tokenizer can be loaded, requests are placed by load alone.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -42,18 +43,25 @@ class Placer:
         self.inflight: Counter[str] = Counter()
 
     def tokenizer(self) -> Any:
+        """The tokenizer if loaded; else None, and a load started in the background (a
+        second or so): the request path never waits for it."""
         if self._tokenizer is None and time.monotonic() >= self._next_try:
             self._next_try = time.monotonic() + RETRY_LOAD_S
-            from engine.models import tokenizer_path
+            threading.Thread(target=self.load, name="placer-tokenizer", daemon=True).start()
+        return self._tokenizer
 
-            path = tokenizer_path(self.settings)
-            if path is not None:
-                try:
-                    from transformers import AutoTokenizer
+    def load(self) -> Any:
+        """Load the tokenizer now (blocking); None where there is none to load yet."""
+        from engine.models import tokenizer_path
 
-                    self._tokenizer = AutoTokenizer.from_pretrained(path)
-                except Exception as err:  # no files here (an API on another host): place by load
-                    log.warning("no tokenizer for prefix affinity at %s (%s): placing by load only", path, err)
+        path = tokenizer_path(self.settings)
+        if path is not None and self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(path)
+            except Exception as err:  # no files here (an API on another host): place by load
+                log.warning("no tokenizer for prefix affinity at %s (%s): placing by load only", path, err)
         return self._tokenizer
 
     def blocks(self, req: GenerationRequest, block_size: int) -> tuple[int, ...]:
@@ -61,13 +69,17 @@ class Placer:
         tok = self.tokenizer()
         if tok is None:
             return ()
-        if req.endpoint == CHAT:
-            ids = prompts.render_chat(tok, [dict(role=m.role, content=m.content) for m in req.messages])
-        elif isinstance(req.prompt, tuple):
-            ids = list(req.prompt)
-        else:
-            # Only the leading blocks count: no need to encode a giant prompt's tail.
-            ids = prompts.render_text(tok, req.prompt[: 8 * MAX_BLOCKS * block_size])
+        try:
+            if req.endpoint == CHAT:
+                ids = prompts.render_chat(tok, [dict(role=m.role, content=m.content) for m in req.messages])
+            elif isinstance(req.prompt, tuple):
+                ids = list(req.prompt)
+            else:
+                # Only the leading blocks count: no need to encode a giant prompt's tail.
+                ids = prompts.render_text(tok, req.prompt[: 8 * MAX_BLOCKS * block_size])
+        except Exception as err:  # what the template refuses, the engine answers for: placed by load here
+            log.debug("no prefix blocks for a request: %s", err)
+            return ()
         return block_hashes(ids, block_size)
 
     def rank(self, req: GenerationRequest, engines: list[EngineView],

@@ -159,7 +159,7 @@ def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> di
 
     placer = Placer(settings)
     pool = [EngineView(f"e{i}", f"http://e{i}", settings.model_name, 0, 0, 64, block_size=128) for i in range(engines)]
-    if placer.tokenizer() is None:
+    if placer.load() is None:
         raise RuntimeError("no tokenizer for the model: `ballast up` once builds the tiny one")
     costs = []
     for turn in turns * 3:

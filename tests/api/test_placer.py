@@ -5,6 +5,7 @@ itself then reports as prefix-cache hits."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from api.placer import Placer
@@ -23,8 +24,10 @@ def chat(*turns: str) -> GenerationRequest:
 
 
 def placer(tiny_model) -> Placer:
-    return Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name,
-                           max_model_len=tiny_model.max_model_len))
+    p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name,
+                        max_model_len=tiny_model.max_model_len))
+    assert p.load() is not None
+    return p
 
 
 def test_the_blocks_are_those_of_the_engines_own_rendering(tiny_model, engine):
@@ -66,6 +69,7 @@ def test_the_baseline_strategies_the_bench_compares_with(tiny_model):
 
     def picks(strategy: str, n: int = 6) -> list[str]:
         p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement=strategy))
+        p.load()
         out = []
         for _ in range(n):
             ranked, blocks = p.rank(req, pool)
@@ -78,6 +82,18 @@ def test_the_baseline_strategies_the_bench_compares_with(tiny_model):
     assert picks("round_robin") == ["b", "c", "a", "b", "c", "a"]
     assert len(set(picks("least_loaded"))) == 1  # all idle: the same tiebreak, but no affinity in it
     p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement="least_loaded"))
+    p.load()
     ranked, blocks = p.rank(req, pool)
     p.sent(ranked[0], blocks)  # still in flight: the others are less loaded
     assert p.rank(req, pool)[0][0].id != ranked[0].id
+
+
+def test_the_request_path_never_waits_for_the_tokenizer(tiny_model):
+    p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name))
+    pool = [EngineView("a", "http://a", "ballast-tiny", 0, 0, 8)]
+    ranked, blocks = p.rank(chat("first"), pool)  # not loaded yet: placed by load, the load started
+    assert ranked == pool and blocks == ()
+    deadline = time.monotonic() + 30
+    while p.rank(chat("later"), pool)[1] == ():
+        assert time.monotonic() < deadline, "the tokenizer never loaded in the background"
+        time.sleep(0.05)

@@ -1,0 +1,74 @@
+"""An engine worker joins the pool from elsewhere with nothing but the addresses and the
+engine token: another working directory, another data dir, its own model cache (it builds
+the tiny model itself), its own region. It serves: a tenant fenced to its region is placed
+there, and gets vLLM's own greedy output (the engine fixture's, on the model the test
+session built), so the model it built is the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from ballast import procs
+from journal.db import libpq_url
+from tests.e2e.conftest import make_key, own_stack
+from tests.e2e.test_batch import greedy
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
+    with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "join") as (stack, url):
+        yield stack, url
+
+
+async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_model, engine):
+    stack, url = pool
+    elsewhere = Path(tempfile.mkdtemp(prefix="ballast-test-elsewhere-"))
+    keep = ("BALLAST_DATABASE_URL", "BALLAST_TEMPORAL_ADDRESS", "BALLAST_ENGINE_TOKEN", "BALLAST_ENGINE_QUEUE",
+            "BALLAST_MAX_MODEL_LEN", "BALLAST_KV_CACHE_GIB")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BALLAST_") and k != "DATABASE_URL"}
+    env.update({k: stack.env[k] for k in keep}, BALLAST_DATA_DIR=str(elsewhere / "data"), BALLAST_REGION="far",
+               BALLAST_ENGINE_PORT=str(procs.free_port()))
+    joined = procs.spawn("joined", [sys.executable, "-m", "ballast.cli", "worker", "engine"],
+                         env=env, cwd=elsewhere, log_path=elsewhere / "engine.log")
+    try:
+        def live() -> dict[str, str]:
+            with psycopg.connect(libpq_url(url)) as c:
+                rows = c.execute("SELECT id, stats->>'region' FROM engines WHERE seen_at > now() - interval '5 s'")
+                return dict(rows.fetchall())
+
+        procs.wait_until(lambda: "far" in live().values(), 240, "the joined engine worker announced", child=joined)
+        assert (elsewhere / "data" / "models").is_dir()  # it built its own model
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            c.execute("INSERT INTO tenants (id, regions) VALUES ('faraway', ARRAY['far'])")
+        key = make_key(url, "faraway")
+        prompt = "a far port, and what it trades"
+        r = httpx.post(f"{stack.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                       json=dict(model="ballast-tiny", max_tokens=24, temperature=0,
+                                 messages=[dict(role="user", content=prompt)]))
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        q = "SELECT payload->>'engine_id' FROM events WHERE stream = %s AND type = 'request_served'"
+
+        def served_by() -> str | None:
+            with psycopg.connect(libpq_url(url)) as c:
+                row = c.execute(q, (f"served:{rid}",)).fetchone()
+            return row[0] if row else None
+
+        procs.wait_until(lambda: served_by() is not None, 30, "the request's record", child=joined)
+        assert live()[served_by()] == "far"
+        assert r.json()["choices"][0]["message"]["content"] == await greedy(engine, prompt, 24)
+        assert json.loads(r.text)["model"] == "ballast-tiny"
+    finally:
+        joined.stop(30)
+        shutil.rmtree(elsewhere, ignore_errors=True)
