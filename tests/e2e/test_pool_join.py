@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -53,9 +54,11 @@ async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_mo
             c.execute("INSERT INTO tenants (id, regions) VALUES ('faraway', ARRAY['far'])")
         key = make_key(url, "faraway")
         prompt = "a far port, and what it trades"
-        r = httpx.post(f"{stack.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                       json=dict(model="ballast-tiny", max_tokens=24, temperature=0,
-                                 messages=[dict(role="user", content=prompt)]))
+        body = dict(model="ballast-tiny", max_tokens=24, temperature=0, messages=[dict(role="user", content=prompt)])
+        deadline = time.monotonic() + 10  # the API's engine directory catches up within a refresh (0.5 s)
+        while (r := httpx.post(f"{stack.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                               timeout=120, json=body)).status_code == 503 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert r.status_code == 200, r.text
         rid = r.json()["id"]
         q = "SELECT payload->>'engine_id' FROM events WHERE stream = %s AND type = 'request_served'"
