@@ -59,7 +59,10 @@ class Placer:
             try:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(path)
+                tok = AutoTokenizer.from_pretrained(path)
+                # The first render compiles the chat template (tens of ms): here, not on a request.
+                prompts.render_chat(tok, [dict(role="user", content="warm up")])
+                self._tokenizer = tok
             except Exception as err:  # no files here (an API on another host): place by load
                 log.warning("no tokenizer for prefix affinity at %s (%s): placing by load only", path, err)
         return self._tokenizer
