@@ -13,6 +13,8 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,16 +43,23 @@ def pg_server_url(tmp_path_factory):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def db_url(pg_server_url):
-    """The test database, as its owner: what migrations use."""
-    name = f"ballast_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    url = pg.create_database(pg_server_url, name)
+@contextmanager
+def migrated_database(server_url: str, prefix: str) -> Iterator[str]:
+    """A new database on the server, migrated to head; its owner URL. Dropped afterwards."""
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    url = pg.create_database(server_url, name)
     upgrade(url, service_url=_service_url(url))
     try:
         yield url
     finally:
-        pg.drop_database(pg_server_url, name)
+        pg.drop_database(server_url, name)
+
+
+@pytest.fixture(scope="session")
+def db_url(pg_server_url):
+    """The test database, as its owner: what migrations use."""
+    with migrated_database(pg_server_url, "ballast_test") as url:
+        yield url
 
 
 def _service_url(owner_url: str) -> str:

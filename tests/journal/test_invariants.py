@@ -5,29 +5,21 @@ the broken row itself, not the code that would have written it."""
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import psycopg
 import pytest
 
-from ballast import pg
 from journal.db import libpq_url
 from journal.invariants import CHECKS, audit
-from journal.migrate import upgrade
-from tests.conftest import _service_url
+from tests.conftest import migrated_database
 
 
 @pytest.fixture(scope="module")
 def journal_url(pg_server_url):
     """A database of its own: the checks read every row, and other tests write odd ones."""
-    name = f"ballast_invariants_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    url = pg.create_database(pg_server_url, name)
-    upgrade(url, service_url=_service_url(url))
-    try:
+    with migrated_database(pg_server_url, "ballast_invariants") as url:
         yield url
-    finally:
-        pg.drop_database(pg_server_url, name)
 
 
 class Journal:
