@@ -8,9 +8,10 @@ over a local view of each tenant's usage:
   holder, so none of its own are counted twice), and `limits`: both re-read every
   `admission_refresh_s` by a background task, which also marks the holder as seen.
 A decision reads memory only (no await in local mode). Reserve rows reach the ledger by
-a background flusher, one multi-row INSERT per `admission_flush_s` tick: a reservation
-waits at most one tick for the engine's corrected figures, so the row usually carries
-them. Settles are not written here: the transaction that journals the request's outcome
+a background flusher, one multi-row INSERT per `admission_flush_s` tick. A prompt the
+API tokenized is reserved at its exact size; an estimated one (no tokenizer in this
+process yet) waits at most one tick for the engine's corrected figures, so the row
+usually carries them. Settles are not written here: the transaction that journals the request's outcome
 writes them (`activities/requests.py`). Hence the overshoot bound in policy/admission.py.
 
 While Postgres is unreachable the view ages and decisions go on from it (own admissions
@@ -175,14 +176,18 @@ class Admission:
     # -- deciding -------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, tenant: str, model: str, tier: str, input_tokens: int,
-                      max_tokens: int | None, *, fleet_busy: bool = False) -> Ticket | Refuse:
-        """Admit a request (a Ticket to carry to its end) or say which limit refuses it."""
+                      max_tokens: int | None, *, fleet_busy: bool = False, counted: bool = False) -> Ticket | Refuse:
+        """Admit a request (a Ticket to carry to its end) or say which limit refuses it.
+        `counted`: `input_tokens` is the prompt's exact size (the API tokenized it as the
+        engine will), so its reserve row need not wait for the engine's figure."""
         output_tokens = reserve_output(input_tokens, max_tokens, self.max_model_len)
         if self.mode == "sync":
             return await self._reserve_sync(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
                                             fleet_busy)
-        return self.reserve_local(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
-                                  fleet_busy)
+        got = self.reserve_local(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens, fleet_busy)
+        if isinstance(got, Ticket):
+            got.corrected = counted
+        return got
 
     def reserve_local(self, request_id: str, tenant: str, model: str, tier: str, input_tokens: int,
                       output_tokens: int, max_tokens: int | None, fleet_busy: bool = False) -> Ticket | Refuse:

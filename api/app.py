@@ -36,7 +36,10 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         admission = await Admission(db, settings).start()  # limits and the quota ledger
         app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http,
                                       keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
-        app.state.services.placer.tokenizer()  # its load starts now, off the request path
+        # The tokenizer's load starts now (and again once an engine has built the model's
+        # files), off the request path.
+        app.state.services.placer.tokenizer()
+        directory.on_refresh = app.state.services.placer.engines_seen
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
         notify_ready()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,6 +25,7 @@ class EngineDirectory:
         # For /v1/models' `created`: stable while this process lives.
         self.started = int(time.time())
         self.first_seen: dict[str, int] = {}  # model → when an engine serving it was first seen
+        self.on_refresh: Callable[[list[EngineView]], None] | None = None  # told each fresh view
 
     async def live(self) -> list[EngineView]:
         # Read through only when the background refresh is not keeping up (or not running).
@@ -44,6 +46,8 @@ class EngineDirectory:
         now = int(time.time())
         for v in self._views:
             self.first_seen.setdefault(v.model, now)
+        if self.on_refresh is not None:
+            self.on_refresh(self._views)
 
     async def follow(self) -> None:
         """Keep the view fresh until cancelled."""

@@ -56,4 +56,7 @@ async def healthz(svc: ServicesDep):
         )
     )
     ok = all(v == "ok" for v in parts.values())
-    return JSONResponse(dict(status="ok" if ok else "unavailable", parts=parts), status_code=200 if ok else 503)
+    # Not a part: without it requests still serve, placed by load, their sizes estimated.
+    tokenizer = "loaded" if svc.placer.has_tokenizer else "not loaded: placing by load, estimating prompt sizes"
+    return JSONResponse(dict(status="ok" if ok else "unavailable", parts=parts, tokenizer=tokenizer),
+                        status_code=200 if ok else 503)

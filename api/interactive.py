@@ -33,6 +33,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from api.admission import Ticket
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
+from api.placer import Prompt
 from journal.tenants import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
@@ -78,9 +79,11 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
-    ticket = await _admit(svc, tenant, req, rid)
+    prompt = svc.placer.prompt(req)  # its ids, as the engine will count them (none until the tokenizer loads)
+    ticket = await _admit(svc, tenant, req, rid, prompt.tokens)
     try:
-        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight, regions=who.regions)
+        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
+                          prompt=prompt)
     except BaseException:
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
@@ -109,17 +112,18 @@ async def _body(request: Request) -> dict[str, Any]:
 # -- 2. admission ----------------------------------------------------------------------
 
 
-async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str) -> Ticket | None:
+async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str,
+                 counted: int | None) -> Ticket | None:
     """Reserve the request's tokens against the tenant's limits, or refuse it with a 429
-    naming the limit. The prompt's size is estimated here (no tokenizer in the API) and
-    corrected once the engine reports it."""
+    naming the limit. The prompt's size is `counted` (tokenized here as the engine will),
+    else estimated and corrected once the engine reports it."""
     if svc.admission is None:
         return None
     s = svc.settings
-    input_tokens, _ = estimate(req, s.max_model_len)
+    input_tokens, _ = estimate(req, s.max_model_len, counted)
     busy = req.service_tier == "flex" and await _fleet_busy(svc)
     got = await svc.admission.reserve(rid, tenant, s.model_name, req.service_tier, input_tokens, req.max_tokens,
-                                      fleet_busy=busy)
+                                      fleet_busy=busy, counted=counted is not None)
     if isinstance(got, Refuse):
         raise APIError(429, describe(got, tenant, s.model_name, req.service_tier),
                        code="resource_unavailable" if got.limit == "capacity" else "rate_limit_exceeded",
@@ -210,14 +214,15 @@ class EngineFailed(Exception):
 
 
 async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
-                ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None) -> Run:
+                ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None,
+                prompt: Prompt | None = None) -> Run:
     s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
                tier=req.service_tier, weight=weight)
-    engine, upstream = await _connect(svc, job, req, regions)
+    engine, upstream = await _connect(svc, job, req, regions, prompt)
     lines = upstream.aiter_lines()
     try:
         first = json.loads(await anext(lines)) if upstream.status_code == 200 else None
@@ -243,15 +248,15 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 
-async def _connect(svc: Services, job: dict, req: GenerationRequest,
-                   regions: frozenset[str] | None = None) -> tuple[EngineView, httpx.Response]:
+async def _connect(svc: Services, job: dict, req: GenerationRequest, regions: frozenset[str] | None = None,
+                   prompt: Prompt | None = None) -> tuple[EngineView, httpx.Response]:
     """Open the stream on the best engine (api/placer.py) inside the tenant's regions; one
     that went away since it last announced itself is skipped for the next best."""
     model = svc.settings.model_name
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions)
+    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt)
     for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job, headers=headers)

@@ -6,7 +6,9 @@ the background (api/engines.py) and the index is this process's memory.
 The prompt is tokenized with the served model's own tokenizer files (engine/prompts.py
 renders it exactly as the engine worker will), loaded once, in the background from the
 API's start: until it is loaded, until an engine worker has built the local tiny model, or
-where no tokenizer can be loaded, requests are placed by load alone.
+where no tokenizer can be loaded, requests are placed by load alone. The same ids size
+the request's quota reservation exactly (api/interactive.py); without them it is estimated
+and corrected when the engine reports the prompt's size.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ballast.settings import Settings
@@ -26,6 +28,21 @@ from protocol.requests import CHAT, GenerationRequest
 
 log = logging.getLogger(__name__)
 RETRY_LOAD_S = 10.0  # how soon to try loading a tokenizer again after a miss
+MAX_BLOCK_SIZE = 128  # the largest block an engine announces (vLLM CPU's)
+HEAD_CHARS_PER_TOKEN = 8  # a text prompt's head encoded: ample characters per token
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as token ids; `whole` where they are all of it (so its size is
+    exact: what the engine will count), not just the head a giant prompt is cut to."""
+
+    ids: tuple[int, ...] = ()
+    whole: bool = False
+
+    @property
+    def tokens(self) -> int | None:
+        return len(self.ids) if self.whole else None
 
 
 class Placer:
@@ -41,6 +58,10 @@ class Placer:
         # This process's open streams per engine: current, where the engines' own figures
         # are up to a refresh old (a burst placed at once must see itself).
         self.inflight: Counter[str] = Counter()
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
 
     def tokenizer(self) -> Any:
         """The tokenizer if loaded; else None, and a load started in the background (a
@@ -67,30 +88,38 @@ class Placer:
                 log.warning("no tokenizer for prefix affinity at %s (%s): placing by load only", path, err)
         return self._tokenizer
 
-    def blocks(self, req: GenerationRequest, block_size: int) -> tuple[int, ...]:
-        """The prompt's leading blocks, as the engine's prefix cache keys them."""
+    def prompt(self, req: GenerationRequest) -> Prompt:
+        """The prompt's token ids as the engine will feed vLLM; none until the tokenizer
+        is loaded."""
         tok = self.tokenizer()
         if tok is None:
-            return ()
+            return Prompt()
         try:
             if req.endpoint == CHAT:
                 ids = prompts.render_chat(tok, [dict(role=m.role, content=m.content) for m in req.messages])
             elif isinstance(req.prompt, tuple):
                 ids = list(req.prompt)
             else:
-                # Only the leading blocks count: no need to encode a giant prompt's tail.
-                ids = prompts.render_text(tok, req.prompt[: 8 * MAX_BLOCKS * block_size])
+                # A giant text's head is enough for its leading blocks (and it is over any
+                # context): no need to encode the tail.
+                head = req.prompt[: HEAD_CHARS_PER_TOKEN * MAX_BLOCKS * MAX_BLOCK_SIZE]
+                return Prompt(tuple(prompts.render_text(tok, head)), whole=len(head) == len(req.prompt))
         except Exception as err:  # what the template refuses, the engine answers for: placed by load here
-            log.debug("no prefix blocks for a request: %s", err)
-            return ()
-        return block_hashes(ids, block_size)
+            log.debug("no prompt ids for a request: %s", err)
+            return Prompt()
+        return Prompt(tuple(ids), whole=True)
 
-    def rank(self, req: GenerationRequest, engines: list[EngineView],
-             regions: frozenset[str] | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
-        """The engines to try, best first, and the request's blocks (for `sent`)."""
+    def blocks(self, req: GenerationRequest, block_size: int) -> tuple[int, ...]:
+        """The prompt's leading blocks, as the engine's prefix cache keys them."""
+        return block_hashes(self.prompt(req).ids, block_size)
+
+    def rank(self, req: GenerationRequest, engines: list[EngineView], regions: frozenset[str] | None = None,
+             prompt: Prompt | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
+        """The engines to try, best first, and the request's blocks (for `sent`); `prompt`
+        where the caller has it already."""
         self._forget_gone(engines)
         block_size = next((e.block_size for e in engines if e.model == self.settings.model_name), 16)
-        blocks = self.blocks(req, block_size)
+        blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size)
         request = Request(self.settings.model_name, blocks, regions)
         current = [replace(e, interactive=max(e.interactive, self.inflight[e.id])) if self.inflight[e.id] else e
                    for e in engines]
@@ -100,6 +129,12 @@ class Placer:
             self._turn = (self._turn + 1) % len(ranked)
             ranked = ranked[self._turn:] + ranked[:self._turn]
         return ranked, blocks
+
+    def engines_seen(self, engines: list[EngineView]) -> None:
+        """The directory has refreshed: once an engine serves (and so, on this host, has
+        built the model's files), the tokenizer loads, off any request's path."""
+        if engines:
+            self.tokenizer()
 
     def sent(self, engine: EngineView, blocks: tuple[int, ...]) -> None:
         """The request went to `engine`: it holds the blocks now, and one more stream."""

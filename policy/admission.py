@@ -249,10 +249,13 @@ def reserve_output(input_tokens: int, max_tokens: int | None, max_model_len: int
     return max(1, max_model_len - input_tokens)
 
 
-def estimate(req: GenerationRequest, max_model_len: int) -> tuple[int, int]:
-    """(input, output) tokens a checked request reserves before the engine has seen it;
-    the input is capped at the context (a longer prompt is refused by the engine)."""
-    if req.messages:
+def estimate(req: GenerationRequest, max_model_len: int, counted: int | None = None) -> tuple[int, int]:
+    """(input, output) tokens a checked request reserves before the engine has seen it:
+    `counted` where the prompt was tokenized as the engine will, else an estimate; the
+    input is capped at the context (a longer prompt is refused by the engine)."""
+    if counted is not None:
+        raw = counted
+    elif req.messages:
         texts = [f"{m.role}{m.content}" for m in req.messages]
         raw = estimate_input(texts, len(req.messages))
     elif isinstance(req.prompt, str):

@@ -205,6 +205,19 @@ async def test_the_unused_reservation_is_refunded_when_the_request_settles(harne
         ("refund", "default", 0, 46)]
 
 
+async def test_a_counted_reservation_is_written_at_the_next_flush(harness, db):
+    """A prompt the API tokenized as the engine will needs no correction: its reserve row
+    goes at the next tick; an estimated one waits a tick for the engine's figure."""
+    counted = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5, counted=True)
+    estimated = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5)
+    await harness.admission.flush()
+    assert await ledger_rows(db, counted.subject) == [("reserve", "default", 7, 5)]
+    assert await ledger_rows(db, estimated.subject) == []
+    estimated.correct(6)
+    await harness.admission.flush()
+    assert await ledger_rows(db, estimated.subject) == [("reserve", "default", 6, 5)]
+
+
 async def test_an_engine_refusal_refunds_the_whole_reservation(harness, db):
     refusal = {"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
                          "code": "context_length_exceeded"}, "status": 400}

@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from api.placer import Placer
+from api.placer import HEAD_CHARS_PER_TOKEN, Placer
 from ballast.settings import Settings
 from policy.placement import EngineView
-from policy.prefix import block_hashes
+from policy.prefix import MAX_BLOCKS, block_hashes
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Message
 
 SYSTEM = "You are the ship's navigator. " * 12  # a long shared prefix: several blocks
@@ -36,8 +36,17 @@ def test_the_blocks_are_those_of_the_engines_own_rendering(tiny_model, engine):
     ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])  # vLLM's tokenizer
     assert len(ids) > 2 * engine.block_size  # vLLM CPU: 128-token blocks
     assert p.blocks(req, engine.block_size) == block_hashes(ids, engine.block_size)
+    assert p.prompt(req).tokens == len(ids)  # the reservation's size: what the engine will count
     text = GenerationRequest(COMPLETIONS, "ballast-tiny", prompt=SYSTEM)
     assert p.blocks(text, engine.block_size) == block_hashes(engine.render_text(SYSTEM), engine.block_size)
+    assert p.prompt(text).tokens == len(engine.render_text(SYSTEM))
+
+
+def test_a_giant_text_prompt_is_cut_to_its_head_and_not_counted(tiny_model):
+    p = placer(tiny_model)
+    giant = GenerationRequest(COMPLETIONS, "ballast-tiny", prompt="a " * (HEAD_CHARS_PER_TOKEN * MAX_BLOCKS * 128))
+    prompt = p.prompt(giant)
+    assert len(prompt.ids) >= MAX_BLOCKS * 128 and prompt.tokens is None  # estimated; the engine refuses it
 
 
 async def test_the_predicted_shared_blocks_are_vllms_own_prefix_cache_hits(tiny_model, engine):

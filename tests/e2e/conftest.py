@@ -147,10 +147,13 @@ class Stack:
         return self.wait_stats(holding, "not every item held at its budget", timeout)
 
     def healthy(self) -> bool:
+        """Serving, and with the tokenizer loaded (which it is a second after the engine
+        first serves): tests see exact reservations and prefix placement from the start."""
         try:
-            return httpx.get(self.url + "/healthz", timeout=3).status_code == 200
+            r = httpx.get(self.url + "/healthz", timeout=3)
         except httpx.HTTPError:
             return False
+        return r.status_code == 200 and r.json()["tokenizer"] == "loaded"
 
     def wait_healthy(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
