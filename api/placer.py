@@ -120,7 +120,7 @@ class Placer:
         self._forget_gone(engines)
         block_size = next((e.block_size for e in engines if e.model == self.settings.model_name), 16)
         blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size)
-        request = Request(self.settings.model_name, blocks, regions)
+        request = Request(self.settings.model_name, blocks, regions, home=self.settings.region)
         current = [replace(e, interactive=max(e.interactive, self.inflight[e.id])) if self.inflight[e.id] else e
                    for e in engines]
         ranked = rank(current, request, self.index.matched(blocks), self.weights)

@@ -90,7 +90,8 @@ class Settings(BaseSettings):
     # and their regions in turn (comma-separated; unset: each in `region`).
     engines: int = Field(1, ge=1)
     engine_regions: str | None = None
-    # This engine worker's region: requests fenced to other regions never come here.
+    # This process's region. An engine worker's: requests fenced to other regions never
+    # come to it. An API's: its requests stay there while an engine has room (placement).
     region: str = "local"
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.

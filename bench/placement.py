@@ -7,17 +7,25 @@ through the API, the same for every arm, no-reuse first (so the prefix-heavy one
 nothing of its own cached):
 
   no-reuse      chats whose prompts share nothing beyond the chat template;
-  prefix-heavy  4 tenants' system prompts of 600-1,400 tokens and multi-turn chats: each
+  prefix-heavy  24 tenants' system prompts of 600-1,400 tokens and multi-turn chats: each
                 next turn of a conversation resends its history (fixed assistant replies,
                 so the history does not depend on what the model said).
 
-The tiny model's context is 2,048 tokens, so the system prompts are shorter than the
-1-4k of a production trace. Arrivals are Poisson; each chat streams MAX_TOKENS tokens.
+The tiny model's context is 2,048 tokens (its tokenizer: a token a character), so the
+system prompts are shorter than the 1-4k of a production trace. Arrivals are Poisson;
+each chat streams MAX_TOKENS tokens. Each engine's KV cache holds KV_CACHE_TOKENS tokens
+(a third of the trace's distinct prefixes): a fleet serving many tenants cannot keep
+every tenant's prompt on every engine, and that is what placement decides. The tiny
+model's default 1 GiB would hold half a million tokens, every prefix everywhere.
 
 Per arm and trace: the prefix-cache hit rate from vLLM's own counters (hit over queried
 prompt tokens, summed over both engines, over the trace), TTFT p50/p99 at the client (its
 first token chunk), and load imbalance: max over mean of the engines' running sequences,
-sampled while any run, averaged. One JSON line last.
+sampled every 0.25 s while at least as many run as there are engines (below that, one
+request alone is "imbalance 2"), averaged. One JSON line last.
+
+Then, in-process with the API's placer: the decision's cost, and on worker loss the share
+of prefixes whose engine changes against the share the lost engine held.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from journal.db import libpq_url
 
 SEED = 5
 MAX_TOKENS = 16
+SYSTEMS = 24  # tenants' system prompts in the prefix-heavy trace
+KV_CACHE_TOKENS = 8192  # per engine: 64 of vLLM CPU's 128-token blocks
 ARMS = ("affinity", "least_loaded", "round_robin")
 TRACES = ("no_reuse", "prefix_heavy")
 WORDS = ("harbour", "compass", "lantern", "anchor", "rigging", "galley", "tide", "squall", "keel", "mast", "chart",
@@ -62,7 +72,7 @@ def _text(rng: random.Random, chars: int) -> str:
 
 def trace(kind: str, seconds: float, rate: float, seed: int = SEED) -> list[Turn]:
     rng = random.Random(f"{seed}:{kind}")
-    systems = [_text(rng, rng.randrange(600, 1400)) for _ in range(4)]
+    systems = [_text(rng, rng.randrange(600, 1400)) for _ in range(SYSTEMS)]
     conversations: list[list[dict[str, str]]] = []
     out, t = [], 0.0
     while (t := t + rng.expovariate(rate)) < seconds:
@@ -107,7 +117,7 @@ def _engines(db_url: str) -> dict[str, dict]:
 async def _sample(db_url: str, out: list[float], stop: asyncio.Event) -> None:
     while not stop.is_set():
         running = [s.get("running", 0) for s in (await asyncio.to_thread(_engines, db_url)).values()]
-        if len(running) > 1 and sum(running):
+        if len(running) > 1 and sum(running) >= len(running):
             out.append(max(running) / statistics.mean(running))
         await asyncio.sleep(0.25)
 
@@ -133,16 +143,26 @@ async def play(stack: Stack, model: str, turns: list[Turn]) -> dict[str, Any]:
     hits = sum(after[e]["prefix_hits"] - before.get(e, {}).get("prefix_hits", 0) for e in after)
     return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * _pct(ttfts, 50), 1),
                 ttft_p99_ms=round(1000 * _pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
-                imbalance=round(statistics.mean(imbalance), 3) if imbalance else None)
+                imbalance=round(statistics.mean(imbalance), 3) if imbalance else None,
+                imbalance_samples=len(imbalance))
 
 
 def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]
 
 
-def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: str) -> dict[str, Any]:
+def kv_bytes_per_token(model_path: str) -> int:
+    """K and V × layers × KV heads × head size × the dtype's bytes, from the model's config."""
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    dtype = 4 if c.get("torch_dtype", c.get("dtype")) == "float32" else 2
+    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * dtype
+
+
+def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: str, kv_gib: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ballast-bench-placement-") as d, \
-            ballast_up(settings, Path(d), BALLAST_ENGINES="2", BALLAST_PLACEMENT=arm) as stack:
+            ballast_up(settings, Path(d), BALLAST_ENGINES="2", BALLAST_PLACEMENT=arm,
+                       BALLAST_KV_CACHE_GIB=f"{kv_gib:.6f}") as stack:
         deadline = time.monotonic() + 120
         while len(_engines(stack.db_url)) < 2:  # both announced before any request
             assert time.monotonic() < deadline, "the second engine worker never announced itself"
@@ -171,7 +191,17 @@ def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> di
         costs.append(time.perf_counter() - t0)
         placer.done(ranked[0].id)
     costs.sort()
-    return dict(decisions=len(costs), p50_ms=round(1000 * _pct(costs, 50), 3), p99_ms=round(1000 * _pct(costs, 99), 3))
+    out = dict(decisions=len(costs), p50_ms=round(1000 * _pct(costs, 50), 3), p99_ms=round(1000 * _pct(costs, 99), 3))
+
+    # Worker loss: where each conversation's latest turn would go now, and once e0 is gone.
+    reqs = {json.dumps(t.messages[:2]): GenerationRequest(CHAT, settings.model_name, tuple(
+        Message(m["role"], m["content"]) for m in t.messages)) for t in turns}
+    before = {k: placer.rank(r, pool)[0][0].id for k, r in reqs.items()}
+    after = {k: placer.rank(r, pool[1:])[0][0].id for k, r in reqs.items()}
+    held = sum(1 for k in reqs if before[k] == pool[0].id)
+    moved = sum(1 for k in reqs if before[k] != after[k])
+    return out | dict(loss_conversations=len(reqs), loss_held_share=round(held / len(reqs), 3),
+                      loss_remapped_share=round(moved / len(reqs), 3))
 
 
 def verdict(out: dict[str, Any]) -> dict[str, bool]:
@@ -184,6 +214,7 @@ def verdict(out: dict[str, Any]) -> dict[str, bool]:
         ttft_p50_within_5pct_of_least_loaded_on_no_reuse=(
             plain["affinity"]["ttft_p50_ms"] <= 1.05 * plain["least_loaded"]["ttft_p50_ms"]),
         imbalance_at_most_1_25=all((out["affinity"][t]["imbalance"] or 1.0) <= 1.25 for t in TRACES),
+        only_the_lost_engines_keys_move=out["decision"]["loss_remapped_share"] <= out["decision"]["loss_held_share"],
         decision_p99_under_1ms=out["decision"]["p99_ms"] < 1.0,
     )
 
@@ -191,7 +222,8 @@ def verdict(out: dict[str, Any]) -> dict[str, bool]:
 def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
     from engine.models import resolve_model
 
-    model = resolve_model(settings).name
+    spec = resolve_model(settings)
+    model, kv_gib = spec.name, KV_CACHE_TOKENS * kv_bytes_per_token(spec.path) / 2**30
     traces = {kind: trace(kind, seconds, rate) for kind in TRACES}
     print(f"bench placement: {', '.join(f'{k} {len(v)} chats' for k, v in traces.items())} over {seconds:.0f} s "
           f"each ({rate}/s, {MAX_TOKENS} tokens each); arms {', '.join(ARMS)}, each a fresh `ballast up --engines 2`",
@@ -199,11 +231,14 @@ def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
     out: dict[str, Any] = dict(bench="placement", seconds=seconds, rate=rate)
     for arm in ARMS:
         print(f"arm {arm} …", flush=True)
-        out[arm] = run_arm(settings, arm, traces, model)
+        out[arm] = run_arm(settings, arm, traces, model, kv_gib)
     out["decision"] = decision_cost(settings.model_copy(update=dict(placement="affinity")), traces["prefix_heavy"])
     out["targets"] = verdict(out)
     print(f"\nplacement decision in the API (tokenize, hash, rank): p50 {out['decision']['p50_ms']} ms, "
           f"p99 {out['decision']['p99_ms']} ms over {out['decision']['decisions']}")
+    d = out["decision"]
+    print(f"an engine of 3 lost: {d['loss_remapped_share']:.1%} of {d['loss_conversations']} conversations move "
+          f"(it held {d['loss_held_share']:.1%})")
     print(f"\n{'arm':13} {'trace':13} {'n':>4} {'hit rate':>8} {'TTFT p50':>9} {'p99':>9} {'imbalance':>9}")
     for arm in ARMS:
         for t in TRACES:

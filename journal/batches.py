@@ -17,6 +17,8 @@ from journal.events import Event, NewEvent, append, append_one
 from journal.schema import batch_items, batches, events, files
 from policy.lifecycle import can_move
 
+PREFIX_SORT_CHARS = 16_384  # of a prompt, to cluster a page by: a 4k-token system prompt
+
 
 def stable_id(prefix: str, *parts: object, n: int = 24) -> str:
     """An id derived from its parts, so a retried writer produces the same one."""
@@ -190,12 +192,20 @@ def journaled_tokens(chunks: Sequence[dict[str, Any]]) -> list[int]:
 
 
 async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, limit: int) -> list[int]:
-    q = (
-        select(batch_items.c.idx)
+    """The next `limit` pending items after `after_idx`, ordered by their prompts' text
+    (bytewise, then by index): items sharing a prefix come out side by side, so the
+    workflow's groups (one engine worker each) hold them together and vLLM's prefix cache
+    serves the shared part to all but the first."""
+    page = (
+        select(batch_items.c.idx, batch_items.c.body)
         .where(batch_items.c.batch_id == batch_id, batch_items.c.status == "pending", batch_items.c.idx > after_idx)
         .order_by(batch_items.c.idx)
         .limit(limit)
+        .subquery()
     )
+    prompt = func.left(func.coalesce(page.c.body["messages"].astext, page.c.body["prompt"].astext, ""),
+                       PREFIX_SORT_CHARS)
+    q = select(page.c.idx).order_by(prompt.collate("C"), page.c.idx)
     return list((await conn.execute(q)).scalars())
 
 

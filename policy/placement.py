@@ -14,6 +14,10 @@
    ties go to the engine with less batch work (fewer to preempt), then to the highest
    rendezvous hash of the request's first block and the engine's id, so new prefixes
    spread evenly and stably, then to the id.
+5. Regions: a request stays in its home region (the placing API's) while an engine there
+   has a free slot; a saturated or empty home region spills across the rest of the
+   request's geography, ranked by steps 2–4 over all of it, so the emptiest region there
+   takes the overflow. A region whose engines stop reporting has left the directory.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Request:
     model: str
     blocks: tuple[int, ...] = ()  # policy.prefix.block_hashes of its prompt
     regions: frozenset[str] | None = None  # where it may run; None: anywhere
+    home: str = ""  # the region it is placed from, preferred while it has room; "": none
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,14 @@ def rank(engines: list[EngineView], req: Request, matched: Mapping[str, int] | N
     """The engines that can take `req`, best first. `matched`: engine id → leading blocks
     it holds (PrefixIndex.matched)."""
     candidates = eligible(engines, req)
-    matched = matched or {}
+    home = [e for e in candidates if e.region == req.home]
+    if any(e.interactive < e.max_seqs for e in home):  # 5. room at home: the rest only as fallbacks
+        away = [e for e in candidates if e.region != req.home]
+        return _ranked(home, req, matched or {}, w) + _ranked(away, req, matched or {}, w)
+    return _ranked(candidates, req, matched or {}, w)
+
+
+def _ranked(candidates: list[EngineView], req: Request, matched: Mapping[str, int], w: Weights) -> list[EngineView]:
     cap = load_cap(candidates, w.load_bound)
     anchor = req.blocks[0] if req.blocks else 0
 

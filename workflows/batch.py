@@ -130,7 +130,7 @@ class BatchWorkflow:
                 exhausted = not page
                 queue.extend(page)
                 if page:
-                    self._after = page[-1]
+                    self._after = max(page)  # a page comes clustered by prompt, not in index order
             while queue and room() > 0 and not stopping():
                 idxs = [queue.popleft() for _ in range(min(inp.group_size, room(), len(queue)))]
                 running[groups] = (self._generate(inp, idxs, groups), idxs)

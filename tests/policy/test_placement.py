@@ -131,11 +131,27 @@ def test_no_request_is_ever_placed_outside_its_geography(seed):
         blocks = tuple(rng.randrange(50) for _ in range(rng.randrange(4)))
         for e in rng.sample(pool, min(2, len(pool))):
             index.record(e.id, blocks)  # affinity pulling anywhere, inside or outside the fence
-        out = rank(pool, Request("m", blocks=blocks, regions=fence), index.matched(blocks))
+        home = rng.choice(regions + [""])
+        out = rank(pool, Request("m", blocks=blocks, regions=fence, home=home), index.matched(blocks))
         assert all(e.model == "m" and not e.draining and (fence is None or e.region in fence) for e in out)
         assert ids(out) == ids(sorted(out, key=lambda e: ids(out).index(e.id)))
         assert set(ids(out)) == {e.id for e in pool if e.model == "m" and not e.draining
                                  and (fence is None or e.region in fence)}
+
+
+def test_a_request_stays_home_while_an_engine_there_has_room_then_spills_to_the_emptiest():
+    pool = [ev("eu1", interactive=6, region="eu"), ev("eu2", interactive=7, region="eu"),
+            ev("us1", interactive=3, region="us"), ev("ap1", interactive=1, region="ap")]
+    req = Request("m", blocks=(1, 2), home="eu")
+    index = PrefixIndex()
+    index.record("ap1", (1, 2))  # a held prefix elsewhere does not pull it away from home
+    assert ids(rank(pool, req, index.matched((1, 2)))) == ["eu1", "eu2", "ap1", "us1"]
+    full = [ev("eu1", interactive=8, region="eu"), ev("eu2", interactive=9, region="eu")] + pool[2:]
+    assert ids(rank(full, req)) == ["ap1", "us1", "eu1", "eu2"]  # home saturated: the geography, emptiest first
+    assert ids(rank(full, Request("m", regions=frozenset({"eu", "us"}), home="eu"))) == ["us1", "eu1", "eu2"]
+    nowhere = Request("m", regions=frozenset({"us"}), home="eu")  # home outside the fence: never used
+    assert ids(rank(pool, nowhere)) == ["us1"]
+    assert ids(rank(pool, Request("m", home="sa"))) == ids(rank(pool, Request("m")))  # no engine at home
 
 
 # -- the prefix index -----------------------------------------------------------------------
