@@ -17,7 +17,7 @@ from api.errors import APIError, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from journal import tenants
 from policy.lifecycle import cancellable
-from policy.placement import batch_region, region_queue
+from policy.placement import batch_regions, region_queue
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
 from workflows.batch import BatchWorkflow
@@ -95,16 +95,17 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         await jb.create_batch(conn, row)
         owner = await tenants.get_tenant(conn, tenant)
     s = svc.settings
-    queue = s.engine_queue
-    if owner and owner.get("regions") is not None:  # fenced: only that region's engine workers poll it
-        region = batch_region(frozenset(owner["regions"]), await svc.engines.live(), s.model_name)
-        queue = region_queue(s.engine_queue, region)
+    queues = [s.engine_queue]
+    if owner and owner.get("regions") is not None:  # fenced: only those regions' engine workers poll these
+        regions = batch_regions(frozenset(owner["regions"]), await svc.engines.live(), s.model_name)
+        queues = [region_queue(s.engine_queue, r) for r in regions]
     try:
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
-            BatchInput(row["id"], row["expires_at"], queue, s.batch_concurrency, s.heartbeat_timeout_s,
+            BatchInput(row["id"], row["expires_at"], queues[0], s.batch_concurrency, s.heartbeat_timeout_s,
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
-                       fairness_weight=float(owner["weight"] if owner else 1)),
+                       fairness_weight=float(owner["weight"] if owner else 1), spill_queues=queues[1:],
+                       spill_after_s=s.batch_spill_after_s),
             id=workflow_id(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     batch_concurrency: int = 256
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
     batch_group_size: int = 16  # items per generation activity
+    # A fenced tenant's batch moves to the next region of its fence when a group waits
+    # this long with no engine worker claiming it.
+    batch_spill_after_s: float = Field(30.0, gt=0)
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last

@@ -129,10 +129,12 @@ def region_queue(base: str, region: str) -> str:
     return f"{base}@{region}"
 
 
-def batch_region(regions: frozenset[str], engines: list[EngineView], model: str) -> str:
-    """Where a fenced tenant's batch runs: the allowed region with the most free slots among
-    its serving engines now (then by name); the first allowed by name if none serves."""
+def batch_regions(regions: frozenset[str], engines: list[EngineView], model: str) -> list[str]:
+    """Where a fenced tenant's batch runs, in the order it tries them: the allowed regions
+    by free slots among their serving engines now, most first (then by name); a region
+    where none serves last. The batch starts on the first and moves down the list (then
+    round again) when a group waits unclaimed (workflows/batch.py)."""
     free: dict[str, int] = dict.fromkeys(sorted(regions), 0)
     for e in eligible(engines, Request(model, regions=regions)):
         free[e.region] += max(0, e.max_seqs - e.interactive - e.batch) + 1  # +1: serving at all counts
-    return min(free, key=lambda r: (-free[r], r))
+    return sorted(free, key=lambda r: (-free[r], r))

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from temporalio import workflow
 from temporalio.common import Priority, RetryPolicy
-from temporalio.exceptions import ActivityError, CancelledError
+from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
+from temporalio.exceptions import TimeoutError as Unclaimed  # the builtin TimeoutError is wait_condition's
 
 with workflow.unsafe.imports_passed_through():
     from workflows.inputs import (
@@ -55,6 +56,7 @@ BATCH_PRIORITY_KEY = 4
 class BatchWorkflow:
     def __init__(self) -> None:
         self._cancel = False
+        self._spills = 0  # how many times this run moved to the next queue of the geography
 
     @workflow.signal
     def cancel(self) -> None:
@@ -103,7 +105,7 @@ class BatchWorkflow:
     async def _run_items(self, inp: BatchInput) -> BatchOutcome | Literal["continue"]:
         self._after = inp.after_idx
         queue: deque[int] = deque()
-        running: dict[int, tuple[workflow.ActivityHandle, list[int]]] = {}  # by group number
+        running: dict[int, tuple[workflow.ActivityHandle, list[int], str]] = {}  # by group number: its queue
         groups = started = 0
         exhausted = False
         cancelled_sent = False
@@ -112,11 +114,11 @@ class BatchWorkflow:
             return self._cancel or self._now() >= inp.expires_at
 
         def room() -> int:
-            in_flight = sum(len(idxs) for _, idxs in running.values())
+            in_flight = sum(len(idxs) for _, idxs, _ in running.values())
             return min(inp.concurrency - in_flight, inp.items_per_run - started)
 
         def woken() -> bool:
-            return (stopping() and not cancelled_sent) or any(h.done() for h, _ in running.values())
+            return (stopping() and not cancelled_sent) or any(h.done() for h, _, _ in running.values())
 
         while True:
             # Refill the queue a page ahead of the slots, so engines never wait on us.
@@ -133,7 +135,7 @@ class BatchWorkflow:
                     self._after = max(page)  # a page comes clustered by prompt, not in index order
             while queue and room() > 0 and not stopping():
                 idxs = [queue.popleft() for _ in range(min(inp.group_size, room(), len(queue)))]
-                running[groups] = (self._generate(inp, idxs, groups), idxs)
+                running[groups] = (self._generate(inp, idxs, groups), idxs, self._queue(inp))
                 groups += 1
                 started += len(idxs)
             if not running:
@@ -146,12 +148,12 @@ class BatchWorkflow:
                 pass  # the completion window closed: stopping() now says so
             if stopping() and not cancelled_sent:
                 cancelled_sent = True
-                for h, _ in running.values():
+                for h, _, _ in running.values():
                     h.cancel()
-            for g in [g for g, (h, _) in running.items() if h.done()]:
-                handle, idxs = running.pop(g)
-                # Preempted items go to the front: they resume as soon as there is room.
-                queue.extendleft(reversed(await self._settle(inp.batch_id, idxs, handle)))
+            for g in [g for g, (h, _, _) in running.items() if h.done()]:
+                handle, idxs, on = running.pop(g)
+                # Preempted or unclaimed items go to the front: they go again as soon as there is room.
+                queue.extendleft(reversed(await self._settle(inp, idxs, handle, on)))
 
         if self._cancel:
             return "cancelled"
@@ -163,13 +165,18 @@ class BatchWorkflow:
             self._after = min(queue) - 1
         return "continue" if not exhausted or queue else "completed"
 
+    def _queue(self, inp: BatchInput) -> str:
+        queues = [inp.engine_queue, *inp.spill_queues]
+        return queues[self._spills % len(queues)]
+
     def _generate(self, inp: BatchInput, idxs: list[int], group: int) -> workflow.ActivityHandle:
         return workflow.start_activity(
             "generate",
             GenerateInput(inp.batch_id, idxs),
             result_type=list[GenerateResult],
-            task_queue=inp.engine_queue,
+            task_queue=self._queue(inp),
             activity_id=f"group-{group}",
+            schedule_to_start_timeout=timedelta(seconds=inp.spill_after_s) if inp.spill_queues else None,
             start_to_close_timeout=timedelta(hours=6),
             heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
             retry_policy=RetryPolicy(
@@ -186,15 +193,23 @@ class BatchWorkflow:
                               fairness_weight=inp.fairness_weight),
         )
 
-    async def _settle(self, batch_id: str, idxs: list[int], handle: workflow.ActivityHandle) -> list[int]:
-        """The items of a finished group that must run again (preempted). Engine workers
-        since session 10 resume a preempted item in place and never return it here; an
-        older worker, mid-upgrade, still may."""
+    async def _settle(self, inp: BatchInput, idxs: list[int], handle: workflow.ActivityHandle, on: str) -> list[int]:
+        """The items of a finished group that must run again: unclaimed where it waited
+        (the next queue of the geography takes them), or preempted (engine workers since
+        session 10 resume a preempted item in place and never return it here; an older
+        worker, mid-upgrade, still may)."""
+        batch_id = inp.batch_id
         try:
             results: list[GenerateResult] = await handle
         except ActivityError as err:
             if isinstance(err.cause, CancelledError):
                 return []  # they stay pending: reported as cancelled or expired
+            if isinstance(err.cause, Unclaimed) and err.cause.type == TimeoutType.SCHEDULE_TO_START:
+                if on == self._queue(inp):  # not moved on already by another group's wait
+                    self._spills += 1
+                    workflow.logger.info("batch %s: no engine worker took a group on %s in %.0f s; now %s",
+                                         batch_id, on, inp.spill_after_s, self._queue(inp))
+                return idxs
             # Out of attempts: the items fail, the batch goes on.
             for idx in idxs:
                 await workflow.execute_activity(

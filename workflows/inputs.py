@@ -28,6 +28,11 @@ class BatchInput:
     # Whose batch: engine queues interleave tenants' generations by weight (fairness keys).
     tenant: str = "default"
     fairness_weight: float = 1.0
+    # A fenced tenant's batch: the other regions' queues of its geography, taken in turn
+    # when a group waits `spill_after_s` with no engine worker claiming it (its region is
+    # down, draining or full), so work spills inside the fence and never outside it.
+    spill_queues: list[str] = field(default_factory=list)
+    spill_after_s: float = 30.0
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1

@@ -9,6 +9,8 @@ record of it (`request_served`); prefix-cache hits are vLLM's own counters.
   with Retry-After, never an engine outside its fence.
 - An engine worker SIGKILLed mid-batch: every item completes once, token for token vLLM's
   greedy output, on the pool.
+- A batch of a tenant fenced to both regions, whose first region hangs, completes in the
+  other, never outside the fence.
 - A drained engine takes no new work: its prefix moves to the other.
 """
 
@@ -72,7 +74,7 @@ class Pool:
 def pool(tmp_path_factory, tiny_model):
     data = Path(tempfile.mkdtemp(prefix="ballast-test-pool-"))  # short: Postgres's socket path
     up, api, _ = started(tmp_path_factory.mktemp("pool"), data, tiny_model, BALLAST_ENGINES="2",
-                         BALLAST_ENGINE_REGIONS="eu,us")
+                         BALLAST_ENGINE_REGIONS="eu,us", BALLAST_BATCH_SPILL_AFTER_S="5")
     try:
         p = Pool(up, api, data)
         procs.wait_until(lambda: len(p.engines()) == 2, 120, "both engine workers announced", child=up)
@@ -163,6 +165,57 @@ async def test_a_worker_killed_mid_batch_loses_nothing_its_items_finish_on_the_p
     # The supervisor restarts the killed one: a new engine worker joins, and the dead one's row goes stale.
     procs.wait_until(lambda: len(now := set(pool.engines())) == 2 and now - before, 180, "the pool whole again",
                      child=pool.up)
+
+
+def engine_worker_in(up: procs.Child, region: str) -> int:
+    """The pid (and process group) of `ballast up`'s engine worker in `region`."""
+    for pid in procs.children_of(up.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().replace(b"\0", b" ").rstrip().endswith(b"worker engine"):
+                continue
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"BALLAST_REGION={region}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no engine worker in {region}")
+
+
+async def test_a_fenced_batch_moves_to_the_other_region_of_its_fence_when_its_own_hangs(pool, engine):
+    """eu's engine worker hangs (SIGSTOP: it neither works nor says so) just as a batch of
+    a tenant fenced to eu and us starts there: once its groups wait unclaimed (after the
+    stopped worker's heartbeat timeout, for any it had taken), they go to us; every item
+    completes once, token for token vLLM's greedy output, and no group ever ran outside
+    the fence."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import Client
+
+    key = pool.cli("tenants", "create", "eu-us").strip().splitlines()[-1]
+    pool.cli("tenants", "regions", "eu-us", "--set", "eu,us")
+    fenced = httpx.Client(base_url=pool.api.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    prompts = [f"fenced item {i}: where is the wind from" for i in range(8)]
+    hung = engine_worker_in(pool.up, "eu")
+    os.killpg(hung, signal.SIGSTOP)
+    try:
+        bid = submit(fenced, [chat_line(f"f-{i}", p, 24, ignore_eos=True) for i, p in enumerate(prompts)])
+        done = completed(fenced, bid, 300)
+    finally:
+        os.killpg(hung, signal.SIGCONT)
+    out = [json.loads(x) for x in fenced.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
+    got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in out}
+    assert len(out) == len(prompts) and [got[f"f-{i}"] for i in range(len(prompts))] == \
+        await asyncio.gather(*(greedy(engine, p, 24, ignore_eos=True) for p in prompts))
+
+    with open(f"/proc/{child(pool.up, 'api')}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    temporal = await Client.connect(env[b"BALLAST_TEMPORAL_ADDRESS"].decode())
+    events = [e async for e in temporal.get_workflow_handle(f"batch:{bid}").fetch_history_events()]
+    queue = {e.event_id: e.activity_task_scheduled_event_attributes.task_queue.name for e in events
+             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+             and e.activity_task_scheduled_event_attributes.activity_type.name == "generate"}
+    completed_on = {queue[e.activity_task_completed_event_attributes.scheduled_event_id] for e in events
+                    if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                    and e.activity_task_completed_event_attributes.scheduled_event_id in queue}
+    assert {q.rsplit("@", 1)[-1] for q in queue.values()} <= {"eu", "us"}  # never outside the fence
+    assert {q.rsplit("@", 1)[-1] for q in completed_on} == {"us"}
 
 
 def test_a_drained_engine_takes_no_new_work(pool):

@@ -198,11 +198,11 @@ def test_an_engine_lost_moves_only_its_own_prefixes():
 
 
 def test_a_fenced_batch_goes_to_the_allowed_region_with_the_most_free_slots():
-    from policy.placement import batch_region, region_queue
+    from policy.placement import batch_regions, region_queue
 
     pool = [ev("a", interactive=6, region="eu"), ev("b", interactive=1, region="us"), ev("c", region="ap"),
             ev("d", region="us", model="other")]
-    assert batch_region(frozenset({"eu", "us"}), pool, "m") == "us"
-    assert batch_region(frozenset({"eu"}), pool, "m") == "eu"
-    assert batch_region(frozenset({"sa", "za"}), pool, "m") == "sa"  # none serves: the first by name, and it waits
+    assert batch_regions(frozenset({"eu", "us"}), pool, "m") == ["us", "eu"]
+    assert batch_regions(frozenset({"eu"}), pool, "m") == ["eu"]
+    assert batch_regions(frozenset({"sa", "za", "eu"}), pool, "m") == ["eu", "sa", "za"]  # serving first, then by name
     assert region_queue("ballast-engine", "us") == "ballast-engine@us"
