@@ -240,8 +240,9 @@ def test_list_batches_pages_newest_first(client):
 def test_cancel_mid_run_keeps_the_items_already_done(client, stack, gate, db_url):
     held_at = 40  # the short items finish below it; the long ones are held mid-run until cancelled
     gate.hold(held_at)
-    lines = [chat_line(f"short-{i}", f"short {i}", 4) for i in range(4)]
-    lines += [chat_line(f"long-{i}", f"long {i}", 200, ignore_eos=True) for i in range(40)]
+    # Prompts whose byte order is the lines' order: a page of items runs sorted by prompt.
+    lines = [chat_line(f"short-{i}", f"brief {i}", 4) for i in range(4)]
+    lines += [chat_line(f"long-{i}", f"long {i:02d}", 200, ignore_eos=True) for i in range(40)]
     batch = submit(client, lines)
     wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 4, timeout=120)
     # Every long item in flight is mid-run, a fact. (A workflow run has at most

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(client, stack, gate, engine, db_url):
     n, length = 24, 300
-    prompts = [f"crash test {i}: {TOPICS[i % len(TOPICS)]}" for i in range(n)]
+    prompts = [f"crash test {i:02d}: {TOPICS[i % len(TOPICS)]}" for i in range(n)]  # in byte order, as they run
     lines = [chat_line(f"k-{i}", p, length, ignore_eos=True) for i, p in enumerate(prompts)]
     gate.hold(0)
     batch = await asyncio.to_thread(submit, client, lines)
