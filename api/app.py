@@ -40,6 +40,7 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         # files), off the request path.
         app.state.services.placer.tokenizer()
         directory.on_refresh = app.state.services.placer.engines_seen
+        directory.me = app.state.services.placer.me
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
         notify_ready()

@@ -26,6 +26,7 @@ class EngineDirectory:
         self.started = int(time.time())
         self.first_seen: dict[str, int] = {}  # model → when an engine serving it was first seen
         self.on_refresh: Callable[[list[EngineView]], None] | None = None  # told each fresh view
+        self.me = ""  # this API process, as engines count its requests (`api` in each job)
 
     async def live(self) -> list[EngineView]:
         # Read through only when the background refresh is not keeping up (or not running).
@@ -39,7 +40,8 @@ class EngineDirectory:
         self._views = [
             EngineView(r["id"], r["url"], r["model"], r["stats"].get("interactive", 0), r["stats"].get("batch", 0),
                        r["stats"].get("max_seqs", 1), r["stats"].get("flex", 0), r["stats"].get("flex_floor", 0),
-                       r["stats"].get("region", ""), r["draining"], r["stats"].get("block_size", 16))
+                       r["stats"].get("region", ""), r["draining"], r["stats"].get("block_size", 16),
+                       self._others(r["stats"]))
             for r in rows
         ]
         self._at = time.monotonic()
@@ -48,6 +50,11 @@ class EngineDirectory:
             self.first_seen.setdefault(v.model, now)
         if self.on_refresh is not None:
             self.on_refresh(self._views)
+
+    def _others(self, stats: dict) -> int | None:
+        """What other API processes have in flight there (None: an engine too old to say)."""
+        by = stats.get("interactive_by")
+        return None if by is None else sum(n for api, n in by.items() if api != self.me)
 
     async def follow(self) -> None:
         """Keep the view fresh until cancelled."""

@@ -221,7 +221,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
-               tier=req.service_tier, weight=weight)
+               tier=req.service_tier, weight=weight, api=svc.placer.me)
     engine, upstream = await _connect(svc, job, req, regions, prompt)
     lines = upstream.aiter_lines()
     try:

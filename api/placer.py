@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,6 +59,7 @@ class Placer:
         # This process's open streams per engine: current, where the engines' own figures
         # are up to a refresh old (a burst placed at once must see itself).
         self.inflight: Counter[str] = Counter()
+        self.me = f"api-{uuid.uuid4().hex[:12]}"  # how engines count this process's streams
 
     @property
     def has_tokenizer(self) -> bool:
@@ -121,14 +123,22 @@ class Placer:
         block_size = next((e.block_size for e in engines if e.model == self.settings.model_name), 16)
         blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size)
         request = Request(self.settings.model_name, blocks, regions, home=self.settings.region)
-        current = [replace(e, interactive=max(e.interactive, self.inflight[e.id])) if self.inflight[e.id] else e
-                   for e in engines]
+        current = [replace(e, interactive=self.in_flight(e)) for e in engines]
         ranked = rank(current, request, self.index.matched(blocks), self.weights)
         if self.settings.placement == "round_robin" and ranked:
             ranked = sorted(ranked, key=lambda e: e.id)
             self._turn = (self._turn + 1) % len(ranked)
             ranked = ranked[self._turn:] + ranked[:self._turn]
         return ranked, blocks
+
+    def in_flight(self, e: EngineView) -> int:
+        """Interactive requests in flight on `e`: this process's own, counted now, plus the
+        other API processes' as of its last report. (Its own `interactive` figure is a peak
+        over the last few reports, for the fleet controller: placing by it would herd every
+        request away from an engine for seconds after a short burst there.)"""
+        if e.others is None:  # an engine worker that does not count by API process
+            return max(e.interactive, self.inflight[e.id])
+        return self.inflight[e.id] + e.others
 
     def engines_seen(self, engines: list[EngineView]) -> None:
         """The directory has refreshed: once an engine serves (and so, on this host, has

@@ -20,9 +20,10 @@ model's default 1 GiB would hold half a million tokens, every prefix everywhere.
 
 Per arm and trace: the prefix-cache hit rate from vLLM's own counters (hit over queried
 prompt tokens, summed over both engines, over the trace), TTFT p50/p99 at the client (its
-first token chunk), and load imbalance: max over mean of the engines' running sequences,
-sampled every 0.25 s while at least as many run as there are engines (below that, one
-request alone is "imbalance 2"), averaged. One JSON line last.
+first token chunk), and load imbalance: max over mean of the requests in flight per
+engine (each from the client's start to its end, on the engine its worker recorded serving
+it), every 5 ms while at least as many are in flight as there are engines (below that,
+one request alone is "imbalance 2"), averaged. One JSON line last.
 
 Then, in-process with the API's placer: the decision's cost, and on worker loss the share
 of prefixes whose engine changes against the share the lost engine held.
@@ -36,6 +37,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,22 +93,30 @@ def trace(kind: str, seconds: float, rate: float, seed: int = SEED) -> list[Turn
     return out
 
 
-async def _chat(http: httpx.AsyncClient, model: str, turn: Turn) -> float:
-    """TTFT in seconds: to the first token chunk (no role, not the last)."""
+@dataclass
+class Chat:
+    id: str
+    start: float  # perf_counter at the client
+    ttft: float  # to the first token chunk (no role, not the last)
+    end: float
+
+
+async def _chat(http: httpx.AsyncClient, model: str, turn: Turn) -> Chat:
     body = dict(model=model, messages=turn.messages, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
                 stream=True)
     t0 = time.perf_counter()
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"chat answered {r.status_code}: {(await r.aread()).decode()[:300]}")
-        first = None
+        first, rid = None, ""
         async for line in r.aiter_lines():
             if first is None and line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
+                chunk = json.loads(line[6:])
+                rid, choice = chunk["id"], chunk["choices"][0]
                 if "role" not in choice["delta"] and choice.get("finish_reason") is None:
                     first = time.perf_counter() - t0
     assert first is not None, "no token streamed back"
-    return first
+    return Chat(rid, t0, first, time.perf_counter())
 
 
 def _engines(db_url: str) -> dict[str, dict]:
@@ -114,19 +124,35 @@ def _engines(db_url: str) -> dict[str, dict]:
         return {i: s for i, s in c.execute("SELECT id, stats FROM engines")}
 
 
-async def _sample(db_url: str, out: list[float], stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        running = [s.get("running", 0) for s in (await asyncio.to_thread(_engines, db_url)).values()]
-        if len(running) > 1 and sum(running) >= len(running):
-            out.append(max(running) / statistics.mean(running))
-        await asyncio.sleep(0.25)
+def _served_on(db_url: str, ids: list[str]) -> dict[str, str]:
+    """Where each request ran: its engine worker's own record (`request_served`)."""
+    q = ("SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served' "
+         "AND payload->>'request_id' = ANY(%s)")
+    deadline = time.monotonic() + 30
+    while True:
+        with psycopg.connect(libpq_url(db_url)) as c:
+            where: dict[str, str] = dict(c.execute(q, (ids,)).fetchall())
+        if len(where) == len(ids) or time.monotonic() > deadline:
+            return where
+        time.sleep(0.5)
 
 
-async def play(stack: Stack, model: str, turns: list[Turn]) -> dict[str, Any]:
+def imbalance(chats: list[Chat], where: dict[str, str], engines: int, step_s: float = 0.005) -> tuple[float, int]:
+    """Max over mean of the requests in flight per engine (client start to end, on the
+    engine that served it), every `step_s`, at the moments with at least one per engine in
+    flight (fewer cannot be balanced); averaged. And how many moments counted."""
+    t, last, ratios = min(c.start for c in chats), max(c.end for c in chats), []
+    while t < last:
+        on = Counter(where[c.id] for c in chats if c.start <= t < c.end and c.id in where)
+        if sum(on.values()) >= engines:
+            counts = [on.get(e, 0) for e in set(where.values())]
+            ratios.append(max(counts) / statistics.mean(counts))
+        t += step_s
+    return (round(statistics.mean(ratios), 3) if ratios else 1.0), len(ratios)
+
+
+async def play(stack: Stack, model: str, turns: list[Turn], engines: int = 2) -> dict[str, Any]:
     before = _engines(stack.db_url)
-    imbalance: list[float] = []
-    stop = asyncio.Event()
-    sampling = asyncio.create_task(_sample(stack.db_url, imbalance, stop))
     async with httpx.AsyncClient(base_url=str(stack.api.base_url), headers=dict(stack.api.headers),
                                  timeout=120, limits=httpx.Limits(max_connections=256)) as http:
         t0 = time.perf_counter()
@@ -134,17 +160,17 @@ async def play(stack: Stack, model: str, turns: list[Turn]) -> dict[str, Any]:
         for turn in turns:
             await asyncio.sleep(max(0.0, t0 + turn.at - time.perf_counter()))
             tasks.append(asyncio.create_task(_chat(http, model, turn)))
-        ttfts = sorted(await asyncio.gather(*tasks))
+        chats = list(await asyncio.gather(*tasks))
     await asyncio.sleep(2.5)  # the engines' counters are announced every second
-    stop.set()
-    await sampling
     after = _engines(stack.db_url)
     queried = sum(after[e]["prefix_queries"] - before.get(e, {}).get("prefix_queries", 0) for e in after)
     hits = sum(after[e]["prefix_hits"] - before.get(e, {}).get("prefix_hits", 0) for e in after)
+    where = await asyncio.to_thread(_served_on, stack.db_url, [c.id for c in chats])
+    ratio, moments = imbalance(chats, where, engines)
+    ttfts = sorted(c.ttft for c in chats)
     return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * _pct(ttfts, 50), 1),
                 ttft_p99_ms=round(1000 * _pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
-                imbalance=round(statistics.mean(imbalance), 3) if imbalance else None,
-                imbalance_samples=len(imbalance))
+                imbalance=ratio, imbalance_moments=moments, served_by=dict(Counter(where.values())))
 
 
 def _pct(xs: list[float], p: float) -> float:

@@ -72,7 +72,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                 yield _line(prompt_tokens=len(prompt))
                 try:
                     # Counted before vLLM sees it: batch yields its slots first.
-                    async with (slots.interactive_request(),
+                    async with (slots.interactive_request(str(job.get("api", ""))),
                                 fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
                         async for step in engine.generate(
                             job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -59,6 +59,9 @@ class EngineSlots:
         self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
         self.interactive_peak = 0  # most in flight at once since the last report
+        # In flight now by the API process that sent them: each API places by its own
+        # streams (current) plus the others' (as of this report), not by the peak.
+        self.by_source: Counter[str] = Counter()
         self._peaks: deque[int] = deque(maxlen=report_window)  # of the last few reports
         self.holds: dict[str, BatchHold] = {}
         self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
@@ -66,14 +69,18 @@ class EngineSlots:
         self._changed = asyncio.Condition()
 
     @asynccontextmanager
-    async def interactive_request(self) -> AsyncIterator[None]:
+    async def interactive_request(self, source: str = "") -> AsyncIterator[None]:
         self.interactive += 1
         self.interactive_peak = max(self.interactive_peak, self.interactive)
+        self.by_source[source] += 1
         await self._rebalance()
         try:
             yield
         finally:
             self.interactive -= 1
+            self.by_source[source] -= 1
+            if not self.by_source[source]:
+                del self.by_source[source]
             await self._rebalance()
 
     @asynccontextmanager
@@ -128,7 +135,7 @@ class EngineSlots:
         reports it ticks past."""
         self._peaks.append(self.interactive_peak)
         self.interactive_peak = self.interactive
-        return dict(self.snapshot(), interactive=max(self._peaks))
+        return dict(self.snapshot(), interactive=max(self._peaks), interactive_by=dict(self.by_source))
 
     def _next_change(self) -> float | None:
         """Seconds until the cap may change with no event (the cool-down or the floor's

@@ -41,6 +41,7 @@ class EngineView:
     region: str = ""
     draining: bool = False
     block_size: int = 16  # vLLM's KV block: prefix-cache keys are whole blocks of it
+    others: int | None = None  # interactive in flight there from other API processes, as last reported
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,19 @@ def test_the_request_path_never_waits_for_the_tokenizer(tiny_model):
     while p.rank(chat("later"), pool)[1] == ():
         assert time.monotonic() < deadline, "the tokenizer never loaded in the background"
         time.sleep(0.05)
+
+
+def test_load_is_this_processs_streams_now_plus_the_others_as_reported(tiny_model):
+    """An engine's own `interactive` is a peak over recent reports (the fleet controller's):
+    placed by it, a burst that has ended would push every request elsewhere for seconds."""
+    p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement="least_loaded"))
+    was_busy = EngineView("a", "http://a", "ballast-tiny", 5, 0, 8, others=0)  # its burst (ours) has ended
+    quiet = EngineView("b", "http://b", "ballast-tiny", 0, 0, 8, others=0)
+    assert p.in_flight(was_busy) == 0
+    ranked, blocks = p.rank(chat("one"), [was_busy, quiet])
+    p.sent(ranked[0], blocks)
+    assert p.rank(chat("two"), [was_busy, quiet])[0][0].id != ranked[0].id  # ours, counted now
+    shared = EngineView("c", "http://c", "ballast-tiny", 5, 0, 8, others=3)  # another API's three streams
+    assert p.in_flight(shared) == 3
+    old = EngineView("d", "http://d", "ballast-tiny", 5, 0, 8)  # a worker that does not count by API
+    assert p.in_flight(old) == 5

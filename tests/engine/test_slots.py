@@ -143,3 +143,15 @@ async def test_without_preemption_batch_keeps_its_slots_through_chat_and_a_surge
         t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await t
+
+
+async def test_the_report_counts_interactive_work_now_by_the_api_that_sent_it():
+    """The peak is the fleet controller's; placement reads what is in flight now, by API
+    process, so each API adds its own current streams to the others' reported ones."""
+    slots = EngineSlots(8)
+    async with slots.interactive_request("api-a"), slots.interactive_request("api-a"), \
+            slots.interactive_request("api-b"):
+        during = slots.report()
+    after = slots.report()
+    assert during["interactive_by"] == {"api-a": 2, "api-b": 1} and during["interactive"] == 3
+    assert after["interactive_by"] == {} and after["interactive"] == 3  # the peak lingers; the count does not
