@@ -64,7 +64,7 @@ class Ticket:
     """One admitted request's reservation, from admission until the request ends."""
 
     __slots__ = ("_adm", "subject", "tenant", "model", "tier", "input_tokens", "output_tokens", "max_tokens", "at",
-                 "minute", "day", "corrected", "ended", "waited", "flushed", "refund")
+                 "minute", "day", "counted", "corrected", "ended", "waited", "flushed", "refund")
 
     def __init__(self, adm: Admission, subject: str, tenant: str, model: str, tier: str, input_tokens: int,
                  output_tokens: int, max_tokens: int | None, at: float):
@@ -72,7 +72,7 @@ class Ticket:
         self.subject, self.tenant, self.model, self.tier = subject, tenant, model, tier
         self.input_tokens, self.output_tokens, self.max_tokens, self.at = input_tokens, output_tokens, max_tokens, at
         self.minute, self.day = window_start(at, MINUTE_S), window_start(at, DAY_S)
-        self.corrected = self.ended = self.waited = self.flushed = self.refund = False
+        self.counted = self.corrected = self.ended = self.waited = self.flushed = self.refund = False
 
     @property
     def holder(self) -> str:
@@ -186,7 +186,7 @@ class Admission:
                                             fleet_busy)
         got = self.reserve_local(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens, fleet_busy)
         if isinstance(got, Ticket):
-            got.corrected = counted
+            got.counted = counted  # ready to write; the engine's figure still corrects it if it differs
         return got
 
     def reserve_local(self, request_id: str, tenant: str, model: str, tier: str, input_tokens: int,
@@ -296,11 +296,11 @@ class Admission:
     # -- background: flush, refresh -------------------------------------------------------------
 
     async def flush(self) -> int:
-        """Write the reservations ready to go (corrected, ended, or held back one tick
+        """Write the reservations ready to go (counted, corrected, ended, or held back one tick
         already) in one INSERT, and pending refunds, in one transaction. Rows written."""
         ready, keep = [], []
         for t in self._unflushed:
-            if t.corrected or t.ended or t.waited:
+            if t.counted or t.corrected or t.ended or t.waited:
                 ready.append(t)
             else:
                 t.waited = True

@@ -207,11 +207,15 @@ async def test_the_unused_reservation_is_refunded_when_the_request_settles(harne
 
 async def test_a_counted_reservation_is_written_at_the_next_flush(harness, db):
     """A prompt the API tokenized as the engine will needs no correction: its reserve row
-    goes at the next tick; an estimated one waits a tick for the engine's figure."""
+    goes at the next tick; an estimated one waits a tick for the engine's figure. Where
+    the engine's figure differs from the count before the row is written, it wins."""
     counted = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5, counted=True)
+    differs = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5, counted=True)
     estimated = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5)
+    differs.correct(9)
     await harness.admission.flush()
     assert await ledger_rows(db, counted.subject) == [("reserve", "default", 7, 5)]
+    assert await ledger_rows(db, differs.subject) == [("reserve", "default", 9, 5)]
     assert await ledger_rows(db, estimated.subject) == []
     estimated.correct(6)
     await harness.admission.flush()

@@ -253,19 +253,28 @@ def client(stack):
 
 
 @contextmanager
-def vllm_paused(stack: Stack) -> Iterator[None]:
+def vllm_paused(stack: Stack) -> Iterator[Callable[[float], None]]:
     """vLLM's own processes (the engine worker's descendants) stopped: no request makes
     progress or ends, so what the engine worker decides is seen whatever the machine's
-    speed; the engine worker itself keeps serving."""
+    speed; the engine worker itself keeps serving. Yields `nudge(seconds)`, which lets
+    vLLM run that long and stops it again: a few steps at a time."""
     pids = descendants(stack.engine.proc.pid)[1:]
     assert pids, "vLLM's processes not found"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
+
+    def signal_all(sig: int) -> None:
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, sig)
+
+    def nudge(seconds: float) -> None:
+        signal_all(signal.SIGCONT)
+        time.sleep(seconds)
+        signal_all(signal.SIGSTOP)
+
+    signal_all(signal.SIGSTOP)
+    try:
+        yield nudge
+    finally:
+        signal_all(signal.SIGCONT)
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -32,25 +32,56 @@ def tenant_client(stack, db_url: str, prefix: str):
     return tenant, key, OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
 
 
+@contextlib.contextmanager
+def held_stream(stack, url: str, key: str, body: dict, *, text: bool) -> Iterator[tuple[dict, Callable[[], None]]]:
+    """A streamed chat whose first chunk (with text, if `text`) has reached the client:
+    that chunk, and `walk_away()` to close the connection. vLLM runs only in nudges of a
+    few steps until then and stays paused for the block, so the request is still
+    mid-generation whatever the machine's speed (left to run, the tiny model can finish
+    its 1,000 tokens before a loaded machine delivers the first one to the client)."""
+    first: list[dict] = []
+    read, gone = threading.Event(), threading.Event()
+
+    def client() -> None:
+        try:
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=WAIT_S) as h, \
+                    h.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        if not text or (chunk["choices"] and chunk["choices"][0]["delta"].get("content")):
+                            first.append(chunk)
+                            read.set()
+                            gone.wait(WAIT_S)
+                            return
+        finally:
+            read.set()
+
+    reader = threading.Thread(target=client, daemon=True)
+
+    def walk_away() -> None:
+        gone.set()
+        reader.join(WAIT_S)
+
+    deadline = time.monotonic() + WAIT_S
+    with vllm_paused(stack) as nudge:
+        reader.start()
+        while not read.wait(0.1):
+            assert time.monotonic() < deadline, "no first token"
+            nudge(0.01)
+        assert first, "the stream ended before its first token"
+        try:
+            yield first[0], walk_away
+        finally:
+            walk_away()
+
+
 def dropped_stream(stack, key: str, db_url: str, tenant: str) -> str:
-    """A streamed chat the client walks away from after its first token: its id. vLLM is
-    paused from that token until the API has journaled the request, so it is cut short
-    mid-generation whatever the machine's speed (the tiny model can otherwise finish its
-    1,000 tokens before the API sees the client go)."""
+    """A streamed chat the client walks away from after its first token: its id."""
     body = dict(model="ballast-tiny", messages=[dict(role="user", content="go on and on")], max_tokens=1000,
                 stream=True, ignore_eos=True)
-    with contextlib.ExitStack() as paused:
-        with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http, \
-                http.stream("POST", "/v1/chat/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[len("data: "):])
-                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                        paused.enter_context(vllm_paused(stack))
-                        break
-            else:
-                raise AssertionError("the stream ended before its first token")
+    with held_stream(stack, stack.url, key, body, text=True) as (chunk, walk_away):
+        walk_away()
         wait_journaled(db_url, tenant, [chunk["id"]])  # the client has gone; vLLM is still paused
     return chunk["id"]
 
@@ -142,23 +173,15 @@ def test_a_request_whose_api_process_dies_mid_stream_is_still_accounted_for(stac
     procs.wait_until(lambda: _up(url), 60, "the second API process to be healthy", child=doomed)
     body = dict(model="ballast-tiny", messages=[dict(role="user", content="go on")], max_tokens=1000,
                 stream=True, ignore_eos=True)
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()  # kept open: closing it would end the request (a dropped stream)
-            rid = next(json.loads(ln[len("data: "):])["id"] for ln in lines if ln.startswith("data: {"))
-            subject = f"request:{rid}"
-            # Freeze the engine worker so that the request is still mid-stream when its API
-            # process dies, however fast the engine.
-            os.kill(stack.engine.proc.pid, signal.SIGSTOP)
-            try:
-                # Its reservation reaches the ledger within a flush tick; then the process dies.
-                procs.wait_until(lambda: _kinds(db_url, subject) != [], 10, "the reserve row")
-                assert _kinds(db_url, subject) == ["reserve"]
-                doomed.proc.kill()
-            finally:
-                os.kill(stack.engine.proc.pid, signal.SIGCONT)
-            doomed.proc.wait(10)
+    with held_stream(stack, url, key, body, text=False) as (chunk, _):
+        subject = f"request:{chunk['id']}"
+        # Its reservation reaches the ledger within a flush tick; then the process dies,
+        # the request mid-stream (vLLM paused, the client still reading).
+        procs.wait_until(lambda: _kinds(db_url, subject) != [], 10, "the reserve row")
+        assert _kinds(db_url, subject) == ["reserve"]
+        doomed.proc.kill()
+        doomed.proc.wait(10)
+    rid = chunk["id"]
     finished = "SELECT payload FROM events WHERE idempotency_key = %(k)s"
     deadline = time.monotonic() + 90  # the unreported delay (15 s here), a sweep, the holder TTL (30 s)
     while not _sql(db_url, finished, k=f"{subject}:finished"):
