@@ -24,15 +24,29 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
+from journal import engines as je
 from journal import ledger
 from journal.leases import acquire
 from journal.objects import ObjectStore
 from policy.admission import ANY_MODEL, Refuse, admit_batch, describe_batch, estimate
+from policy.grouping import assign, own_queue
 from policy.lifecycle import finalize_plan
+from policy.placement import region_queue
 from protocol import batch as batch_file
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
-from workflows.inputs import FailBatchInput, FailItemInput, FinalizeInput, PendingInput, ValidateInput, ValidateResult
+from workflows.inputs import (
+    FailBatchInput,
+    FailItemInput,
+    FinalizeInput,
+    Page,
+    PendingInput,
+    ValidateInput,
+    ValidateResult,
+)
+
+PREFIX_KEY_CHARS = 4096  # of each prompt, to find the runs that share a prefix by
+LIVE_S = 10.0  # an engine worker that has not announced itself for this long gets no group
 
 
 class BatchActivities:
@@ -127,9 +141,21 @@ class BatchActivities:
             await ledger.refund(conn, ledger.batch_subject(inp.batch_id))
 
     @activity.defn
-    async def pending_items(self, inp: PendingInput) -> list[int]:
+    async def pending_items(self, inp: PendingInput) -> list[int] | Page:
+        """The next page of pending items; given the queue the batch runs on, with the runs
+        of them that share a prefix placed on its live engine workers (policy/grouping.py)."""
         async with self.db.connect() as conn:
-            return await jb.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
+            if not inp.queue:
+                return await jb.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
+            page = await jb.pending_page(conn, inp.batch_id, inp.after_idx, inp.limit, PREFIX_KEY_CHARS)
+            live = [e for e in await je.live(conn, within_s=LIVE_S) if not e["draining"]]
+        workers = {}
+        for e in live:  # the ones polling the batch's queue: its pool's, or its region's
+            region = e["stats"].get("region", "")
+            if inp.queue in (e["queue"], region_queue(e["queue"], region)):
+                workers[e["id"]] = own_queue(e["queue"], region, e["id"])
+        runs = assign([head for _, head in page], workers)
+        return Page([idx for idx, _ in page], [(r.count, r.queue) for r in runs])
 
     @activity.defn
     async def fail_item(self, inp: FailItemInput) -> None:

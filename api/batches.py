@@ -105,7 +105,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
             BatchInput(row["id"], row["expires_at"], queues[0], s.batch_concurrency, s.heartbeat_timeout_s,
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
                        fairness_weight=float(owner["weight"] if owner else 1), spill_queues=queues[1:],
-                       spill_after_s=s.batch_spill_after_s),
+                       spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s),
             id=workflow_id(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,

@@ -119,6 +119,10 @@ class Settings(BaseSettings):
     # A fenced tenant's batch moves to the next region of its fence when a group waits
     # this long with no engine worker claiming it.
     batch_spill_after_s: float = Field(30.0, gt=0)
+    # A batch's runs of items sharing a prefix go to one engine worker's own queue
+    # (policy/grouping.py); a group it leaves unclaimed this long (dead, hung, draining)
+    # goes to the shared queue. 0: no such groups, every group to the shared queue.
+    batch_sticky_wait_s: float = Field(10.0, ge=0)
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last

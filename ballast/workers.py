@@ -25,6 +25,7 @@ from ballast import procs
 from ballast.settings import Settings
 from journal.db import connect
 from journal.objects import ObjectStore
+from policy.grouping import own_queue
 from policy.placement import region_queue
 from policy.preemption import SurgePolicy, min_slots
 from protocol.requests import Limits
@@ -180,8 +181,10 @@ async def engine_worker(settings: Settings) -> None:
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
                                     trace=trace)
         # The pool's queue, and its region's: a tenant fenced to regions has its batches
-        # sent to one of theirs (policy/placement.py), which no engine elsewhere polls.
-        queues = [settings.engine_queue, region_queue(settings.engine_queue, settings.region)]
+        # sent to one of theirs (policy/placement.py), which no engine elsewhere polls; and
+        # its own, where a batch sends the groups whose prefix it holds (policy/grouping.py).
+        queues = [settings.engine_queue, region_queue(settings.engine_queue, settings.region),
+                  own_queue(settings.engine_queue, settings.region, engine_id)]
         workers = [Worker(client, task_queue=q, activities=[acts.generate],
                           # Enough slots that the engine slots, not Temporal, decide how much runs at once.
                           max_concurrent_activities=settings.max_num_seqs * 2,

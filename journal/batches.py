@@ -196,6 +196,12 @@ async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, li
     (bytewise, then by index): items sharing a prefix come out side by side, so the
     workflow's groups (one engine worker each) hold them together and vLLM's prefix cache
     serves the shared part to all but the first."""
+    return [idx for idx, _ in await pending_page(conn, batch_id, after_idx, limit, 0)]
+
+
+async def pending_page(conn: AsyncConnection, batch_id: str, after_idx: int, limit: int,
+                       head_chars: int) -> list[tuple[int, str]]:
+    """As pending_items, with the first `head_chars` characters of each prompt's text."""
     page = (
         select(batch_items.c.idx, batch_items.c.body)
         .where(batch_items.c.batch_id == batch_id, batch_items.c.status == "pending", batch_items.c.idx > after_idx)
@@ -203,10 +209,10 @@ async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, li
         .limit(limit)
         .subquery()
     )
-    prompt = func.left(func.coalesce(page.c.body["messages"].astext, page.c.body["prompt"].astext, ""),
-                       PREFIX_SORT_CHARS)
-    q = select(page.c.idx).order_by(prompt.collate("C"), page.c.idx)
-    return list((await conn.execute(q)).scalars())
+    whole = func.coalesce(page.c.body["messages"].astext, page.c.body["prompt"].astext, "")
+    prompt = func.left(whole, PREFIX_SORT_CHARS)
+    q = select(page.c.idx, func.left(whole, head_chars)).order_by(prompt.collate("C"), page.c.idx)
+    return [(idx, head) for idx, head in (await conn.execute(q)).all()]
 
 
 async def results(conn: AsyncConnection, batch_id: str) -> AsyncIterator[tuple[dict[str, Any], Event | None]]:

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         FinalizeInput,
         GenerateInput,
         GenerateResult,
+        Page,
         PendingInput,
         ValidateInput,
         ValidateResult,
@@ -105,6 +106,7 @@ class BatchWorkflow:
     async def _run_items(self, inp: BatchInput) -> BatchOutcome | Literal["continue"]:
         self._after = inp.after_idx
         queue: deque[int] = deque()
+        sticky: dict[int, str] = {}  # item → the engine worker's own queue its prefix goes to
         running: dict[int, tuple[workflow.ActivityHandle, list[int], str]] = {}  # by group number: its queue
         groups = started = 0
         exhausted = False
@@ -123,19 +125,20 @@ class BatchWorkflow:
         while True:
             # Refill the queue a page ahead of the slots, so engines never wait on us.
             if not exhausted and len(queue) < inp.concurrency and room() > 0 and not stopping():
-                page: list[int] = await workflow.execute_activity(
-                    "pending_items",
-                    PendingInput(inp.batch_id, self._after, inp.concurrency * 2),
-                    result_type=list[int],
-                    **CONTROL,
-                )
+                page = await self._page(inp, sticky)
                 exhausted = not page
                 queue.extend(page)
                 if page:
                     self._after = max(page)  # a page comes clustered by prompt, not in index order
             while queue and room() > 0 and not stopping():
-                idxs = [queue.popleft() for _ in range(min(inp.group_size, room(), len(queue)))]
-                running[groups] = (self._generate(inp, idxs, groups), idxs, self._queue(inp))
+                # A group: the next items bound for one queue (a worker's own, or "": ours).
+                on = sticky.get(queue[0], "")
+                idxs: list[int] = []
+                while queue and len(idxs) < min(inp.group_size, room()) and sticky.get(queue[0], "") == on:
+                    idxs.append(queue.popleft())
+                    sticky.pop(idxs[-1], None)  # an unclaimed group comes back for ours
+                on = on or self._queue(inp)
+                running[groups] = (self._generate(inp, idxs, groups, on), idxs, on)
                 groups += 1
                 started += len(idxs)
             if not running:
@@ -165,18 +168,42 @@ class BatchWorkflow:
             self._after = min(queue) - 1
         return "continue" if not exhausted or queue else "completed"
 
+    async def _page(self, inp: BatchInput, sticky: dict[int, str]) -> list[int]:
+        """The next page of pending items; those the page places on an engine worker's own
+        queue are noted in `sticky`. A batch from before sticky groups gets a bare list."""
+        ask = PendingInput(inp.batch_id, self._after, inp.concurrency * 2,
+                           queue=self._queue(inp) if inp.sticky_wait_s else "")
+        got: list[int] | dict[str, Any] = await workflow.execute_activity("pending_items", ask, **CONTROL)
+        if isinstance(got, list):
+            return got
+        page = Page(**got)
+        at = 0
+        for count, on in page.runs:
+            if on:
+                sticky.update(dict.fromkeys(page.idxs[at:at + count], on))
+            at += count
+        return page.idxs
+
     def _queue(self, inp: BatchInput) -> str:
         queues = [inp.engine_queue, *inp.spill_queues]
         return queues[self._spills % len(queues)]
 
-    def _generate(self, inp: BatchInput, idxs: list[int], group: int) -> workflow.ActivityHandle:
+    def _shared(self, inp: BatchInput, on: str) -> bool:
+        """`on` is one of the batch's own queues, not an engine worker's."""
+        return on == inp.engine_queue or on in inp.spill_queues
+
+    def _generate(self, inp: BatchInput, idxs: list[int], group: int, on: str) -> workflow.ActivityHandle:
+        if not self._shared(inp, on):
+            wait: float | None = inp.sticky_wait_s
+        else:
+            wait = inp.spill_after_s if inp.spill_queues else None
         return workflow.start_activity(
             "generate",
             GenerateInput(inp.batch_id, idxs),
             result_type=list[GenerateResult],
-            task_queue=self._queue(inp),
+            task_queue=on,
             activity_id=f"group-{group}",
-            schedule_to_start_timeout=timedelta(seconds=inp.spill_after_s) if inp.spill_queues else None,
+            schedule_to_start_timeout=timedelta(seconds=wait) if wait else None,
             start_to_close_timeout=timedelta(hours=6),
             heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
             retry_policy=RetryPolicy(
@@ -205,7 +232,10 @@ class BatchWorkflow:
             if isinstance(err.cause, CancelledError):
                 return []  # they stay pending: reported as cancelled or expired
             if isinstance(err.cause, Unclaimed) and err.cause.type == TimeoutType.SCHEDULE_TO_START:
-                if on == self._queue(inp):  # not moved on already by another group's wait
+                if not self._shared(inp, on):  # its worker died, hangs or drains: ours takes them
+                    workflow.logger.info("batch %s: %s left a group unclaimed %.0f s; the shared queue takes it",
+                                         batch_id, on, inp.sticky_wait_s)
+                elif on == self._queue(inp):  # not moved on already by another group's wait
                     self._spills += 1
                     workflow.logger.info("batch %s: no engine worker took a group on %s in %.0f s; now %s",
                                          batch_id, on, inp.spill_after_s, self._queue(inp))

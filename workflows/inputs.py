@@ -33,6 +33,9 @@ class BatchInput:
     # down, draining or full), so work spills inside the fence and never outside it.
     spill_queues: list[str] = field(default_factory=list)
     spill_after_s: float = 30.0
+    # Groups that share a prefix go to one engine worker's own queue (policy/grouping.py);
+    # one it leaves unclaimed this long goes to the shared queue. 0: no such groups.
+    sticky_wait_s: float = 0.0
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1
@@ -55,6 +58,17 @@ class PendingInput:
     batch_id: str
     after_idx: int
     limit: int
+    # The queue the batch runs on now: its page comes back as a Page, items placed on the
+    # engine workers of that queue. "": a bare list of indices (before sticky groups).
+    queue: str = ""
+
+
+@dataclass
+class Page:
+    """The next pending items, clustered by prompt, with where each run of them goes:
+    `runs` (count, queue) cover `idxs` in order; queue "" is the batch's own."""
+    idxs: list[int]
+    runs: list[tuple[int, str]]
 
 
 @dataclass

@@ -5,6 +5,8 @@ record of it (`request_served`); prefix-cache hits are vLLM's own counters.
 - Chats that share a long system prompt, one after another, all land on one engine, and
   vLLM reports the prompt as cached; chats of another prompt land where theirs goes; a
   burst of one prompt fills its engine to the load bound, then spills to the other.
+- A batch's items that share a system prompt run on one engine worker per prompt,
+  the prompts spread over both.
 - A tenant fenced to a region runs only there; fenced where nothing serves, it gets a 503
   with Retry-After, never an engine outside its fence.
 - An engine worker SIGKILLed mid-batch: every item completes once, token for token vLLM's
@@ -26,6 +28,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -33,6 +37,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ballast import procs
+from ballast.affinity import descendants
 from tests.e2e.test_batch import chat_line, greedy
 from tests.e2e.test_supervise import child, completed, sql, started, submit
 
@@ -74,7 +79,8 @@ class Pool:
 def pool(tmp_path_factory, tiny_model):
     data = Path(tempfile.mkdtemp(prefix="ballast-test-pool-"))  # short: Postgres's socket path
     up, api, _ = started(tmp_path_factory.mktemp("pool"), data, tiny_model, BALLAST_ENGINES="2",
-                         BALLAST_ENGINE_REGIONS="eu,us", BALLAST_BATCH_SPILL_AFTER_S="5")
+                         BALLAST_ENGINE_REGIONS="eu,us", BALLAST_BATCH_SPILL_AFTER_S="5",
+                         BALLAST_BATCH_STICKY_WAIT_S="3")
     try:
         p = Pool(up, api, data)
         procs.wait_until(lambda: len(p.engines()) == 2, 120, "both engine workers announced", child=up)
@@ -121,14 +127,71 @@ def test_a_burst_of_one_prefix_spills_to_the_other_engine_at_the_bound(pool):
                 pass
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
+    # vLLM paused on both engines while the burst is placed: none of it ends before the
+    # last arrives, however slow the machine is to send them (placement is the API's,
+    # before any engine step; the engine workers still count what they were sent).
+    with vllm_paused(pool):
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        procs.wait_until(lambda: sum(sum(s.get("interactive_by", {}).values()) for s in pool.engines().values())
+                         == 8, 60, "the burst at the engine workers", child=pool.up)
     for t in threads:
         t.join(180)
     spread = pool.served_on(burst)
     counts = sorted(spread.count(e) for e in set(spread))
     assert len(counts) == 2 and counts[-1] <= 5, spread  # 1.25 × the mean of 8 over 2, rounded up
+
+
+async def test_a_batchs_items_that_share_a_prefix_run_on_one_worker_each_prefix(pool):
+    """Four system prompts, six items each, over two engine workers: each prompt's items
+    all run on one worker, the one whose own queue the page sent them to (as the worker
+    that started each group says: its Temporal identity, pid@host, names the engine id,
+    host-pid); neither worker takes more than ceil(1.25 × 12) = 15, so both work."""
+    names = sorted(SYSTEM)
+    lines = [dict(custom_id=f"{name}-{i}", method="POST", url="/v1/chat/completions",
+                  body=dict(model="ballast-tiny", max_tokens=8, temperature=0, messages=[
+                      dict(role="system", content=SYSTEM[name]), dict(role="user", content=f"question {i}?")]))
+             for i in range(6) for name in names]  # interleaved: the page clusters them
+    bid = submit(pool.api, lines)
+    done = completed(pool.api, bid, 300)
+    out = [json.loads(x) for x in pool.api.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(ln["custom_id"] for ln in lines)
+
+    groups = await generations(pool, bid)
+    assert all(queue.endswith("/" + engine_of(identity)) for _, queue, identity in groups), groups
+    ran_on = {lines[idx]["custom_id"]: queue for idxs, queue, _ in groups for idx in idxs}
+    by_prompt = {name: {q for cid, q in ran_on.items() if cid.startswith(name + "-")} for name in names}
+    assert all(len(qs) == 1 for qs in by_prompt.values()), by_prompt
+    load = [sum(1 for q in ran_on.values() if q == w) for w in {q for qs in by_prompt.values() for q in qs}]
+    assert sorted(load) == [12, 12], load
+
+
+async def generations(pool: Pool, bid: str) -> list[tuple[list[int], str, str]]:
+    """The batch's completed generate activities: (items, task queue, the worker that ran it)."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import Client
+
+    with open(f"/proc/{child(pool.up, 'api')}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    temporal = await Client.connect(env[b"BALLAST_TEMPORAL_ADDRESS"].decode())
+    events = [e async for e in temporal.get_workflow_handle(f"batch:{bid}").fetch_history_events()]
+    scheduled = {e.event_id: e.activity_task_scheduled_event_attributes for e in events
+                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "generate"}
+    started_by = {e.activity_task_started_event_attributes.scheduled_event_id:
+                  e.activity_task_started_event_attributes.identity for e in events
+                  if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED}
+    done = [e.activity_task_completed_event_attributes.scheduled_event_id for e in events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED]
+    return [(json.loads(scheduled[s].input.payloads[0].data)["idxs"], scheduled[s].task_queue.name, started_by[s])
+            for s in done if s in scheduled]
+
+
+def engine_of(identity: str) -> str:
+    """A Temporal worker identity (pid@host) as the engine id of that process (host-pid)."""
+    pid, host = identity.split("@", 1)
+    return f"{host}-{pid}"
 
 
 def test_a_fenced_tenant_runs_only_in_its_region_and_nowhere_else_is_a_503(pool):
@@ -165,6 +228,19 @@ async def test_a_worker_killed_mid_batch_loses_nothing_its_items_finish_on_the_p
     # The supervisor restarts the killed one: a new engine worker joins, and the dead one's row goes stale.
     procs.wait_until(lambda: len(now := set(pool.engines())) == 2 and now - before, 180, "the pool whole again",
                      child=pool.up)
+
+
+@contextmanager
+def vllm_paused(pool: Pool) -> Iterator[None]:
+    """Both engine workers' vLLM processes stopped (the workers themselves still serve)."""
+    pids = [pid for region in ("eu", "us") for pid in descendants(engine_worker_in(pool.up, region))[1:]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def engine_worker_in(up: procs.Child, region: str) -> int:
@@ -214,8 +290,9 @@ async def test_a_fenced_batch_moves_to_the_other_region_of_its_fence_when_its_ow
     completed_on = {queue[e.activity_task_completed_event_attributes.scheduled_event_id] for e in events
                     if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
                     and e.activity_task_completed_event_attributes.scheduled_event_id in queue}
-    assert {q.rsplit("@", 1)[-1] for q in queue.values()} <= {"eu", "us"}  # never outside the fence
-    assert {q.rsplit("@", 1)[-1] for q in completed_on} == {"us"}
+    # A region's queue (pool@eu) or one of its engine workers' own (pool@eu/host-pid).
+    assert {q.rsplit("@", 1)[-1].split("/")[0] for q in queue.values()} <= {"eu", "us"}  # never outside the fence
+    assert {q.rsplit("@", 1)[-1].split("/")[0] for q in completed_on} == {"us"}
 
 
 def test_a_drained_engine_takes_no_new_work(pool):

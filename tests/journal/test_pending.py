@@ -50,3 +50,42 @@ async def test_pages_cover_every_pending_item_once_clustered_by_prompt(owner_db,
             seen += page
             after = max(page)
     assert sorted(seen) == pending and len(seen) == len(set(seen))
+
+
+async def test_a_page_sends_each_prompts_run_to_one_live_worker_of_the_batchs_queue(owner_db, db):
+    """The page as the workflow gets it (BatchActivities.pending_items, given the queue the
+    batch runs on): each system prompt's items go, whole, to the own queue of one engine
+    worker polling that queue; a worker draining, gone quiet, or in another region gets
+    none."""
+    from activities.batch import BatchActivities
+    from journal import engines as je
+    from policy.placement import region_queue
+    from workflows.inputs import Page, PendingInput
+
+    pool = "pool-" + uuid.uuid4().hex[:8]
+    async with owner_db.begin() as c:
+        for id_, region in (("eu-1", "eu"), ("eu-2", "eu"), ("eu-3", "eu"), ("eu-drained", "eu"), ("eu-quiet", "eu"),
+                            ("us-1", "us")):
+            await je.announce(c, f"{pool}-{id_}", "http://x", "m", pool, dict(region=region))
+        await je.drain(c, f"{pool}-eu-drained")
+        await c.execute(text("UPDATE engines SET seen_at = now() - interval '1 minute' WHERE id = :i"),
+                        dict(i=f"{pool}-eu-quiet"))
+    bid, system_of = await make_batch(owner_db, 30, set())
+    acts = BatchActivities(db, None, None, 0)  # type: ignore[arg-type]  # paging reads neither
+
+    page = await acts.pending_items(PendingInput(bid, -1, 100, queue=region_queue(pool, "eu")))
+    assert isinstance(page, Page) and sorted(page.idxs) == list(range(30))
+    assert sum(n for n, _ in page.runs) == 30
+    on: dict[int, str] = {}
+    at = 0
+    for n, queue in page.runs:
+        on.update(dict.fromkeys(page.idxs[at:at + n], queue))
+        at += n
+    eu = {f"{pool}@eu/{pool}-eu-{n}" for n in (1, 2, 3)}
+    assert set(on.values()) == eu  # 3 runs of 10, each worker ≤ ceil(1.25 · 10) = 13: one run each
+    for system in SYSTEMS:
+        assert len({on[i] for i in on if system_of[i] == system}) == 1  # each prompt on one worker
+
+    anywhere = await acts.pending_items(PendingInput(bid, -1, 100, queue=pool))
+    assert isinstance(anywhere, Page) and {q for _, q in anywhere.runs} <= eu | {f"{pool}@us/{pool}-us-1"}
+    assert await acts.pending_items(PendingInput(bid, -1, 100)) == page.idxs  # an old workflow: a bare list
