@@ -71,7 +71,7 @@ async def test_a_page_sends_each_prompts_run_to_one_live_worker_of_the_batchs_qu
         await c.execute(text("UPDATE engines SET seen_at = now() - interval '1 minute' WHERE id = :i"),
                         dict(i=f"{pool}-eu-quiet"))
     bid, system_of = await make_batch(owner_db, 30, set())
-    acts = BatchActivities(db, None, None, 0)  # type: ignore[arg-type]  # paging reads neither
+    acts = BatchActivities(db, None, None, 0)  # paging reads neither the store nor the limits
 
     page = await acts.pending_items(PendingInput(bid, -1, 100, queue=region_queue(pool, "eu")))
     assert isinstance(page, Page) and sorted(page.idxs) == list(range(30))
