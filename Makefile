@@ -32,6 +32,7 @@ bench: install
 	$(VENV)/bin/ballast bench admission
 	$(VENV)/bin/ballast bench fairness
 	$(VENV)/bin/ballast bench placement
+	$(VENV)/bin/ballast bench grouping
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

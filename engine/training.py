@@ -1,0 +1,195 @@
+"""Fine-tune-like training in chunks, resumable bit for bit from a checkpoint.
+
+Full weights of the model (the tiny one here: 0.4M parameters), not a LoRA adapter: the
+served result is then a plain model directory vLLM loads like any other, and a resumed
+run can be compared with an uninterrupted one tensor by tensor.
+
+What makes a resumed run bitwise equal to an uninterrupted one:
+- the data order is a function of (seed, epoch) alone, so the data cursor is the step
+  number: step s trains batch s % steps_per_epoch of epoch s // steps_per_epoch;
+- a checkpoint holds the weights, the optimizer's state (AdamW moments and step counts),
+  torch's RNG state and the losses so far, and is loaded into a fresh model and optimizer;
+- every step runs single-threaded in float32, so no reduction order depends on how many
+  cores the worker that resumes it has.
+
+A checkpoint is bytes with a SHA-256 over them: `restore` refuses bytes that do not
+match the checksum the journal recorded, so a torn or corrupted file is never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+IGNORE = -100  # the label of a position that is not trained (cross_entropy's ignore_index)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training example: its token ids and, per id, whether the model learns to
+    produce it (the assistant's tokens of a chat, a completion's tokens)."""
+    ids: tuple[int, ...]
+    trained: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    n_epochs: int = 3
+    batch_size: int = 1
+    learning_rate: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class Checkpoint:
+    step: int  # steps done: the data cursor
+    data: bytes
+    sha256: str
+    losses: list[float] = field(default_factory=list)  # one per step done, in order
+
+
+class CorruptCheckpoint(ValueError):
+    pass
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Trainer:
+    """A model, its optimizer and its place in the data; `run(k)` trains k more steps."""
+
+    def __init__(self, model_path: str, examples: Sequence[Example], hyper: Hyper, pad_id: int):
+        from transformers import AutoModelForCausalLM
+
+        if not examples:
+            raise ValueError("no training examples")
+        self.examples, self.hyper, self.pad_id = list(examples), hyper, pad_id
+        torch.manual_seed(hyper.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=hyper.learning_rate)
+        self.step = 0
+        self.losses: list[float] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.examples) / self.hyper.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.hyper.n_epochs * self.steps_per_epoch
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def batch(self, step: int) -> list[Example]:
+        """The examples of `step`: the epoch's permutation, seeded by (seed, epoch)."""
+        epoch, at = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.examples), generator=torch.Generator().manual_seed(
+            self.hyper.seed * 1_000_003 + epoch)).tolist()
+        size = self.hyper.batch_size
+        return [self.examples[i] for i in order[at * size:(at + 1) * size]]
+
+    def run(self, steps: int) -> list[float]:
+        """Train up to `steps` more steps (fewer at the end); the losses of those steps."""
+        out = []
+        with single_threaded():
+            while steps > 0 and not self.done:
+                out.append(self._step(self.batch(self.step)))
+                self.step += 1
+                steps -= 1
+        self.losses += out
+        return out
+
+    def _step(self, batch: list[Example]) -> float:
+        width = max(len(e.ids) for e in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, e in enumerate(batch):
+            n = len(e.ids)
+            ids[row, :n] = torch.tensor(e.ids)
+            attention[row, :n] = 1
+            labels[row, :n] = torch.tensor([t if trained else IGNORE for t, trained in zip(e.ids, e.trained,
+                                                                                          strict=True)])
+        # The model shifts labels itself: position i predicts token i + 1.
+        loss = self.model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint(self) -> Checkpoint:
+        buf = io.BytesIO()
+        torch.save(dict(step=self.step, model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                        rng=torch.get_rng_state(), losses=self.losses), buf)
+        data = buf.getvalue()
+        return Checkpoint(self.step, data, checksum(data), list(self.losses))
+
+    def restore(self, data: bytes, sha256: str) -> None:
+        """Continue from a checkpoint's bytes, which must match the recorded checksum."""
+        if checksum(data) != sha256:
+            raise CorruptCheckpoint(f"checkpoint checksum mismatch (expected {sha256[:12]}…, "
+                                    f"got {checksum(data)[:12]}…)")
+        state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.losses = int(state["step"]), [float(x) for x in state["losses"]]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def save_model(self, out_dir: str) -> None:
+        """The trained weights as a model directory vLLM can load (config and weights;
+        the caller copies the tokenizer files)."""
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+
+
+# -- examples from a training file's lines ----------------------------------------------------
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
+    """A chat as the model's chat template renders it; the assistant messages' tokens are
+    trained (OpenAI's default), everything else is context. Each message's tokens are
+    those its rendering adds to the conversation before it."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for i, message in enumerate(messages):
+        # Rendered, then tokenized without adding special tokens again: as vLLM does a chat.
+        text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False, add_generation_prompt=False)
+        upto = tokenizer.encode(text, add_special_tokens=False)
+        if upto[:len(ids)] != ids:
+            raise ValueError("the chat template does not render this conversation message by message")
+        learn = message.get("role") == "assistant" and message.get("weight", 1) != 0
+        trained += [learn] * (len(upto) - len(ids))
+        ids = upto
+    return Example(tuple(ids), tuple(trained))
+
+
+def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Example:
+    p = tokenizer.encode(prompt, add_special_tokens=True)
+    c = tokenizer.encode(completion, add_special_tokens=False)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return Example(tuple(p + c + eos), tuple([False] * len(p) + [True] * (len(c) + len(eos))))

@@ -1,0 +1,100 @@
+"""engine/training.py on the tiny model: a run cut into chunks, each resumed in a fresh
+trainer from the previous chunk's checkpoint bytes, ends with weights bitwise equal to an
+uninterrupted run's and the same losses; a corrupted checkpoint is refused by its
+checksum; chat examples train only the assistant's tokens, as rendered by the model's own
+chat template (transformers renders it here, the oracle)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.training import CorruptCheckpoint, Example, Hyper, Trainer, encode_chat, encode_prompt_completion
+
+CHATS = [[dict(role="system", content="You answer in one word."), dict(role="user", content=f"Colour {i}?"),
+          dict(role="assistant", content=random.Random(i).choice(["red", "green", "blue", "amber"]))]
+         for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model.path)
+
+
+@pytest.fixture(scope="module")
+def examples(tokenizer) -> list[Example]:
+    return [encode_chat(tokenizer, c) for c in CHATS]
+
+
+def trainer(tiny_model, tokenizer, examples, **hyper) -> Trainer:
+    return Trainer(tiny_model.path, examples, Hyper(**dict(dict(n_epochs=2, batch_size=3, seed=7), **hyper)),
+                   tokenizer.eos_token_id)
+
+
+def test_chunks_resumed_from_checkpoints_end_bitwise_equal_to_one_run(tiny_model, tokenizer, examples):
+    whole = trainer(tiny_model, tokenizer, examples)
+    assert whole.total_steps == 2 * 4  # 10 examples in batches of 3: 4 steps an epoch
+    whole.run(100)
+    assert whole.done and len(whole.losses) == 8
+
+    # Chunks of 3, 1 and the rest, each in a fresh trainer (as on another worker), with
+    # torch's global RNG disturbed between them as other work in the process would.
+    ckpt = None
+    for chunk in (3, 1, 100):
+        t = trainer(tiny_model, tokenizer, examples)
+        if ckpt is not None:
+            t.restore(ckpt.data, ckpt.sha256)
+        torch.rand(5)
+        t.run(chunk)
+        ckpt = t.checkpoint()
+    assert t.done and ckpt.step == 8
+    assert t.losses == whole.losses  # the loss curve, float for float
+    a, b = whole.weights(), t.weights()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # And training moved the weights: the comparison is not of two untouched models.
+    base = trainer(tiny_model, tokenizer, examples).weights()
+    assert any(not torch.equal(a[k], base[k]) for k in a)
+    assert whole.losses[-1] < whole.losses[0]
+
+
+def test_a_different_seed_trains_differently(tiny_model, tokenizer, examples):
+    one, other = trainer(tiny_model, tokenizer, examples), trainer(tiny_model, tokenizer, examples, seed=8)
+    one.run(2)
+    other.run(2)
+    assert one.losses != other.losses
+
+
+def test_a_corrupted_checkpoint_is_refused_by_its_checksum(tiny_model, tokenizer, examples):
+    t = trainer(tiny_model, tokenizer, examples)
+    t.run(1)
+    ckpt = t.checkpoint()
+    flipped = bytearray(ckpt.data)
+    flipped[len(flipped) // 2] ^= 0x01
+    fresh = trainer(tiny_model, tokenizer, examples)
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        fresh.restore(bytes(flipped), ckpt.sha256)
+    with pytest.raises(CorruptCheckpoint):
+        fresh.restore(ckpt.data[: len(ckpt.data) // 2], ckpt.sha256)  # torn
+    assert fresh.step == 0
+    fresh.restore(ckpt.data, ckpt.sha256)
+    assert fresh.step == 1
+
+
+def test_a_chat_trains_the_assistants_tokens_only(tokenizer):
+    chat = CHATS[0]
+    ex = encode_chat(tokenizer, chat)
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert list(ex.ids) == tokenizer.encode(rendered, add_special_tokens=False)
+    learned = tokenizer.decode([t for t, on in zip(ex.ids, ex.trained, strict=True) if on])
+    assert learned == "<|assistant|>" + chat[2]["content"] + "\n"
+    assert not any(ex.trained[: len(ex.ids) - len(tokenizer.encode(learned, add_special_tokens=False))])
+
+
+def test_a_prompt_completion_trains_the_completion_and_its_end(tokenizer):
+    ex = encode_prompt_completion(tokenizer, "Colour of the sky?", " blue")
+    learned = [t for t, on in zip(ex.ids, ex.trained, strict=True) if on]
+    assert learned == tokenizer.encode(" blue", add_special_tokens=False) + [tokenizer.eos_token_id]
