@@ -18,6 +18,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
+from activities.finetune import FineTuneActivities
 from activities.fleet import FleetActivities
 from activities.quota import QuotaActivities
 from activities.requests import RequestActivities
@@ -30,6 +31,7 @@ from policy.placement import region_queue
 from policy.preemption import SurgePolicy, min_slots
 from protocol.requests import Limits
 from workflows.batch import BatchWorkflow
+from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
 from workflows.inputs import FleetInput, QuotaInput
 from workflows.interactive import InteractiveWorkflow
@@ -79,12 +81,14 @@ async def control_worker(settings: Settings) -> None:
     )
     fleet = FleetActivities(db)
     quota = QuotaActivities(db, settings.unreported_after_s)
+    tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url))
     worker = Worker(
         client,
         task_queue=settings.control_queue,
-        workflows=[BatchWorkflow, FleetWorkflow, QuotaReconciler],
+        workflows=[BatchWorkflow, FleetWorkflow, QuotaReconciler, FineTuneWorkflow],
         activities=[acts.validate_batch, acts.pending_items, acts.fail_item, acts.fail_batch, acts.finalize_batch,
-                    fleet.observe_fleet, fleet.apply_fleet, quota.reconcile_quota],
+                    fleet.observe_fleet, fleet.apply_fleet, quota.reconcile_quota,
+                    tuning.validate_training_file, tuning.fine_tune_status],
     )
     # Interactive requests' workflows (started by the API replicas, which run no worker):
     # journal each outcome and settle it in the ledger.
@@ -185,7 +189,9 @@ async def engine_worker(settings: Settings) -> None:
         # its own, where a batch sends the groups whose prefix it holds (policy/grouping.py).
         queues = [settings.engine_queue, region_queue(settings.engine_queue, settings.region),
                   own_queue(settings.engine_queue, settings.region, engine_id)]
-        workers = [Worker(client, task_queue=q, activities=[acts.generate],
+        # Fine-tuning chunks too: they hold batch slots, so they yield to chat as batch does.
+        tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url), spec.path, spec.max_model_len, slots)
+        workers = [Worker(client, task_queue=q, activities=[acts.generate, tuning.train_chunk],
                           # Enough slots that the engine slots, not Temporal, decide how much runs at once.
                           max_concurrent_activities=settings.max_num_seqs * 2,
                           graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]

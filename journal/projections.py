@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal import ledger
-from journal.schema import batch_items, batches, events, files
+from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
 
 if TYPE_CHECKING:
     from journal.events import Event
@@ -52,7 +52,7 @@ async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
 async def rebuild(conn: AsyncConnection, page: int = 5000) -> None:
     from journal.events import _event
 
-    for table in (batch_items, batches, files):
+    for table in (batch_items, batches, files, fine_tuning_jobs):
         await conn.execute(delete(table))
     after = 0
     while True:
@@ -140,3 +140,20 @@ async def _item_preempted(conn, evs):
         .values(preemptions=batch_items.c.preemptions + 1)
     )
     await conn.execute(stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"]) for e in evs])
+
+
+@projects("ft_job_created")
+async def _ft_job_created(conn, evs):
+    await conn.execute(insert(fine_tuning_jobs).on_conflict_do_nothing(),
+                       [dict(e.payload, seq=e.position) for e in evs])
+
+
+_FT_STATUS_FIELDS = ("error", "fine_tuned_model", "trained_tokens", "result_files", "finished_at")
+
+
+@projects("ft_status")
+async def _ft_status(conn, evs):
+    for e in evs:
+        p = e.payload
+        values = dict(status=p["status"], **{k: p[k] for k in _FT_STATUS_FIELDS if k in p})
+        await conn.execute(update(fine_tuning_jobs).where(fine_tuning_jobs.c.id == p["job_id"]).values(**values))

@@ -102,6 +102,30 @@ batch_items = Table(
 
 # Live engine state, overwritten by each engine worker every second (migration 0002), and
 # the fleet controller's batch cap for it (0003).
+fine_tuning_jobs = Table(
+    "fine_tuning_jobs",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("training_file", Text, nullable=False),
+    Column("validation_file", Text),
+    Column("hyperparameters", JSONB, nullable=False),
+    Column("seed", BigInteger, nullable=False),
+    Column("suffix", Text),
+    Column("metadata", JSONB),
+    Column("status", Text, nullable=False),
+    Column("error", JSONB),
+    Column("fine_tuned_model", Text),
+    Column("trained_tokens", BigInteger),
+    Column("result_files", JSONB, nullable=False, server_default="[]"),
+    Column("created_at", BigInteger, nullable=False),
+    Column("finished_at", BigInteger),
+    # The position of the ft_job_created event: listing is newest first by it.
+    Column("seq", BigInteger, nullable=False),
+    Index("fine_tuning_jobs_tenant_seq", "tenant", text("seq DESC")),
+)
+
 engines = Table(
     "engines",
     metadata,

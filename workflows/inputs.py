@@ -194,3 +194,50 @@ class ReconcileInput:
 class ReconcileResult:
     rows: int  # quota_usage rows written
     expired: int  # reservations expired
+
+
+@dataclass
+class FineTuneInput:
+    job_id: str
+    engine_queue: str  # where training chunks run (engine workers poll it)
+    chunk_steps: int = 10  # optimizer steps per chunk: one checkpoint each
+    heartbeat_timeout_s: float = 30.0
+    chunks_per_run: int = 100  # then continue-as-new: a long job's history stays small
+    tenant: str = "default"
+    fairness_weight: float = 1.0
+    # Carried across continue-as-new.
+    validated: bool = False
+    paused: bool = False
+    cancel_requested: bool = False
+
+
+@dataclass
+class FineTuneRef:
+    job_id: str
+
+
+@dataclass
+class ValidateTrainingResult:
+    examples: int
+    failed: bool  # the file is unusable: the job failed, its error says why
+
+
+@dataclass
+class TrainChunkInput:
+    job_id: str
+    steps: int
+
+
+@dataclass
+class TrainChunkResult:
+    step: int  # steps done, all of them checkpointed
+    total_steps: int
+    done: bool
+    preempted: bool = False  # stopped early for interactive work; the next chunk resumes
+
+
+@dataclass
+class FineTuneStatusInput:
+    job_id: str
+    status: str  # running, paused, succeeded, cancelled, failed
+    message: str = ""

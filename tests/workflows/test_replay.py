@@ -10,11 +10,12 @@ from temporalio.worker import Replayer
 
 from tests.workflows.histories import DIR, load
 from workflows.batch import BatchWorkflow
+from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FleetWorkflow
 from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QuotaReconciler
 
-WORKFLOWS = [BatchWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler]
+WORKFLOWS = [BatchWorkflow, FineTuneWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler]
 RECORDED = sorted(DIR.glob("*.json.gz"))
 
 

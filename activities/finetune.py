@@ -1,0 +1,270 @@
+"""Fine-tuning activities: check the training file (control worker), train a chunk
+(engine worker), move the job's status and write its results (control worker).
+
+A chunk is fenced like a batch generation: it takes the job stream's lease first, so an
+attempt whose heartbeat was lost (still running somewhere) cannot journal a checkpoint
+once its retry has begun. It resumes from the newest checkpoint whose bytes match the
+SHA-256 the journal recorded, falling back to older ones (and saying so in the job's
+events) when the newest is missing or corrupt. Steps run one at a time in a thread; the
+activity heartbeats after each, and stops after the step in progress, with a checkpoint,
+when the workflow cancels it (pause, cancel) or the engine preempts it for interactive
+work (it holds a batch slot, as a generation does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from journal import batches as jb
+from journal import finetunes as fj
+from journal.events import append
+from journal.leases import acquire
+from journal.objects import ObjectStore
+from policy.preemption import TIERS
+from protocol.finetune import Row, problems, rows
+from workflows.inputs import FineTuneRef, FineTuneStatusInput, TrainChunkInput, TrainChunkResult, ValidateTrainingResult
+
+if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
+    from engine.training import Example, Trainer
+
+
+class FineTuneActivities:
+    def __init__(self, db: AsyncEngine, store: ObjectStore, model_path: str | None = None, max_model_len: int = 0,
+                 slots: Any = None):
+        self.db, self.store = db, store
+        self.model_path, self.max_model_len, self.slots = model_path, max_model_len, slots
+        self._tokenizer: Any = None
+
+    # -- control worker --------------------------------------------------------------------
+
+    @activity.defn
+    async def validate_training_file(self, ref: FineTuneRef) -> ValidateTrainingResult:
+        async with self.db.connect() as conn:
+            job = await fj.get_job(conn, ref.job_id)
+            assert job is not None, f"fine-tuning job {ref.job_id} vanished"
+            if job["status"] != "validating_files":  # a retry after we decided
+                return ValidateTrainingResult(0, job["status"] == "failed")
+            file = await jb.get_file(conn, job["training_file"], job["tenant"])
+        if file is None:
+            raise ApplicationError(f"The training file {job['training_file']} is missing.", non_retryable=True)
+        with self.store.open(file["object_key"]) as f:
+            found = problems(f)
+        if found:
+            error = dict(code=found[0].code, param="training_file",
+                         message="; ".join(f"Line {e.line}: {e.message}" if e.line else e.message for e in found[:10]))
+            async with self.db.begin() as conn:
+                await fj.move_status(conn, job, "failed", error=error, finished_at=int(time.time()))
+            return ValidateTrainingResult(0, True)
+        with self.store.open(file["object_key"]) as f:
+            n = sum(1 for r in rows(f) if isinstance(r, Row))
+        return ValidateTrainingResult(n, False)
+
+    @activity.defn
+    async def fine_tune_status(self, inp: FineTuneStatusInput) -> str:
+        """Journal the job's status; at `succeeded`, its results first. Returns the status
+        the job has (a job already ended keeps its end)."""
+        async with self.db.connect() as conn:
+            job = await fj.get_job(conn, inp.job_id)
+            assert job is not None, f"fine-tuning job {inp.job_id} vanished"
+            ckpts = await fj.checkpoints(conn, inp.job_id)
+        fields: dict[str, Any] = {}
+        if inp.status in fj.FINAL:
+            fields["finished_at"] = int(time.time())
+        if inp.status == "failed":
+            fields["error"] = dict(code="training_failed", message=inp.message[:1000], param=None)
+        if inp.status == "succeeded":
+            fields.update(await self._results(job, ckpts))
+        async with self.db.begin() as conn:
+            await fj.move_status(conn, job, inp.status, **fields)
+            return (await fj.get_job(conn, inp.job_id) or {}).get("status", inp.status)
+
+    async def _results(self, job: dict[str, Any], ckpts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The metrics CSV (a file of purpose fine-tune-results), the model's name, the tokens trained."""
+        file_id = jb.stable_id("file-", job["id"], "metrics")
+        key = f"files/{file_id}"
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["step", "train_loss"])
+        losses = [loss for c in ckpts for loss in c["losses"]]
+        for step, loss in enumerate(losses, start=1):
+            w.writerow([step, f"{loss:.6f}"])
+        with self.store.writer(key) as f:
+            f.write(buf.getvalue().encode())
+        async with self.db.begin() as conn:
+            if await jb.get_file(conn, file_id, job["tenant"]) is None:
+                await jb.create_file(conn, dict(id=file_id, tenant=job["tenant"], purpose="fine-tune-results",
+                                                filename="step_metrics.csv", bytes=self.store.size(key),
+                                                object_key=key, created_at=int(time.time())))
+        per_epoch = ckpts[-1].get("tokens_per_epoch", 0) if ckpts else 0
+        return dict(result_files=[file_id], fine_tuned_model=fine_tuned_name(job),
+                    trained_tokens=per_epoch * int(job["hyperparameters"]["n_epochs"]))
+
+    # -- engine worker ---------------------------------------------------------------------
+
+    @activity.defn
+    async def train_chunk(self, inp: TrainChunkInput) -> TrainChunkResult:
+        from engine.training import Hyper, Trainer
+
+        info = activity.info()
+        runner = f"{(info.workflow_run_id or '')[-8:]}:{info.activity_id}:{info.attempt}"
+        async with self.db.begin() as conn:
+            fence = await acquire(conn, fj.stream(inp.job_id), runner)
+        async with self.db.connect() as conn:
+            job = await fj.get_job(conn, inp.job_id)
+            assert job is not None, f"fine-tuning job {inp.job_id} vanished"
+            file = await jb.get_file(conn, job["training_file"], job["tenant"])
+            ckpts = await fj.checkpoints(conn, inp.job_id)
+        if file is None:
+            raise ApplicationError(f"The training file {job['training_file']} is missing.", non_retryable=True)
+        examples = await asyncio.to_thread(self._examples, file["object_key"])
+        hp = job["hyperparameters"]
+        hyper = Hyper(n_epochs=int(hp["n_epochs"]), batch_size=int(hp["batch_size"]),
+                      learning_rate=float(hp["learning_rate"]), seed=int(job["seed"]))
+        trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id())
+        unusable = await self._resume(trainer, job, ckpts)
+        target = min(trainer.step + inp.steps, trainer.total_steps)
+        stopped = asyncio.Event()
+
+        async def abort() -> None:  # the engine preempts the chunk: stop after this step
+            stopped.set()
+
+        hold = self.slots.batch(f"ft:{inp.job_id}", TIERS["batch"], abort) if self.slots else _no_slot()
+        async with hold:
+            cancelled = await self._steps(trainer, target, stopped)
+            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples))
+            if trainer.done:
+                await asyncio.to_thread(self._save_adapter, trainer, job["id"])
+        if cancelled:
+            raise asyncio.CancelledError
+        return TrainChunkResult(trainer.step, trainer.total_steps, trainer.done, preempted=stopped.is_set())
+
+    async def _steps(self, trainer: Trainer, target: int, stopped: asyncio.Event) -> bool:
+        """Train up to `target`, one step at a time; True if the workflow cancelled us (the
+        step in progress is finished first: the trainer is never left half-stepped)."""
+        while trainer.step < target and not stopped.is_set():
+            step = asyncio.ensure_future(asyncio.to_thread(trainer.run, 1))
+            try:
+                await asyncio.shield(step)
+            except asyncio.CancelledError:
+                await step
+                return True
+            self.stepped(trainer)
+            activity.heartbeat(trainer.step)
+        return False
+
+    def stepped(self, trainer: Trainer) -> None:
+        """After each step (a seam for tests that kill a chunk mid-way)."""
+
+    async def _resume(self, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]]) -> set[int]:
+        """From the newest checkpoint that reads back intact; older ones where it does not.
+        Returns the steps of those that did not (a chunk that reaches one rewrites it)."""
+        from engine.training import CorruptCheckpoint
+
+        unusable: set[int] = set()
+        for ck in reversed(ckpts):
+            try:
+                data = await asyncio.to_thread(self._read, ck["object_key"])
+                trainer.restore(data, ck["sha256"])
+                return unusable
+            except (CorruptCheckpoint, OSError) as err:
+                why = "fails its checksum" if isinstance(err, CorruptCheckpoint) else "cannot be read"
+                unusable.add(ck["step"])
+                async with self.db.begin() as conn:
+                    await append(conn, [fj.job_event(
+                        job["id"], job["tenant"], f"unusable:{ck['step']}:{why}",
+                        f"The checkpoint at step {ck['step']} {why}; resuming from an earlier one.",
+                        level="warn", step=ck["step"])])
+        return unusable
+
+    async def _checkpoint(self, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
+                          unusable: set[int], fence: int, tokens_per_epoch: int) -> None:
+        """Write and journal a checkpoint of where the trainer is. One journaled already at
+        this step (an earlier attempt's) is kept, or rewritten where it was unusable: the
+        bytes are the same, so the file is repaired and its journal entry stands."""
+        if trainer.step == 0 or (trainer.step in {c["step"] for c in ckpts} and trainer.step not in unusable):
+            return
+        ck = trainer.checkpoint()
+        key = fj.checkpoint_key(job["id"], ck.step)
+        await asyncio.to_thread(self._write, key, ck.data)
+        before = max((c["step"] for c in ckpts if c["step"] < ck.step), default=0)
+        event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
+        event.payload["tokens_per_epoch"] = tokens_per_epoch
+        loss = ck.losses[-1]
+        async with self.db.begin() as conn:
+            await append(conn, [event, fj.job_event(
+                job["id"], job["tenant"], f"step:{ck.step}",
+                f"Step {ck.step}/{trainer.total_steps}: training loss={loss:.4f}", step=ck.step, train_loss=loss)])
+
+    # -- files and the model -----------------------------------------------------------------
+
+    def _examples(self, object_key: str) -> list[Example]:
+        from engine.training import encode_chat, encode_prompt_completion
+
+        tok = self._tok()
+        out = []
+        with self.store.open(object_key) as f:
+            for r in rows(f, min_examples=0):
+                if not isinstance(r, Row):
+                    raise ApplicationError(f"Line {r.line}: {r.message}", non_retryable=True)
+                ex = (encode_chat(tok, [dict(m) for m in r.messages]) if r.format == "chat"
+                      else encode_prompt_completion(tok, r.prompt, r.completion))
+                if self.max_model_len and len(ex.ids) > self.max_model_len:
+                    raise ApplicationError(f"Line {r.line}: the example is {len(ex.ids)} tokens, more than the "
+                                           f"model's context of {self.max_model_len}.", non_retryable=True)
+                out.append(ex)
+        return out
+
+    def _model(self) -> str:
+        if not self.model_path:
+            raise ApplicationError("this worker has no model to train", non_retryable=True)
+        return self.model_path
+
+    def _tok(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model())
+        return self._tokenizer
+
+    def _pad_id(self) -> int:
+        tok = self._tok()
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+    def _read(self, key: str) -> bytes:
+        with self.store.open(key) as f:
+            return f.read()
+
+    def _write(self, key: str, data: bytes) -> None:
+        with self.store.writer(key) as f:
+            f.write(data)
+
+    def _save_adapter(self, trainer: Trainer, job_id: str) -> None:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as d:
+            trainer.save_adapter(d)
+            for path in sorted(Path(d).iterdir()):
+                self._write(f"{fj.adapter_prefix(job_id)}/{path.name}", path.read_bytes())
+
+
+def fine_tuned_name(job: dict[str, Any]) -> str:
+    """`ft:<base>:<suffix>:<id>`, OpenAI's shape without the organization."""
+    return f"ft:{job['model']}:{job.get('suffix') or ''}:{job['id']}"
+
+
+class _no_slot:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+

@@ -1,0 +1,93 @@
+"""Fine-tuning jobs in the journal: stream `ftjob:<id>`.
+
+- `ft_job_created` (the job as created) and `ft_status` (each status it reaches, with its
+  own `at`) project into `fine_tuning_jobs`;
+- `ft_checkpoint`: a chunk's checkpoint (its step, object key, SHA-256, and the losses of
+  the steps it trained), fenced by the training attempt's lease on the stream, keyed by
+  step: a retried chunk that redoes the same steps writes the same bytes and the same key;
+- `ft_event`: what the job's `/events` shows (level, message, at).
+
+Audit in SQL: `SELECT payload FROM events WHERE stream = 'ftjob:<id>' ORDER BY version`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.events import NewEvent, append_one, read_stream
+from journal.schema import events, fine_tuning_jobs
+
+CREATED, STATUS, CHECKPOINT, EVENT = "ft_job_created", "ft_status", "ft_checkpoint", "ft_event"
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+def stream(job_id: str) -> str:
+    return f"ftjob:{job_id}"
+
+
+def checkpoint_key(job_id: str, step: int) -> str:
+    """The object store key of a checkpoint (the store writes it whole, under a temp name first)."""
+    return f"fine-tuning/{job_id}/checkpoints/step-{step:08d}.pt"
+
+
+def adapter_prefix(job_id: str) -> str:
+    return f"fine-tuning/{job_id}/adapter"
+
+
+def created_event(row: dict[str, Any]) -> NewEvent:
+    return NewEvent(stream(row["id"]), CREATED, row, f"{stream(row['id'])}:created", row["tenant"])
+
+
+def status_event(job_id: str, tenant: str, status: str, nth: int, **fields: Any) -> NewEvent:
+    """The job's `nth` status change (0 first): a job may be paused and resumed many times."""
+    at = fields.pop("at", None) or int(time.time())
+    return NewEvent(stream(job_id), STATUS, dict(job_id=job_id, status=status, at=at, **fields),
+                    f"{stream(job_id)}:status:{nth}", tenant)
+
+
+def checkpoint_event(job_id: str, tenant: str, step: int, key: str, sha256: str, losses: list[float],
+                     fence: int | None) -> NewEvent:
+    payload = dict(job_id=job_id, step=step, object_key=key, sha256=sha256, losses=losses)
+    return NewEvent(stream(job_id), CHECKPOINT, payload, f"{stream(job_id)}:checkpoint:{step}", tenant, fence=fence)
+
+
+def job_event(job_id: str, tenant: str, key: str, message: str, level: str = "info", **data: Any) -> NewEvent:
+    """A line of the job's /events; `key` makes it once-only (a retried step says it once,
+    with the same words: no clock in the payload, the event's committed_at is its time)."""
+    payload = dict(job_id=job_id, level=level, message=message, data=data)
+    return NewEvent(stream(job_id), EVENT, payload, f"{stream(job_id)}:event:{key}", tenant)
+
+
+async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+    q = select(fine_tuning_jobs).where(fine_tuning_jobs.c.id == job_id)
+    if tenant is not None:
+        q = q.where(fine_tuning_jobs.c.tenant == tenant)
+    row = (await conn.execute(q)).first()
+    return dict(row._mapping) if row else None
+
+
+async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
+    """The job's checkpoints, oldest first (one per step: the key dedups retries)."""
+    return [dict(e.payload, position=e.position) for e in await read_stream(conn, stream(job_id), type=CHECKPOINT)]
+
+
+async def job_events(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
+    """The job's /events, oldest first: each with its position and when it was journaled."""
+    q = select(events.c.position, events.c.payload, events.c.committed_at).where(
+        events.c.stream == stream(job_id), events.c.type == EVENT).order_by(events.c.version)
+    return [dict(p, position=pos, at=int(at.timestamp())) for pos, p, at in (await conn.execute(q)).all()]
+
+
+async def move_status(conn: AsyncConnection, job: dict[str, Any], status: str, **fields: Any) -> bool:
+    """Journal the job's next status unless it has ended already; False if it had."""
+    locked = (await conn.execute(select(fine_tuning_jobs.c.status).where(
+        fine_tuning_jobs.c.id == job["id"]).with_for_update())).scalar_one()
+    if locked in FINAL or locked == status:
+        return False
+    nth = len(await read_stream(conn, stream(job["id"]), type=STATUS))
+    await append_one(conn, status_event(job["id"], job["tenant"], status, nth, **fields))
+    return True

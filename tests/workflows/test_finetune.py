@@ -1,0 +1,229 @@
+"""The fine-tuning workflow on the real Temporal dev server, Postgres and the object
+store, with the real activities training the tiny model in-process:
+
+- a job run in one chunk, and the same job in chunks of 2 with a chunk killed mid-way
+  (an exception after a step it never checkpointed: Temporal retries it from the last
+  checkpoint) and a pause in between, end with bitwise-equal adapters and equal loss
+  curves (read back from the journal in SQL);
+- while paused no step runs; resume continues from the checkpoint;
+- a corrupted latest checkpoint is found by its checksum, the job falls back to the one
+  before, says so in its events, rewrites it, and still ends bitwise equal;
+- cancel ends the job `cancelled` with its checkpoints kept.
+
+The history of each replays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load
+from sqlalchemy import text
+from temporalio.client import Client, WorkflowHandle
+from temporalio.worker import Replayer, Worker
+
+from activities.finetune import FineTuneActivities
+from journal import batches as jb
+from journal import finetunes as fj
+from journal.events import append_one
+from journal.objects import ObjectStore
+from workflows.finetune import FineTuneWorkflow
+from workflows.inputs import FineTuneInput
+
+EXAMPLES = [dict(messages=[dict(role="system", content="You answer in one word."),
+                           dict(role="user", content=f"Colour {i}?"),
+                           dict(role="assistant", content=random.Random(i).choice(["red", "green", "blue"]))])
+            for i in range(10)]
+STEPS = 8  # 2 epochs of 10 examples in batches of 3
+
+
+class Crashing(FineTuneActivities):
+    """Fails the chunk once, right after step `at` (before its checkpoint)."""
+
+    def __init__(self, *args, at: int, **kw):
+        super().__init__(*args, **kw)
+        self.at, self.crashed = at, False
+
+    def stepped(self, trainer) -> None:
+        if trainer.step == self.at and not self.crashed:
+            self.crashed = True
+            raise RuntimeError(f"killed after step {self.at}")
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ObjectStore(str(tmp_path / "objects"))
+
+
+async def make_job(db, store: ObjectStore) -> str:
+    tag = uuid.uuid4().hex[:10]
+    file_id, job_id = f"file-{tag}", f"ftjob-{tag}"
+    body = "".join(json.dumps(e) + "\n" for e in EXAMPLES).encode()
+    with store.writer(f"files/{file_id}") as f:
+        f.write(body)
+    async with db.begin() as c:
+        await jb.create_file(c, dict(id=file_id, tenant="ft", purpose="fine-tune", filename="train.jsonl",
+                                     bytes=len(body), object_key=f"files/{file_id}", created_at=int(time.time())))
+        await append_one(c, fj.created_event(dict(
+            id=job_id, tenant="ft", model="ballast-tiny", training_file=file_id, validation_file=None,
+            hyperparameters=dict(n_epochs=2, batch_size=3, learning_rate=1e-3), seed=7, suffix="colours",
+            metadata=None, status="validating_files", error=None, fine_tuned_model=None, trained_tokens=None,
+            result_files=[], created_at=int(time.time()), finished_at=None)))
+    return job_id
+
+
+class Run:
+    def __init__(self, client: Client, db, acts: FineTuneActivities, chunk_steps: int):
+        tag = uuid.uuid4().hex[:8]
+        self.client, self.db, self.acts = client, db, acts
+        self.control, self.engine, self.chunk_steps = f"control-{tag}", f"engine-{tag}", chunk_steps
+
+    def workers(self) -> tuple[Worker, Worker]:
+        return (Worker(self.client, task_queue=self.control, workflows=[FineTuneWorkflow],
+                       activities=[self.acts.validate_training_file, self.acts.fine_tune_status]),
+                Worker(self.client, task_queue=self.engine, activities=[self.acts.train_chunk]))
+
+    async def start(self, job_id: str) -> WorkflowHandle:
+        return await self.client.start_workflow(
+            FineTuneWorkflow.run, FineTuneInput(job_id, self.engine, chunk_steps=self.chunk_steps,
+                                                heartbeat_timeout_s=10),
+            id=f"ftjob:{job_id}", task_queue=self.control)
+
+
+async def sql(db, q: str, **params) -> list[tuple]:
+    async with db.connect() as c:
+        return [tuple(r) for r in (await c.execute(text(q), params)).all()]
+
+
+async def losses(db, job_id: str) -> list[float]:
+    """The loss curve, from the journal: every checkpoint's losses in step order."""
+    rows = await sql(db, "SELECT payload FROM events WHERE stream = :s AND type = 'ft_checkpoint' "
+                         "ORDER BY (payload->>'step')::int", s=fj.stream(job_id))
+    return [x for (p,) in rows for x in p["losses"]]
+
+
+def adapter(store: ObjectStore, job_id: str) -> dict[str, torch.Tensor]:
+    with store.open(f"{fj.adapter_prefix(job_id)}/adapter_model.safetensors") as f:
+        return load(f.read())
+
+
+async def wait_until(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not (got := await check()):
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+    return got
+
+
+async def status(db, job_id: str) -> str:
+    return (await sql(db, "SELECT status FROM fine_tuning_jobs WHERE id = :j", j=job_id))[0][0]
+
+
+async def steps_done(db, job_id: str) -> int:
+    got = await sql(db, "SELECT max((payload->>'step')::int) FROM events WHERE stream = :s AND type = 'ft_checkpoint'",
+                    s=fj.stream(job_id))
+    return got[0][0] or 0
+
+
+async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_run(temporal_address, db, store,
+                                                                                  tiny_model):
+    client = await Client.connect(temporal_address)
+    whole_id, chunked_id = await make_job(db, store), await make_job(db, store)
+
+    whole = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), STEPS * 2)
+    w1, w2 = whole.workers()
+    async with w1, w2:
+        assert await (await whole.start(whole_id)).result() == "succeeded"
+
+    chunked = Run(client, db, Crashing(db, store, tiny_model.path, tiny_model.max_model_len, at=5), 2)
+    w1, w2 = chunked.workers()
+    async with w1, w2:
+        handle = await chunked.start(chunked_id)
+        await wait_until(lambda: steps_done(db, chunked_id), "a first checkpoint")
+        await handle.signal(FineTuneWorkflow.pause)
+        await wait_until(lambda: _is(db, chunked_id, "paused"), "paused")
+        held = await steps_done(db, chunked_id)
+        await asyncio.sleep(1.5)
+        assert await steps_done(db, chunked_id) == held < STEPS  # nothing trains while paused
+        await handle.signal(FineTuneWorkflow.resume)
+        assert await handle.result() == "succeeded"
+    assert isinstance(chunked.acts, Crashing) and chunked.acts.crashed
+
+    assert await losses(db, chunked_id) == await losses(db, whole_id) and len(await losses(db, whole_id)) == STEPS
+    a, b = adapter(store, whole_id), adapter(store, chunked_id)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(t.abs().sum()) > 0 for k, t in a.items() if "lora_B" in k)  # it trained (B starts at 0)
+    # Every step checkpointed once, in chunks of 2 (the killed chunk's retry wrote step 6 once).
+    steps = [s for (s,) in await sql(db, "SELECT (payload->>'step')::int FROM events WHERE stream = :s AND "
+                                         "type = 'ft_checkpoint' ORDER BY position", s=fj.stream(chunked_id))]
+    assert steps == [2, 4, 6, 8]
+    job = (await sql(db, "SELECT status, fine_tuned_model, trained_tokens, result_files FROM fine_tuning_jobs "
+                         "WHERE id = :j", j=chunked_id))[0]
+    assert job[0] == "succeeded" and job[1] == f"ft:ballast-tiny:colours:{chunked_id}" and job[2] > 0
+    with store.open(f"files/{job[3][0]}") as f:
+        csv_rows = f.read().decode().splitlines()
+    assert csv_rows[0] == "step,train_loss" and len(csv_rows) == STEPS + 1
+    for h in (handle, client.get_workflow_handle(f"ftjob:{whole_id}")):
+        await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await h.fetch_history())
+
+
+async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_address, db, store, tiny_model):
+    client = await Client.connect(temporal_address)
+    whole_id, job_id = await make_job(db, store), await make_job(db, store)
+    whole = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), STEPS)
+    run = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), 2)
+    for r in (whole, run):
+        w1, w2 = r.workers()
+        async with w1, w2:
+            if r is whole:
+                assert await (await r.start(whole_id)).result() == "succeeded"
+                continue
+            handle = await r.start(job_id)
+            await wait_until(lambda: _at_least(db, job_id, 4), "two checkpoints")
+            await handle.signal(FineTuneWorkflow.pause)
+            await wait_until(lambda: _is(db, job_id, "paused"), "paused")
+            newest = await steps_done(db, job_id)
+            key = fj.checkpoint_key(job_id, newest)
+            with store.open(key) as f:
+                data = bytearray(f.read())
+            data[len(data) // 2] ^= 0xFF
+            with store.writer(key) as f:
+                f.write(bytes(data))
+            await handle.signal(FineTuneWorkflow.resume)
+            assert await handle.result() == "succeeded"
+    events = [p["message"] for (p,) in await sql(db, "SELECT payload FROM events WHERE stream = :s AND "
+                                                     "type = 'ft_event' ORDER BY position", s=fj.stream(job_id))]
+    assert f"The checkpoint at step {newest} fails its checksum; resuming from an earlier one." in events
+    a, b = adapter(store, whole_id), adapter(store, job_id)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert await losses(db, job_id) == await losses(db, whole_id)
+
+
+async def test_cancel_ends_the_job_with_its_checkpoints_kept(temporal_address, db, store, tiny_model):
+    client = await Client.connect(temporal_address)
+    job_id = await make_job(db, store)
+    run = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), 1)
+    w1, w2 = run.workers()
+    async with w1, w2:
+        handle = await run.start(job_id)
+        await wait_until(lambda: _at_least(db, job_id, 2), "two checkpoints")
+        await handle.signal(FineTuneWorkflow.cancel)
+        assert await handle.result() == "cancelled"
+    assert await status(db, job_id) == "cancelled"
+    kept = await sql(db, "SELECT payload->>'object_key' FROM events WHERE stream = :s AND type = 'ft_checkpoint'",
+                     s=fj.stream(job_id))
+    assert len(kept) >= 2 and all(store.exists(k) for (k,) in kept)
+    assert not store.exists(f"{fj.adapter_prefix(job_id)}/adapter_model.safetensors")
+
+
+async def _is(db, job_id: str, want: str) -> bool:
+    return await status(db, job_id) == want
+
+
+async def _at_least(db, job_id: str, steps: int) -> bool:
+    return await steps_done(db, job_id) >= steps
