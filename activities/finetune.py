@@ -104,7 +104,7 @@ class FineTuneActivities:
                                                 filename="step_metrics.csv", bytes=self.store.size(key),
                                                 object_key=key, created_at=int(time.time())))
         per_epoch = ckpts[-1].get("tokens_per_epoch", 0) if ckpts else 0
-        return dict(result_files=[file_id], fine_tuned_model=fine_tuned_name(job),
+        return dict(result_files=[file_id], fine_tuned_model=fj.fine_tuned_name(job),
                     trained_tokens=per_epoch * int(job["hyperparameters"]["n_epochs"]))
 
     # -- engine worker ---------------------------------------------------------------------
@@ -254,11 +254,6 @@ class FineTuneActivities:
             trainer.save_adapter(d)
             for path in sorted(Path(d).iterdir()):
                 self._write(f"{fj.adapter_prefix(job_id)}/{path.name}", path.read_bytes())
-
-
-def fine_tuned_name(job: dict[str, Any]) -> str:
-    """`ft:<base>:<suffix>:<id>`, OpenAI's shape without the organization."""
-    return f"ft:{job['model']}:{job.get('suffix') or ''}:{job['id']}"
 
 
 class _no_slot:

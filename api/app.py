@@ -9,7 +9,7 @@ import httpx
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from api import admin, batches, errors, files, health, interactive, models
+from api import admin, batches, errors, files, fine_tuning, health, interactive, models
 from api.admission import Admission
 from api.auth import Authenticate, KeyCache
 from api.deps import REQUIRE_KEY, Services
@@ -58,7 +58,7 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
     app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes)
     app.add_middleware(Authenticate)  # outermost: no body is read for a caller without a key
     # Every /v1 route needs a tenant's key; /healthz and /openapi.json stay open.
-    for v1 in (files, batches, interactive, models):
+    for v1 in (files, batches, fine_tuning, interactive, models):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(admin.router)
     app.include_router(health.router)

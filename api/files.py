@@ -19,7 +19,7 @@ log = logging.getLogger("ballast.api")
 
 router = APIRouter(prefix="/v1/files")
 
-UPLOAD_PURPOSES = ("batch",)
+UPLOAD_PURPOSES = ("batch", "fine-tune")
 _COPY = 1 << 20
 
 

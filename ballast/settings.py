@@ -123,6 +123,8 @@ class Settings(BaseSettings):
     # (policy/grouping.py); a group it leaves unclaimed this long (dead, hung, draining)
     # goes to the shared queue. 0: no such groups, every group to the shared queue.
     batch_sticky_wait_s: float = Field(10.0, ge=0)
+    # A fine-tuning job trains this many optimizer steps per chunk: one checkpoint each.
+    fine_tune_chunk_steps: int = Field(10, ge=1)
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last

@@ -38,6 +38,11 @@ def adapter_prefix(job_id: str) -> str:
     return f"fine-tuning/{job_id}/adapter"
 
 
+def fine_tuned_name(job: dict[str, Any]) -> str:
+    """`ft:<base>:<suffix>:<id>`, OpenAI's shape without the organization."""
+    return f"ft:{job['model']}:{job.get('suffix') or ''}:{job['id']}"
+
+
 def created_event(row: dict[str, Any]) -> NewEvent:
     return NewEvent(stream(row["id"]), CREATED, row, f"{stream(row['id'])}:created", row["tenant"])
 
@@ -62,6 +67,22 @@ def job_event(job_id: str, tenant: str, key: str, message: str, level: str = "in
     return NewEvent(stream(job_id), EVENT, payload, f"{stream(job_id)}:event:{key}", tenant)
 
 
+async def create_job(conn: AsyncConnection, row: dict[str, Any]) -> None:
+    await append_one(conn, created_event(row))
+
+
+async def list_jobs(conn: AsyncConnection, tenant: str, after: str | None, limit: int) -> list[dict[str, Any]]:
+    """The tenant's jobs, newest first; `after` is the tenant's own job id (another's pages
+    like an unknown one: nothing after it)."""
+    q = select(fine_tuning_jobs).where(fine_tuning_jobs.c.tenant == tenant)
+    if after is not None:
+        cursor = select(fine_tuning_jobs.c.seq).where(fine_tuning_jobs.c.id == after,
+                                                      fine_tuning_jobs.c.tenant == tenant).scalar_subquery()
+        q = q.where(fine_tuning_jobs.c.seq < cursor)
+    q = q.order_by(fine_tuning_jobs.c.seq.desc()).limit(limit)
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
 async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
     q = select(fine_tuning_jobs).where(fine_tuning_jobs.c.id == job_id)
     if tenant is not None:
@@ -71,8 +92,11 @@ async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None)
 
 
 async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
-    """The job's checkpoints, oldest first (one per step: the key dedups retries)."""
-    return [dict(e.payload, position=e.position) for e in await read_stream(conn, stream(job_id), type=CHECKPOINT)]
+    """The job's checkpoints, oldest first (one per step: the key dedups retries), each
+    with its position and when it was journaled."""
+    q = select(events.c.position, events.c.payload, events.c.committed_at).where(
+        events.c.stream == stream(job_id), events.c.type == CHECKPOINT).order_by(events.c.version)
+    return [dict(p, position=pos, at=int(at.timestamp())) for pos, p, at in (await conn.execute(q)).all()]
 
 
 async def job_events(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:

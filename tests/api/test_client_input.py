@@ -105,7 +105,7 @@ async def test_uploads_missing_a_part_or_with_another_purpose_are_400(api):
     one = {"file": ("a.jsonl", b"{}\n")}
     assert_openai_error(await api.post("/v1/files", data={"purpose": "batch"}), 400, "file")
     assert_openai_error(await api.post("/v1/files", files=one), 400, "purpose")
-    assert_openai_error(await api.post("/v1/files", files=one, data={"purpose": "fine-tune"}), 400, "purpose")
+    assert_openai_error(await api.post("/v1/files", files=one, data={"purpose": "assistants"}), 400, "purpose")
     assert_openai_error(await api.post("/v1/files", files=one, data={"purpose": "batch\x00"}), 400, "purpose")
     empty = {"file": ("a.jsonl", b"")}
     assert_openai_error(await api.post("/v1/files", files=empty, data={"purpose": "batch"}), 400, "file")

@@ -1,0 +1,243 @@
+"""/v1/fine_tuning/jobs: create, retrieve, list, cancel, pause, resume, events and
+checkpoints (OpenAI's fine-tuning API shape; pause and resume as OpenAI's too).
+
+A job is journaled (`ft_job_created`) and its workflow started on the control queue; the
+file is checked there (`validating_files`), before any step trains. Cancel, pause and
+resume are signals: the running chunk checkpoints, then the job moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from api.deps import Services, ServicesDep, TenantDep
+from api.errors import APIError, check_text, not_found, possible_id, require_id
+from journal import batches as jb
+from journal import finetunes as fj
+from journal import tenants
+from protocol.schema import errors
+from workflows.finetune import FineTuneWorkflow
+from workflows.inputs import FineTuneInput
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/fine_tuning/jobs")
+
+BASE_LEARNING_RATE = 1e-3  # × learning_rate_multiplier: the tiny model's LoRA learns at this rate
+DEFAULTS = dict(n_epochs=3, batch_size=1, learning_rate_multiplier=1.0)  # "auto"
+_SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class Hyperparameters(BaseModel):
+    n_epochs: int | Literal["auto"] = Field("auto")
+    batch_size: int | Literal["auto"] = Field("auto")
+    learning_rate_multiplier: float | Literal["auto"] = Field("auto")
+
+
+class CreateJob(BaseModel):
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    hyperparameters: Hyperparameters | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    suffix: str | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def workflow_id(job_id: str) -> str:
+    return f"ftjob:{job_id}"
+
+
+def job_object(row: dict[str, Any]) -> dict[str, Any]:
+    hp = row["hyperparameters"]
+    return dict(object="fine_tuning.job", id=row["id"], model=row["model"], created_at=row["created_at"],
+                finished_at=row["finished_at"], fine_tuned_model=row["fine_tuned_model"], organization_id=row["tenant"],
+                status=row["status"], error=row["error"], training_file=row["training_file"],
+                validation_file=row["validation_file"], result_files=row["result_files"],
+                trained_tokens=row["trained_tokens"], seed=row["seed"], user_provided_suffix=row["suffix"],
+                metadata=row["metadata"], estimated_finish=None, integrations=[],
+                hyperparameters=dict(n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
+                                     learning_rate_multiplier=hp["learning_rate_multiplier"]))
+
+
+def _links(*operations: str) -> dict:
+    return {200: {"description": "The fine-tuning job.", "links": {
+        op: {"operationId": op, "parameters": {"fine_tuning_job_id": "$response.body#/id"}} for op in operations}}}
+
+
+def _hyperparameters(h: Hyperparameters | None) -> dict[str, Any]:
+    given = h.model_dump() if h else {}
+    out = {k: DEFAULTS[k] if given.get(k, "auto") == "auto" else given[k] for k in DEFAULTS}
+    if not 1 <= out["n_epochs"] <= 50:
+        raise APIError(400, "n_epochs must be between 1 and 50.", param="hyperparameters.n_epochs",
+                       code="invalid_value")
+    if not 1 <= out["batch_size"] <= 256:
+        raise APIError(400, "batch_size must be between 1 and 256.", param="hyperparameters.batch_size",
+                       code="invalid_value")
+    if not 0 < out["learning_rate_multiplier"] <= 10:
+        raise APIError(400, "learning_rate_multiplier must be above 0 and at most 10.",
+                       param="hyperparameters.learning_rate_multiplier", code="invalid_value")
+    out["learning_rate"] = BASE_LEARNING_RATE * out["learning_rate_multiplier"]
+    return out
+
+
+@router.post("", operation_id="createFineTuningJob",
+             responses=_links("retrieveFineTuningJob", "cancelFineTuningJob") | errors(400, 404, 503))
+async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
+    s = svc.settings
+    if body.model != s.model_name:
+        raise APIError(400, f"Model {check_text(body.model, 'model')!r} is not available for fine-tuning; "
+                            f"this deployment fine-tunes {s.model_name!r}.", param="model", code="model_not_available")
+    if body.suffix is not None and not _SUFFIX.fullmatch(body.suffix):
+        raise APIError(400, "suffix is 1 to 64 characters of letters, digits, '-' and '_'.", param="suffix",
+                       code="invalid_value")
+    for k, v in (body.metadata or {}).items():
+        check_text(k, "metadata", "metadata keys")
+        check_text(v, "metadata", "metadata values")
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata",
+                           code="invalid_value")
+    hyper = _hyperparameters(body.hyperparameters)
+    now = int(time.time())
+    row: dict[str, Any] = dict(
+        id="ftjob-" + uuid.uuid4().hex[:24], tenant=tenant, model=body.model, training_file=body.training_file,
+        validation_file=body.validation_file, hyperparameters=hyper,
+        seed=body.seed if body.seed is not None else random.SystemRandom().randrange(2**31),
+        suffix=body.suffix, metadata=body.metadata, status="validating_files", error=None, fine_tuned_model=None,
+        trained_tokens=None, result_files=[], created_at=now, finished_at=None)
+    async with svc.db.begin() as conn:
+        for param in ("training_file", "validation_file"):
+            file_id = getattr(body, param)
+            if file_id is None:
+                continue
+            require_id("file", file_id, param)
+            f = await jb.get_file(conn, file_id, tenant)
+            if f is None:
+                raise not_found("file", file_id, param)
+            if f["purpose"] != "fine-tune":
+                raise APIError(400, f"File {file_id} has purpose {f['purpose']!r}; fine-tuning needs purpose "
+                                    "'fine-tune'.", param=param, code="invalid_value")
+        await fj.create_job(conn, row)
+        owner = await tenants.get_tenant(conn, tenant)
+    try:
+        await svc.temporal.start_workflow(
+            FineTuneWorkflow.run,
+            FineTuneInput(row["id"], s.engine_queue, s.fine_tune_chunk_steps, s.heartbeat_timeout_s, tenant=tenant,
+                          fairness_weight=float(owner["weight"] if owner else 1)),
+            id=workflow_id(row["id"]), task_queue=s.control_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    except Exception as err:  # the job must not sit in `validating_files` forever
+        log.exception("could not start fine-tuning job %s", row["id"])
+        async with svc.db.begin() as conn:
+            await fj.move_status(conn, row, "failed", finished_at=int(time.time()),
+                                 error=dict(code="unavailable", message=f"could not start: {err}", param=None))
+        raise APIError(503, "The job could not be scheduled; try again shortly.", code="unavailable") from err
+    return await _current(svc, row["id"])
+
+
+async def _current(svc: Services, job_id: str) -> dict[str, Any]:
+    async with svc.db.connect() as conn:
+        row = await fj.get_job(conn, job_id)
+    assert row is not None, f"fine-tuning job {job_id} vanished"
+    return job_object(row)
+
+
+async def _owned(svc: Services, job_id: str, tenant: str) -> dict[str, Any]:
+    require_id("fine-tuning job", job_id, "fine_tuning_job_id")
+    async with svc.db.connect() as conn:
+        row = await fj.get_job(conn, job_id, tenant)
+    if row is None:
+        raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
+    return row
+
+
+@router.get("/{fine_tuning_job_id}", operation_id="retrieveFineTuningJob", responses=errors(404))
+async def retrieve(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
+    return job_object(await _owned(svc, fine_tuning_job_id, tenant))
+
+
+@router.get("", operation_id="listFineTuningJobs", responses=errors(400))
+async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
+    rows: list[dict[str, Any]] = []  # a cursor that cannot exist pages like one that does not
+    if after is None or possible_id(after):
+        async with svc.db.connect() as conn:
+            rows = await fj.list_jobs(conn, tenant, after, limit + 1)
+    data = [job_object(r) for r in rows[:limit]]
+    return dict(object="list", data=data, has_more=len(rows) > limit)
+
+
+async def _signal(svc: Services, tenant: str, job_id: str, name: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    row = await _owned(svc, job_id, tenant)
+    if row["status"] not in allowed:
+        raise APIError(400, f"Cannot {name} a fine-tuning job with status {row['status']}.",
+                       param="fine_tuning_job_id", code="invalid_state")
+    try:
+        await svc.temporal.get_workflow_handle(workflow_id(job_id)).signal(name)
+    except RPCError as err:
+        if err.status != RPCStatusCode.NOT_FOUND:
+            raise APIError(503, f"The job could not be reached to {name} it; try again shortly.",
+                           code="unavailable", headers={"Retry-After": "5"}) from err
+        log.info("%s %s: no running workflow (%s)", name, job_id, err.message)
+    return job_object(row)
+
+
+@router.post("/{fine_tuning_job_id}/cancel", operation_id="cancelFineTuningJob", responses=errors(400, 404, 503))
+async def cancel(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
+    """The job stops after the step in progress (checkpointed) and ends `cancelled`."""
+    return await _signal(svc, tenant, fine_tuning_job_id, "cancel", ("validating_files", "queued", "running",
+                                                                   "paused"))
+
+
+@router.post("/{fine_tuning_job_id}/pause", operation_id="pauseFineTuningJob", responses=errors(400, 404, 503))
+async def pause(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
+    """The job stops after the step in progress (checkpointed) and waits `paused`."""
+    return await _signal(svc, tenant, fine_tuning_job_id, "pause", ("validating_files", "queued", "running"))
+
+
+@router.post("/{fine_tuning_job_id}/resume", operation_id="resumeFineTuningJob", responses=errors(400, 404, 503))
+async def resume(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
+    """A paused job goes on from its last checkpoint."""
+    return await _signal(svc, tenant, fine_tuning_job_id, "resume", ("paused",))
+
+
+@router.get("/{fine_tuning_job_id}/events", operation_id="listFineTuningEvents", responses=errors(404))
+async def events(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep, after: str | None = None,
+                 limit: int = Query(20, ge=1, le=100)):
+    """Newest first, as OpenAI lists them."""
+    await _owned(svc, fine_tuning_job_id, tenant)
+    async with svc.db.connect() as conn:
+        found = await fj.job_events(conn, fine_tuning_job_id)
+    out = [dict(object="fine_tuning.job.event", id=f"ftevent-{e['position']}", created_at=e["at"], level=e["level"],
+                message=e["message"], type="message", data=e.get("data") or {}) for e in reversed(found)]
+    if after is not None:
+        ids = [e["id"] for e in out]
+        out = out[ids.index(after) + 1:] if after in ids else []
+    return dict(object="list", data=out[:limit], has_more=len(out) > limit)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints", operation_id="listFineTuningCheckpoints", responses=errors(404))
+async def checkpoints(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep, after: str | None = None,
+                      limit: int = Query(10, ge=1, le=100)):
+    """Newest first; each names the step, its training loss and its SHA-256."""
+    row = await _owned(svc, fine_tuning_job_id, tenant)
+    async with svc.db.connect() as conn:
+        found = await fj.checkpoints(conn, fine_tuning_job_id)
+    out = [dict(object="fine_tuning.job.checkpoint", id=f"ftckpt-{c['position']}", created_at=c["at"],
+                fine_tuning_job_id=row["id"], step_number=c["step"],
+                fine_tuned_model_checkpoint=f"{fj.fine_tuned_name(row)}:ckpt-step-{c['step']}",
+                metrics=dict(step=c["step"], train_loss=c["losses"][-1] if c["losses"] else None),
+                sha256=c["sha256"]) for c in reversed(found)]
+    if after is not None:
+        ids = [c["id"] for c in out]
+        out = out[ids.index(after) + 1:] if after in ids else []
+    return dict(object="list", data=out[:limit], first_id=out[0]["id"] if out else None,
+                last_id=out[min(limit, len(out)) - 1]["id"] if out else None, has_more=len(out) > limit)

@@ -1,0 +1,117 @@
+"""/v1/fine_tuning/jobs through the official OpenAI client, unchanged: upload with
+purpose "fine-tune", create, retrieve, list, pause, resume, cancel, events, checkpoints;
+bad input is a 4xx in OpenAI's error shape and creates nothing. In process, on real
+Postgres and a real Temporal server whose control queue no worker polls (the workflow
+starts; what it journals is written here by hand, as its activities would)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+import pytest
+from sqlalchemy import text
+
+from journal import finetunes as fj
+from journal.events import append
+
+LINES = "".join(json.dumps(dict(messages=[dict(role="user", content=f"q{i}"), dict(role="assistant", content="a")]))
+                + "\n" for i in range(10)).encode()
+
+
+@pytest.fixture
+async def client(temporal_api):
+    async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],
+                                  max_retries=0, http_client=temporal_api) as c:
+        yield c
+
+
+async def upload(client, purpose: str = "fine-tune") -> str:
+    return (await client.files.create(file=("train.jsonl", io.BytesIO(LINES)), purpose=purpose)).id
+
+
+async def count_jobs(db) -> int:
+    async with db.connect() as c:
+        return (await c.execute(text("SELECT count(*) FROM fine_tuning_jobs"))).scalar_one()
+
+
+async def test_a_job_is_created_started_and_listed_as_openai_shapes_it(client, temporal_client, settings):
+    file_id = await upload(client)
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, suffix="colours",
+                                               hyperparameters=dict(n_epochs=2), metadata=dict(team="a"))
+    assert job.object == "fine_tuning.job" and job.status == "validating_files" and job.model == "ballast-tiny"
+    assert job.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 1  # "auto": the default
+    assert job.hyperparameters.learning_rate_multiplier == 1.0 and isinstance(job.seed, int)
+    assert job.training_file == file_id and job.fine_tuned_model is None and job.metadata == dict(team="a")
+    assert (await client.fine_tuning.jobs.retrieve(job.id)).id == job.id
+    assert job.id in [j.id async for j in client.fine_tuning.jobs.list()]
+    desc = await temporal_client.get_workflow_handle(f"ftjob:{job.id}").describe()
+    assert desc.workflow_type == "FineTune" and desc.task_queue == settings.control_queue
+
+
+async def test_bad_input_is_a_4xx_and_creates_nothing(client, db):
+    file_id, batch_file = await upload(client), await upload(client, "batch")
+    before = await count_jobs(db)
+    cases = [
+        (dict(model="gpt-4o", training_file=file_id), 400, "model_not_available"),
+        (dict(model="ballast-tiny", training_file=batch_file), 400, "invalid_value"),
+        (dict(model="ballast-tiny", training_file="file-nope"), 404, "not_found"),
+        (dict(model="ballast-tiny", training_file=file_id, suffix="no spaces"), 400, "invalid_value"),
+        (dict(model="ballast-tiny", training_file=file_id, hyperparameters=dict(n_epochs=0)), 400, "invalid_value"),
+        (dict(model="ballast-tiny", training_file=file_id, hyperparameters=dict(learning_rate_multiplier=-1)), 400,
+         "invalid_value"),
+    ]
+    for body, status, code in cases:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.fine_tuning.jobs.create(**body)
+        assert (caught.value.status_code, caught.value.code) == (status, code), body
+        assert caught.value.body["message"]
+    assert await count_jobs(db) == before
+
+
+async def test_another_tenants_job_is_not_found(client, other_api):
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=await upload(client))
+    assert (await other_api.get(f"/v1/fine_tuning/jobs/{job.id}")).status_code == 404
+    assert (await other_api.post(f"/v1/fine_tuning/jobs/{job.id}/cancel")).status_code == 404
+    assert job.id not in [j["id"] for j in (await other_api.get("/v1/fine_tuning/jobs")).json()["data"]]
+
+
+async def test_pause_resume_and_cancel_follow_the_status(client, db):
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=await upload(client))
+    with pytest.raises(openai.BadRequestError, match="Cannot resume a fine-tuning job with status validating_files"):
+        await client.fine_tuning.jobs.resume(job.id)
+    assert (await client.fine_tuning.jobs.pause(job.id)).id == job.id  # signalled
+    async with db.begin() as c:
+        row = await fj.get_job(c, job.id)
+        await fj.move_status(c, row, "paused")
+    assert (await client.fine_tuning.jobs.resume(job.id)).status == "paused"  # it moves once the workflow does
+    async with db.begin() as c:
+        await fj.move_status(c, row, "cancelled")
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a fine-tuning job with status cancelled"):
+        await client.fine_tuning.jobs.cancel(job.id)
+
+
+async def test_events_and_checkpoints_list_what_the_journal_holds_newest_first(client, db):
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=await upload(client))
+    async with db.begin() as c:
+        await append(c, [
+            fj.checkpoint_event(job.id, "default", 2, fj.checkpoint_key(job.id, 2), "a" * 64, [2.0, 1.5], None),
+            fj.job_event(job.id, "default", "step:2", "Step 2/4: training loss=1.5000"),
+            fj.checkpoint_event(job.id, "default", 4, fj.checkpoint_key(job.id, 4), "b" * 64, [1.2, 1.0], None),
+            fj.job_event(job.id, "default", "step:4", "Step 4/4: training loss=1.0000"),
+        ])
+    events = [e async for e in client.fine_tuning.jobs.list_events(job.id)]
+    assert [e.message for e in events] == ["Step 4/4: training loss=1.0000", "Step 2/4: training loss=1.5000"]
+    ckpts = [c async for c in client.fine_tuning.jobs.checkpoints.list(job.id)]
+    assert [(c.step_number, c.metrics.train_loss) for c in ckpts] == [(4, 1.0), (2, 1.5)]
+    assert ckpts[0].fine_tuned_model_checkpoint == f"ft:ballast-tiny::{job.id}:ckpt-step-4"
+    page = await client.fine_tuning.jobs.list_events(job.id, limit=1)
+    assert [e.message for e in page.data] == ["Step 4/4: training loss=1.0000"] and page.has_more
+
+
+async def test_an_unknown_job_is_a_404_in_openais_shape(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.fine_tuning.jobs.retrieve("ftjob-nope")
+    assert caught.value.code == "not_found" and "ftjob-nope" in caught.value.body["message"]
+
