@@ -227,3 +227,45 @@ async def _is(db, job_id: str, want: str) -> bool:
 
 async def _at_least(db, job_id: str, steps: int) -> bool:
     return await steps_done(db, job_id) >= steps
+
+
+class Surging(FineTuneActivities):
+    """After step `at`, a chat arrives at the engine (a real EngineSlots with one slot):
+    the chunk's batch slot is preempted, it stops after that step and checkpoints; the
+    next chunk waits for a slot until the chat has gone."""
+
+    def __init__(self, *args, at: int, **kw):
+        super().__init__(*args, **kw)
+        self.at, self.chats = at, []
+
+    def stepped(self, trainer) -> None:
+        if trainer.step == self.at and not self.chats:
+            async def chat() -> None:
+                async with self.slots.interactive_request("api"):
+                    await asyncio.sleep(1.0)
+            self.chats.append(asyncio.get_running_loop().create_task(chat()))
+
+
+async def test_a_chunk_preempted_by_a_chat_resumes_after_it_bitwise_equal(temporal_address, db, store, tiny_model):
+    from engine.slots import EngineSlots
+
+    client = await Client.connect(temporal_address)
+    whole_id, job_id = await make_job(db, store), await make_job(db, store)
+    whole = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), STEPS)
+    slots = EngineSlots(1, cool_down_s=0.2)
+    surged = Run(client, db, Surging(db, store, tiny_model.path, tiny_model.max_model_len, slots=slots, at=3), STEPS)
+    for r, j in ((whole, whole_id), (surged, job_id)):
+        w1, w2 = r.workers()
+        async with w1, w2:
+            handle = await r.start(j)
+            assert await handle.result() == "succeeded"
+    assert slots.stats.preemptions == 1
+    steps = [s for (s,) in await sql(db, "SELECT (payload->>'step')::int FROM events WHERE stream = :s AND "
+                                         "type = 'ft_checkpoint' ORDER BY position", s=fj.stream(job_id))]
+    # The chat lands while step 4 runs: the chunk finishes that step, checkpoints, and the
+    # next chunk resumes there once the chat has gone.
+    assert steps == [4, STEPS]
+    a, b = adapter(store, whole_id), adapter(store, job_id)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert await losses(db, job_id) == await losses(db, whole_id)
+    await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await handle.fetch_history())
