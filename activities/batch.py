@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.exc import DataError
@@ -25,6 +26,7 @@ from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
 from journal import engines as je
+from journal import finetunes as fj
 from journal import ledger
 from journal.leases import acquire
 from journal.objects import ObjectStore
@@ -65,9 +67,11 @@ class BatchActivities:
             if counts["total"] or batch["status"] == "failed":  # a retry after we already decided
                 return ValidateResult(counts["total"], batch["status"] == "failed")
             file = await jb.get_file(conn, batch["input_file_id"], batch["tenant"])
+            # Items may name the tenant's own fine-tuned models, as its chats may.
+            own = replace(self.limits, adapters=frozenset(await fj.fine_tuned_models(conn, batch["tenant"])))
         if file is None:  # the API saw it when it created the batch: only lost data gets here
             raise ApplicationError(f"The input file {batch['input_file_id']} is missing.", non_retryable=True)
-        limits = batch_file.FileLimits(batch["endpoint"], self.limits, self.max_lines)
+        limits = batch_file.FileLimits(batch["endpoint"], own, self.max_lines)
         # Two passes over the stored file, never all of it in memory: is it usable at
         # all, then its items, in pages, in one transaction.
         try:
@@ -100,7 +104,7 @@ class BatchActivities:
                     await jb.add_items(conn, ref.batch_id, batch["tenant"], page)
                     total += len(page)
                     for item in page:
-                        i, o = self._estimate(batch["endpoint"], item)
+                        i, o = self._estimate(batch["endpoint"], item, limits.request)
                         input_tokens, output_tokens = input_tokens + i, output_tokens + o
             await self._enqueue(conn, ref.batch_id, batch["tenant"], input_tokens, output_tokens)
             # Unless a cancel came first (then the lifecycle refuses the move).
@@ -108,11 +112,11 @@ class BatchActivities:
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
 
-    def _estimate(self, endpoint: str, item: batch_file.Item) -> tuple[int, int]:
+    def _estimate(self, endpoint: str, item: batch_file.Item, limits: Limits) -> tuple[int, int]:
         """(input, output) tokens the item may take; 0 for one that will not run."""
         if item.error is not None:
             return 0, 0
-        req = parse(endpoint, item.body, self.limits, batch=True)
+        req = parse(endpoint, item.body, limits, batch=True)
         return (0, 0) if isinstance(req, ProtocolError) else estimate(req, self.limits.max_model_len)
 
     async def _enqueue(self, conn, batch_id: str, tenant: str, input_tokens: int, output_tokens: int) -> None:

@@ -113,7 +113,8 @@ class GenerationActivities:
         item, idx, endpoint = at.item, at.idx, at.batch["endpoint"]
         if item["status"] != "pending":
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
-        req = parse(endpoint, item["body"], Limits(self.engine.spec.name, self.engine.spec.max_model_len), batch=True)
+        req = parse(endpoint, item["body"], Limits(self.engine.spec.name, self.engine.spec.max_model_len,
+                                                   any_adapter=True), batch=True)
         ready = req if isinstance(req, ProtocolError) else rq.prepare(self.engine, req)
         if isinstance(ready, ProtocolError):
             await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
@@ -153,6 +154,7 @@ class GenerationActivities:
                         temperature=params.temperature, top_p=params.top_p, seed=params.seed,
                         stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
                         item=at.stream, resumed_from=at.saved,  # who and from where: for engine/gate.py
+                        adapter=params.adapter,
                     ):
                         tokens += step.token_ids
                         reason = step.finish_reason

@@ -34,6 +34,7 @@ from api.admission import Ticket
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
 from api.placer import Prompt
+from journal import finetunes as fj
 from journal.tenants import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
@@ -75,7 +76,8 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     tenant = who.tenant
     t0 = time.perf_counter()
     body = await _body(request)
-    req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len))
+    req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len,
+                                       adapters=await _fine_tuned(svc, tenant, body.get("model"))))
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
@@ -91,6 +93,14 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     if req.stream:
         return _Streamed(run, _relay(run, req))
     return await _collect(run, req)
+
+
+async def _fine_tuned(svc: Services, tenant: str, model: Any) -> frozenset[str]:
+    """{model} where it is one of the tenant's fine-tuned models (one query, for those only)."""
+    if not isinstance(model, str) or not model.startswith(f"ft:{svc.settings.model_name}:"):
+        return frozenset()
+    async with svc.db.connect() as conn:
+        return frozenset([model]) if await fj.owns_model(conn, tenant, model) else frozenset()
 
 
 # -- 1. the body --------------------------------------------------------------------
@@ -244,7 +254,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
         ticket.correct(first["prompt_tokens"])  # the engine's count replaces the estimate
         record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,
                                      holder=ticket.holder, admitted_at=ticket.at)
-    meta = dict(id=rid, created=int(time.time()), model=s.model_name, service_tier=req.service_tier)
+    meta = dict(id=rid, created=int(time.time()), model=req.model, service_tier=req.service_tier)
     return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from api.deps import Services, ServicesDep
+from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
+from journal import finetunes as fj
 from protocol.schema import errors
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,28 @@ async def served(svc: Services) -> list[dict[str, Any]]:
     ]
 
 
+async def fine_tuned(svc: Services, tenant: str) -> list[dict[str, Any]]:
+    """The tenant's fine-tuned models (its jobs that succeeded), owned by the tenant as
+    OpenAI's are by the organization; `created` when the job finished."""
+    try:
+        async with svc.db.connect() as conn:
+            jobs = await fj.succeeded(conn, tenant)
+    except Exception as err:  # Postgres is away: the served models still answer
+        log.warning("model list without fine-tuned models: %s", err)
+        return []
+    return [dict(id=j["fine_tuned_model"], object="model", created=j["finished_at"] or j["created_at"],
+                 owned_by=tenant) for j in jobs]
+
+
 @router.get("", operation_id="listModels")
-async def list_models(svc: ServicesDep):
-    return dict(object="list", data=await served(svc))
+async def list_models(svc: ServicesDep, tenant: TenantDep):
+    return dict(object="list", data=await served(svc) + await fine_tuned(svc, tenant))
 
 
 @router.get("/{model:path}", operation_id="retrieveModel", responses=errors(404))
-async def retrieve_model(model: str, svc: ServicesDep):
-    for m in await served(svc):
+async def retrieve_model(model: str, svc: ServicesDep, tenant: TenantDep):
+    mine = await fine_tuned(svc, tenant) if model.startswith("ft:") else []
+    for m in await served(svc) + mine:
         if m["id"] == model:
             return m
     raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")

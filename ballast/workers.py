@@ -129,6 +129,7 @@ async def start_quota(client: Client, settings: Settings) -> None:
 async def engine_worker(settings: Settings) -> None:
     # vLLM is imported here, not at module level: the control plane never needs it.
     from activities.generate import GenerationActivities
+    from engine.adapters import Adapters
     from engine.fairness import FairShare
     from engine.models import resolve_model
     from engine.server import EmbeddedServer, create_app
@@ -141,10 +142,13 @@ async def engine_worker(settings: Settings) -> None:
     token = engine_token(settings)  # before minutes of vLLM start-up, not after
     spec = resolve_model(settings)
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
+    # Fine-tuned models (LoRA adapters from the object store) beside the base model.
+    adapters = Adapters(ObjectStore(settings.object_store_url), settings.data_dir / "adapters")
     engine: Engine | GatedEngine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib,
                                                       max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice,
                                                       max_num_batched_tokens=settings.max_num_batched_tokens,
-                                                      long_prefill_tokens=settings.long_prefill_tokens)
+                                                      long_prefill_tokens=settings.long_prefill_tokens,
+                                                      adapters=adapters)
     if settings.engine_gate is not None:  # a test seam: batch generations hold at the file's budgets
         from engine.gate import GatedEngine
 

@@ -20,6 +20,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    adapter: str | None = None  # a fine-tuned model's name: its LoRA adapter on the base model
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
     room = fit_context(req, len(prompt), engine.spec.max_model_len)
     if isinstance(room, ProtocolError):
         return room
-    return Prepared(prompt, Sampling(room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos))
+    adapter = req.model if req.model != engine.spec.name else None
+    return Prepared(prompt, Sampling(room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos, adapter))
 
 
 def finish(engine, prompt: list[int], token_ids: list[int], s: Sampling,

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import requests as rq
+from engine.adapters import AdapterMissing
 from engine.fairness import FairShare
 from engine.slots import EngineSlots
 from protocol.errors import ProtocolError, error_body
@@ -60,7 +61,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         job = await request.json()
         endpoint, priority = job["endpoint"], int(job["priority"])
         tenant, tier, weight = str(job.get("tenant", "")), job.get("tier"), float(job.get("weight") or 1)
-        req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len))
+        req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len, any_adapter=True))
         ready = req if isinstance(req, ProtocolError) else rq.prepare(engine, req)
         if isinstance(ready, ProtocolError):
             return JSONResponse({"error": ready.body()["error"], "status": ready.status_code})
@@ -78,6 +79,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                             job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
                             top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
                             ignore_eos=params.ignore_eos, priority=turn.priority, detokenize=True,
+                            adapter=params.adapter,
                         ):
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
@@ -85,6 +87,9 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                             if step.text or step.token_ids:
                                 ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
                                 yield _line(text=step.text, tokens=len(step.token_ids))
+                except AdapterMissing as err:  # a fine-tuned model whose adapter is gone
+                    yield _line(**error_body(404, str(err), "model", "model_not_found"), status=404)
+                    return
                 except Exception as err:  # the client gets an error event, not a cut stream
                     log.exception("generation %s failed", job["request_id"])
                     yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",

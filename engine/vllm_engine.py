@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine import prompts
+from engine.adapters import AdapterMissing, Adapters
 from engine.models import ModelSpec
 
 GiB = 1 << 30
@@ -44,9 +45,10 @@ class Load:
 
 
 class Engine:
-    def __init__(self, spec: ModelSpec, llm: Any, load: Load | None = None):
+    def __init__(self, spec: ModelSpec, llm: Any, load: Load | None = None, adapters: Adapters | None = None):
         self.spec = spec
         self._llm = llm
+        self.adapters = adapters  # fine-tuned models' LoRA adapters; None: the base model only
         self.tokenizer = llm.get_tokenizer()
         # Its prefix cache's unit: placement hashes prompts in blocks of it (policy/prefix.py).
         self.block_size: int = llm.vllm_config.cache_config.block_size
@@ -66,6 +68,9 @@ class Engine:
         nice: int = 0,
         max_num_batched_tokens: int | None = None,
         long_prefill_tokens: int = 0,
+        adapters: Adapters | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 8,
     ) -> Engine:
         """Start an engine (async: `await Engine.start(spec)`).
 
@@ -83,12 +88,18 @@ class Engine:
         None) and `long_prefill_tokens` (> 0) the prompt tokens one request may put in a
         step while others are running or waiting: a giant prompt is then prefilled in
         chunks across steps instead of making one step, and every request in it, slow.
+
+        `adapters` (with up to `max_loras` at once, of rank up to `max_lora_rank`) serves
+        fine-tuned models beside the base: vLLM's LoRA support, on CPU as on GPU.
         """
         before = _vllm_processes() if nice > 0 else set()
         scheduler = dict(long_prefill_token_threshold=long_prefill_tokens)
         if max_num_batched_tokens:
             scheduler["max_num_batched_tokens"] = max_num_batched_tokens
+        if adapters is not None:
+            scheduler.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         engine = await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed, scheduler)
+        engine.adapters = adapters
         if nice > 0:
             _lower_priority(_vllm_processes() - before, nice)
         return engine
@@ -145,6 +156,7 @@ class Engine:
         detokenize: bool = False,
         item: str | None = None,
         resumed_from: int = 0,
+        adapter: str | None = None,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
@@ -155,6 +167,9 @@ class Engine:
         how many that item had before this request; vLLM never sees them. They are for
         wrappers of the engine: the test gate (engine/gate.py) holds items at budgets of
         total tokens.
+
+        `adapter`: a fine-tuned model's name; its LoRA adapter runs on the base model
+        (AdapterMissing where this engine has no adapters or the job trained none).
         """
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -173,7 +188,12 @@ class Engine:
         )
         # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
         prompt = tokens_input(list(prompt_token_ids))
-        async for out in self._llm.generate(prompt, params, request_id, priority=priority):
+        lora = None
+        if adapter is not None:
+            if self.adapters is None:
+                raise AdapterMissing(f"this engine serves no fine-tuned models ({adapter})")
+            lora = await self.adapters.request(adapter)
+        async for out in self._llm.generate(prompt, params, request_id, priority=priority, lora_request=lora):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None
             yield Step(list(c.token_ids), reason, c.text or "")

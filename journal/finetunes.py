@@ -83,6 +83,25 @@ async def list_jobs(conn: AsyncConnection, tenant: str, after: str | None, limit
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]
 
 
+async def succeeded(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
+    """The tenant's jobs that succeeded, oldest first: each is a model it may call."""
+    q = select(fine_tuning_jobs).where(
+        fine_tuning_jobs.c.tenant == tenant, fine_tuning_jobs.c.status == "succeeded",
+        fine_tuning_jobs.c.fine_tuned_model.is_not(None)).order_by(fine_tuning_jobs.c.seq)
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
+async def fine_tuned_models(conn: AsyncConnection, tenant: str) -> list[str]:
+    return [j["fine_tuned_model"] for j in await succeeded(conn, tenant)]
+
+
+async def owns_model(conn: AsyncConnection, tenant: str, model: str) -> bool:
+    q = select(fine_tuning_jobs.c.id).where(fine_tuning_jobs.c.tenant == tenant,
+                                            fine_tuning_jobs.c.fine_tuned_model == model,
+                                            fine_tuning_jobs.c.status == "succeeded")
+    return (await conn.execute(q)).first() is not None
+
+
 async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
     q = select(fine_tuning_jobs).where(fine_tuning_jobs.c.id == job_id)
     if tenant is not None:

@@ -37,6 +37,12 @@ INT64 = (-(2**63), 2**63 - 1)
 class Limits:
     model: str  # the served model's name
     max_model_len: int
+    adapters: frozenset[str] = frozenset()  # fine-tuned models served on it (the caller's own)
+    any_adapter: bool = False  # any `ft:<model>:…` name (an engine worker: the API checked whose it is)
+
+    def serves(self, name: str) -> bool:
+        return name == self.model or name in self.adapters or (
+            self.any_adapter and name.startswith(f"ft:{self.model}:"))
 
 
 @dataclass(frozen=True)
@@ -97,9 +103,9 @@ def _parse(endpoint: str, body: Any, limits: Limits, batch: bool) -> GenerationR
             if e.param is None:  # about the parameter itself: say which
                 e.param, e.message = name, f"`{name}` {e.message}"
             raise
-    if v["model"] != limits.model:
-        raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {limits.model!r}.",
-                   "model_not_found", "model", 404)
+    if not limits.serves(v["model"]):
+        raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {limits.model!r}"
+                      + (" and your fine-tuned models." if limits.adapters else "."), "model_not_found", "model", 404)
     max_tokens = v.get("max_completion_tokens") or v["max_tokens"]
     if max_tokens is None and endpoint == COMPLETIONS:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS

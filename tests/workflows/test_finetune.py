@@ -236,7 +236,8 @@ class Surging(FineTuneActivities):
 
     def __init__(self, *args, at: int, **kw):
         super().__init__(*args, **kw)
-        self.at, self.chats = at, []
+        self.at = at
+        self.chats: list[asyncio.Task] = []
 
     def stepped(self, trainer) -> None:
         if trainer.step == self.at and not self.chats:
