@@ -25,6 +25,7 @@ from temporalio.exceptions import ApplicationError
 
 from journal import batches as jb
 from journal import finetunes as fj
+from journal import ledger
 from journal.events import append
 from journal.leases import acquire
 from journal.objects import ObjectStore
@@ -198,10 +199,16 @@ class FineTuneActivities:
         event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
         event.payload["tokens_per_epoch"] = tokens_per_epoch
         loss = ck.losses[-1]
+        # The tokens these steps trained, settled in the quota ledger with the checkpoint
+        # that records them: SQL audits training as it audits inference.
+        trained = sum(len(e.ids) for step in range(before, ck.step) for e in trainer.batch(step))
+        settle = ledger.Entry(ledger.SETTLE, fj.ledger_subject(job["id"], ck.step), job["tenant"], job["model"],
+                              fj.TRAINING_TIER, trained, 0)
         async with self.db.begin() as conn:
             await append(conn, [event, fj.job_event(
                 job["id"], job["tenant"], f"step:{ck.step}",
                 f"Step {ck.step}/{trainer.total_steps}: training loss={loss:.4f}", step=ck.step, train_loss=loss)])
+            await ledger.insert(conn, [settle])
 
     # -- files and the model -----------------------------------------------------------------
 

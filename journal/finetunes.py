@@ -7,6 +7,9 @@
   step: a retried chunk that redoes the same steps writes the same bytes and the same key;
 - `ft_event`: what the job's `/events` shows (level, message, at).
 
+Each checkpoint also settles the tokens its steps trained in the quota ledger (tier
+`training`, subject `ftjob:<id>:<step>`), in the same transaction.
+
 Audit in SQL: `SELECT payload FROM events WHERE stream = 'ftjob:<id>' ORDER BY version`.
 """
 
@@ -23,6 +26,12 @@ from journal.schema import events, fine_tuning_jobs
 
 CREATED, STATUS, CHECKPOINT, EVENT = "ft_job_created", "ft_status", "ft_checkpoint", "ft_event"
 FINAL = ("succeeded", "failed", "cancelled")
+TRAINING_TIER = "training"  # the ledger's tier of trained tokens
+
+
+def ledger_subject(job_id: str, step: int) -> str:
+    """The quota ledger's subject of the tokens trained up to checkpoint `step` (a settle each)."""
+    return f"ftjob:{job_id}:{step}"
 
 
 def stream(job_id: str) -> str:

@@ -19,6 +19,7 @@ import json
 import random
 import time
 
+import psycopg
 import pytest
 import torch
 from safetensors.torch import load
@@ -106,7 +107,7 @@ def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, 
     assert out["response"]["body"]["choices"][0]["message"]["content"] == expected
 
 
-def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client, stack, tiny_model):
+def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client, stack, tiny_model, db_url):
     body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
     file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
     job = client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, suffix="colours", seed=11,
@@ -128,6 +129,11 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
     examples = [encode_chat(tok, c) for c in CHATS]
     assert done.trained_tokens == 2 * sum(len(e.ids) for e in examples)
+    # Settled in the quota ledger, checkpoint by checkpoint: SQL audits training as inference.
+    with psycopg.connect(db_url) as conn:
+        settled = conn.execute("SELECT sum(input_tokens), count(*) FROM ledger WHERE kind = 'settle' "
+                               "AND tier = 'training' AND subject LIKE %s", (f"ftjob:{job.id}:%",)).fetchone()
+    assert settled == (done.trained_tokens, len(checkpoints))
     here = Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=4, learning_rate=1e-3, seed=11),
                    tok.eos_token_id)
     here.run(steps)

@@ -162,6 +162,11 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     steps = [s for (s,) in await sql(db, "SELECT (payload->>'step')::int FROM events WHERE stream = :s AND "
                                          "type = 'ft_checkpoint' ORDER BY position", s=fj.stream(chunked_id))]
     assert steps == [2, 4, 6, 8]
+    # Each checkpoint's trained tokens settled in the ledger once, retry or not: as the
+    # uninterrupted run's in total.
+    settled = "SELECT sum(input_tokens), count(*) FROM ledger WHERE kind = 'settle' AND subject LIKE :s"
+    whole_settled = (await sql(db, settled, s=f"ftjob:{whole_id}:%"))[0]
+    assert (await sql(db, settled, s=f"ftjob:{chunked_id}:%"))[0] == (whole_settled[0], 4) and whole_settled[1] == 1
     job = (await sql(db, "SELECT status, fine_tuned_model, trained_tokens, result_files FROM fine_tuning_jobs "
                          "WHERE id = :j", j=chunked_id))[0]
     assert job[0] == "succeeded" and job[1] == f"ft:ballast-tiny:colours:{chunked_id}" and job[2] > 0
