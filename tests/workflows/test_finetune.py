@@ -8,7 +8,8 @@ store, with the real activities training the tiny model in-process:
 - while paused no step runs; resume continues from the checkpoint;
 - a corrupted latest checkpoint is found by its checksum, the job falls back to the one
   before, says so in its events, rewrites it, and still ends bitwise equal;
-- cancel ends the job `cancelled` with its checkpoints kept.
+- cancel ends the job `cancelled` with its checkpoints kept;
+- a job that continues as new every two chunks ends the same.
 
 The history of each replays."""
 
@@ -78,10 +79,11 @@ async def make_job(db, store: ObjectStore) -> str:
 
 
 class Run:
-    def __init__(self, client: Client, db, acts: FineTuneActivities, chunk_steps: int):
+    def __init__(self, client: Client, db, acts: FineTuneActivities, chunk_steps: int, chunks_per_run: int = 100):
         tag = uuid.uuid4().hex[:8]
         self.client, self.db, self.acts = client, db, acts
         self.control, self.engine, self.chunk_steps = f"control-{tag}", f"engine-{tag}", chunk_steps
+        self.chunks_per_run = chunks_per_run
 
     def workers(self) -> tuple[Worker, Worker]:
         return (Worker(self.client, task_queue=self.control, workflows=[FineTuneWorkflow],
@@ -91,7 +93,7 @@ class Run:
     async def start(self, job_id: str) -> WorkflowHandle:
         return await self.client.start_workflow(
             FineTuneWorkflow.run, FineTuneInput(job_id, self.engine, chunk_steps=self.chunk_steps,
-                                                heartbeat_timeout_s=10),
+                                                heartbeat_timeout_s=10, chunks_per_run=self.chunks_per_run),
             id=f"ftjob:{job_id}", task_queue=self.control)
 
 
@@ -140,7 +142,9 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     async with w1, w2:
         assert await (await whole.start(whole_id)).result() == "succeeded"
 
-    chunked = Run(client, db, Crashing(db, store, tiny_model.path, tiny_model.max_model_len, at=5), 2)
+    # Two chunks a run: the job continues as new on the way, paused or not.
+    chunked = Run(client, db, Crashing(db, store, tiny_model.path, tiny_model.max_model_len, at=5), 2,
+                  chunks_per_run=2)
     w1, w2 = chunked.workers()
     async with w1, w2:
         handle = await chunked.start(chunked_id)
@@ -173,8 +177,10 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     with store.open(f"files/{job[3][0]}") as f:
         csv_rows = f.read().decode().splitlines()
     assert csv_rows[0] == "step,train_loss" and len(csv_rows) == STEPS + 1
-    for h in (handle, client.get_workflow_handle(f"ftjob:{whole_id}")):
+    first_run = client.get_workflow_handle(f"ftjob:{chunked_id}", run_id=handle.first_execution_run_id)
+    for h in (first_run, handle, client.get_workflow_handle(f"ftjob:{whole_id}")):
         await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await h.fetch_history())
+    assert (await first_run.describe()).status.name == "CONTINUED_AS_NEW"
 
 
 async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_address, db, store, tiny_model):
