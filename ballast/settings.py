@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     batch_sticky_wait_s: float = Field(10.0, ge=0)
     # A fine-tuning job trains this many optimizer steps per chunk: one checkpoint each.
     fine_tune_chunk_steps: int = Field(10, ge=1)
+    # Engines serve fine-tuned models (vLLM's LoRA support, up to max_loras adapters at
+    # once beside the base model). False: the base model only, without LoRA's overhead.
+    serve_fine_tuned: bool = True
+    max_loras: int = Field(4, ge=1)
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last

@@ -143,12 +143,13 @@ async def engine_worker(settings: Settings) -> None:
     spec = resolve_model(settings)
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
     # Fine-tuned models (LoRA adapters from the object store) beside the base model.
-    adapters = Adapters(ObjectStore(settings.object_store_url), settings.data_dir / "adapters")
+    adapters = (Adapters(ObjectStore(settings.object_store_url), settings.data_dir / "adapters")
+                if settings.serve_fine_tuned else None)
     engine: Engine | GatedEngine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib,
                                                       max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice,
                                                       max_num_batched_tokens=settings.max_num_batched_tokens,
                                                       long_prefill_tokens=settings.long_prefill_tokens,
-                                                      adapters=adapters)
+                                                      adapters=adapters, max_loras=settings.max_loras)
     if settings.engine_gate is not None:  # a test seam: batch generations hold at the file's budgets
         from engine.gate import GatedEngine
 
