@@ -197,7 +197,7 @@ def test_bad_requests_get_4xx_in_openai_shape(stack):
     _assert_openai_error(api.get("/v1/batches/batch_nope"), 404)
     _assert_openai_error(api.post("/v1/batches/batch_nope/cancel"), 404)
     one, empty = {"file": ("a.jsonl", b"{}\n")}, {"file": ("a.jsonl", b"")}
-    _assert_openai_error(api.post("/v1/files", files=one, data={"purpose": "fine-tune"}), 400, "purpose")
+    _assert_openai_error(api.post("/v1/files", files=one, data={"purpose": "assistants"}), 400, "purpose")
     _assert_openai_error(api.post("/v1/files", files=one), 400, "purpose")
     _assert_openai_error(api.post("/v1/files", files=empty, data={"purpose": "batch"}), 400, "file")
     big = b"x" * (UPLOAD_LIMIT + 1)
