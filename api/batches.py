@@ -13,7 +13,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import Services, ServicesDep, TenantDep
-from api.errors import APIError, check_text, not_found, possible_id, require_id
+from api.errors import APIError, check_metadata, not_found, possible_id, require_id
 from journal import batches as jb
 from journal import tenants
 from policy.lifecycle import cancellable
@@ -73,12 +73,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     if body.completion_window not in WINDOWS:
         raise APIError(400, f"Unsupported completion_window {body.completion_window!r}; use '24h'.",
                        param="completion_window", code="invalid_value")
-    for k, v in (body.metadata or {}).items():
-        check_text(k, "metadata", "metadata keys")
-        check_text(v, "metadata", "metadata values")
-        if len(k) > 64 or len(v) > 512:
-            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata",
-                           code="invalid_value")
+    check_metadata(body.metadata)
     require_id("file", body.input_file_id, "input_file_id")
     now = int(time.time())
     row: dict[str, Any] = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,

@@ -54,6 +54,17 @@ def check_text(value: str, param: str, what: str | None = None) -> str:
     return value
 
 
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's metadata rules (at most 16 pairs: the request model bounds that): keys up
+    to 64 characters, values up to 512, text Postgres can hold."""
+    for k, v in (metadata or {}).items():
+        check_text(k, "metadata", "metadata keys")
+        check_text(v, "metadata", "metadata values")
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata",
+                           code="invalid_value")
+
+
 def _utf8(text: str | None) -> str | None:
     # Messages and params may quote client text: a lone surrogate is shown escaped, not
     # sent as bytes that are not UTF-8.

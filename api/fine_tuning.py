@@ -21,7 +21,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import Services, ServicesDep, TenantDep
-from api.errors import APIError, check_text, not_found, possible_id, require_id
+from api.errors import APIError, check_metadata, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from journal import finetunes as fj
 from journal import tenants
@@ -100,12 +100,7 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     if body.suffix is not None and not _SUFFIX.fullmatch(body.suffix):
         raise APIError(400, "suffix is 1 to 64 characters of letters, digits, '-' and '_'.", param="suffix",
                        code="invalid_value")
-    for k, v in (body.metadata or {}).items():
-        check_text(k, "metadata", "metadata keys")
-        check_text(v, "metadata", "metadata values")
-        if len(k) > 64 or len(v) > 512:
-            raise APIError(400, "metadata keys are at most 64 characters and values at most 512.", param="metadata",
-                           code="invalid_value")
+    check_metadata(body.metadata)
     hyper = _hyperparameters(body.hyperparameters)
     now = int(time.time())
     row: dict[str, Any] = dict(

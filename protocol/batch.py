@@ -83,7 +83,8 @@ def file_errors(lines: Iterable[bytes], limits: FileLimits) -> list[LineError]:
     return errors
 
 
-def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
+def json_object(n: int, raw: bytes) -> dict[str, Any] | LineError:
+    """Line `n` of a JSONL file as a JSON object, or why it is not one."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -92,6 +93,13 @@ def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
         return LineError(n, "invalid_json_line", "This line nests JSON too deeply.")
     if not isinstance(obj, dict):
         return LineError(n, "invalid_json_line", "Each line must be a JSON object.")
+    return obj
+
+
+def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
+    obj = json_object(n, raw)
+    if isinstance(obj, LineError):
+        return obj
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return LineError(n, "missing_required_parameter", "Each request needs a non-empty string custom_id.",

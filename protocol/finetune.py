@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from protocol.batch import MAX_ERRORS, LineError
+from protocol.batch import MAX_ERRORS, LineError, json_object
 from protocol.errors import bad_char
 
 ROLES = ("system", "user", "assistant")
@@ -74,14 +74,9 @@ def problems(lines: Iterable[bytes], min_examples: int = MIN_EXAMPLES) -> list[L
 
 
 def _row(n: int, raw: bytes) -> Row | LineError:
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return LineError(n, "invalid_json_line", f"This line is not parseable as valid JSON: {getattr(e, 'msg', e)}.")
-    except RecursionError:
-        return LineError(n, "invalid_json_line", "This line nests JSON too deeply.")
-    if not isinstance(obj, dict):
-        return LineError(n, "invalid_json_line", "Each line must be a JSON object.")
+    obj = json_object(n, raw)
+    if isinstance(obj, LineError):
+        return obj
     if "messages" in obj:
         return _chat(n, obj["messages"])
     if "prompt" in obj or "completion" in obj:
