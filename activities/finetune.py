@@ -34,6 +34,8 @@ from protocol.finetune import Row, problems, rows
 from workflows.inputs import FineTuneRef, FineTuneStatusInput, TrainChunkInput, TrainChunkResult, ValidateTrainingResult
 
 if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
+    from torch.nn import Module
+
     from engine.training import Example, Trainer
 
 
@@ -43,6 +45,10 @@ class FineTuneActivities:
         self.db, self.store = db, store
         self.model_path, self.max_model_len, self.slots = model_path, max_model_len, slots
         self._tokenizer: Any = None
+        # Base models loaded and idle: each chunk takes one (or loads one) and gives it back,
+        # so a worker loads its base weights once per chunk it runs at a time, not per chunk.
+        self._bases: list[Module] = []
+        self._encoded: dict[str, list[Example]] = {}
 
     # -- control worker --------------------------------------------------------------------
 
@@ -112,8 +118,9 @@ class FineTuneActivities:
 
     @activity.defn
     async def train_chunk(self, inp: TrainChunkInput) -> TrainChunkResult:
-        from engine.training import Hyper, Trainer
+        from engine.training import Hyper, Trainer, load_base
 
+        began = time.perf_counter()
         info = activity.info()
         runner = f"{(info.workflow_run_id or '')[-8:]}:{info.activity_id}:{info.attempt}"
         async with self.db.begin() as conn:
@@ -125,32 +132,53 @@ class FineTuneActivities:
             ckpts = await fj.checkpoints(conn, inp.job_id)
         if file is None:
             raise ApplicationError(f"The training file {job['training_file']} is missing.", non_retryable=True)
-        examples = await asyncio.to_thread(self._examples, file["object_key"])
+        examples = self._encoded.get(file["object_key"])
+        if examples is None:
+            examples = await asyncio.to_thread(self._examples, file["object_key"])
+        self._encoded = {file["object_key"]: examples}  # the job's next chunk here skips the tokenizer
         hp = job["hyperparameters"]
         hyper = Hyper(n_epochs=int(hp["n_epochs"]), batch_size=int(hp["batch_size"]),
                       learning_rate=float(hp["learning_rate"]), seed=int(job["seed"]))
-        trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id())
+        base = self._bases.pop() if self._bases else await asyncio.to_thread(load_base, self._model())
+        trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id(), base)
+        try:
+            return await self._run(inp, trainer, job, ckpts, fence, examples, began, info)
+        finally:
+            self._bases.append(trainer.release())
+
+    async def _run(self, inp: TrainChunkInput, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
+                   fence: int, examples: list[Example], began: float, info: activity.Info) -> TrainChunkResult:
         unusable = await self._resume(trainer, job, ckpts)
-        target = min(trainer.step + inp.steps, trainer.total_steps)
+        clock = ChunkClock(began, _dispatch_s(info), ckpts[-1].get("timing", {}).get("checkpoint_s", 0.0)
+                           if ckpts else 0.0)
         stopped = asyncio.Event()
+        clock.mark_ready()
 
         async def abort() -> None:  # the engine preempts the chunk: stop after this step
             stopped.set()
 
         hold = self.slots.batch(f"ft:{inp.job_id}", TIERS["batch"], abort) if self.slots else _no_slot()
         async with hold:
-            cancelled = await self._steps(trainer, target, stopped)
-            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples))
+            clock.start()
+            cancelled = await self._steps(trainer, inp, clock, stopped)
+            clock.trained()
+            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), clock)
             if trainer.done:
                 await asyncio.to_thread(self._save_adapter, trainer, job["id"])
         if cancelled:
             raise asyncio.CancelledError
         return TrainChunkResult(trainer.step, trainer.total_steps, trainer.done, preempted=stopped.is_set())
 
-    async def _steps(self, trainer: Trainer, target: int, stopped: asyncio.Event) -> bool:
-        """Train up to `target`, one step at a time; True if the workflow cancelled us (the
-        step in progress is finished first: the trainer is never left half-stepped)."""
-        while trainer.step < target and not stopped.is_set():
+    async def _steps(self, trainer: Trainer, inp: TrainChunkInput, clock: ChunkClock, stopped: asyncio.Event) -> bool:
+        """Train this chunk's steps, one at a time; True if the workflow cancelled us (the
+        step in progress is finished first: the trainer is never left half-stepped). A
+        chunk is at least `inp.steps` steps, and longer while what it costs beyond its
+        steps (dispatch, resume, checkpoint) would be more than `inp.max_overhead` of its
+        training time, up to `inp.max_chunk_s` (what a crash can lose): CheckFreq's rule."""
+        first = trainer.step
+        while not trainer.done and not stopped.is_set():
+            if trainer.step - first >= inp.steps and not self._longer(inp, clock):
+                break
             step = asyncio.ensure_future(asyncio.to_thread(trainer.run, 1))
             try:
                 await asyncio.shield(step)
@@ -160,6 +188,13 @@ class FineTuneActivities:
             self.stepped(trainer)
             activity.heartbeat(trainer.step)
         return False
+
+    @staticmethod
+    def _longer(inp: TrainChunkInput, clock: ChunkClock) -> bool:
+        """Whether a chunk past its minimum steps trains on: while its overhead is above
+        its share, and it has time left."""
+        return (inp.max_overhead > 0 and clock.overhead_s() > inp.max_overhead * clock.train_s()
+                and clock.elapsed_s() < inp.max_chunk_s)
 
     def stepped(self, trainer: Trainer) -> None:
         """After each step (a seam for tests that kill a chunk mid-way)."""
@@ -186,7 +221,7 @@ class FineTuneActivities:
         return unusable
 
     async def _checkpoint(self, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
-                          unusable: set[int], fence: int, tokens_per_epoch: int) -> None:
+                          unusable: set[int], fence: int, tokens_per_epoch: int, clock: ChunkClock) -> None:
         """Write and journal a checkpoint of where the trainer is. One journaled already at
         this step (an earlier attempt's) is kept, or rewritten where it was unusable: the
         bytes are the same, so the file is repaired and its journal entry stands."""
@@ -198,12 +233,14 @@ class FineTuneActivities:
         before = max((c["step"] for c in ckpts if c["step"] < ck.step), default=0)
         event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
         event.payload["tokens_per_epoch"] = tokens_per_epoch
-        loss = ck.losses[-1]
+        event.payload["bytes"] = len(ck.data)
+        event.payload["timing"] = clock.timing()
         # The tokens these steps trained, settled in the quota ledger with the checkpoint
         # that records them: SQL audits training as it audits inference.
         trained = sum(len(e.ids) for step in range(before, ck.step) for e in trainer.batch(step))
         settle = ledger.Entry(ledger.SETTLE, fj.ledger_subject(job["id"], ck.step), job["tenant"], job["model"],
                               fj.TRAINING_TIER, trained, 0)
+        loss = ck.losses[-1]
         async with self.db.begin() as conn:
             await append(conn, [event, fj.job_event(
                 job["id"], job["tenant"], f"step:{ck.step}",
@@ -261,6 +298,53 @@ class FineTuneActivities:
             trainer.save_adapter(d)
             for path in sorted(Path(d).iterdir()):
                 self._write(f"{fj.adapter_prefix(job_id)}/{path.name}", path.read_bytes())
+
+
+class ChunkClock:
+    """Where a chunk's time goes: dispatch (scheduled → started, by Temporal's clock),
+    resume (started → ready to train: the lease, the file, the trainer, the checkpoint
+    read), the wait for an engine slot (interactive work first: not the checkpoint's
+    cost), the steps, and the checkpoint (the previous chunk's figure until this one's is
+    written)."""
+
+    def __init__(self, began: float, dispatch_s: float, last_checkpoint_s: float):
+        self.began, self.dispatch_s, self.checkpoint_s = began, dispatch_s, last_checkpoint_s
+        self.ready = self.started = self.ended = 0.0
+
+    def mark_ready(self) -> None:
+        self.ready = time.perf_counter()
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+
+    def trained(self) -> None:
+        self.ended = time.perf_counter()
+
+    def train_s(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
+
+    def resume_s(self) -> float:
+        return self.ready - self.began
+
+    def overhead_s(self) -> float:
+        return self.dispatch_s + self.resume_s() + self.checkpoint_s
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.began
+
+    def timing(self) -> dict[str, float]:
+        """Called once the checkpoint's bytes are written (before they are journaled)."""
+        self.checkpoint_s = time.perf_counter() - self.ended
+        return {k: round(v, 4) for k, v in dict(
+            dispatch_s=self.dispatch_s, resume_s=self.resume_s(), wait_s=self.started - self.ready,
+            train_s=self.train_s(), checkpoint_s=self.checkpoint_s).items()}
+
+
+def _dispatch_s(info: activity.Info) -> float:
+    """How long the attempt waited to start, by the server's clock (0 where unknown)."""
+    if info.current_attempt_scheduled_time and info.started_time:
+        return max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
+    return 0.0
 
 
 class _no_slot:

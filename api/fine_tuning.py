@@ -127,7 +127,8 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
         await svc.temporal.start_workflow(
             FineTuneWorkflow.run,
             FineTuneInput(row["id"], s.engine_queue, s.fine_tune_chunk_steps, s.heartbeat_timeout_s, tenant=tenant,
-                          fairness_weight=float(owner["weight"] if owner else 1)),
+                          fairness_weight=float(owner["weight"] if owner else 1),
+                          checkpoint_overhead=s.fine_tune_checkpoint_overhead, chunk_max_s=s.fine_tune_chunk_max_s),
             id=workflow_id(row["id"]), task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
     except Exception as err:  # the job must not sit in `validating_files` forever

@@ -46,14 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     tenants_cli.add_parser(sub)
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness", "placement",
-                                        "grouping"])
+                                        "grouping", "training"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
     b.add_argument("--seconds", type=float, default=None,
                    help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
                         "placement: seconds of each trace per arm (40); "
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=None,
-                   help="batch: rounds, alternating raw vLLM and Ballast (3); grouping: batches per arm (2)")
+                   help="batch: rounds, alternating raw vLLM and Ballast (3); grouping: batches per arm (2); "
+                        "training: jobs per arm (3)")
     b.add_argument("--arms", default=None,
                    help="surge: which arms, comma-separated (all: alone,ballast,priority,partition)")
     c = sub.add_parser("chaos", help="faults injected into a fresh `ballast up` under load; the journal's "
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_surge(settings, duration_s=args.seconds or 90.0,
                                arms=args.arms.split(",") if args.arms else None)
+        if args.name == "training":
+            from bench.training import main as bench_training
+
+            return bench_training(settings, jobs=args.runs or 3)
         if args.name == "grouping":
             from bench.grouping import main as bench_grouping
 

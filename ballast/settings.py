@@ -123,8 +123,15 @@ class Settings(BaseSettings):
     # (policy/grouping.py); a group it leaves unclaimed this long (dead, hung, draining)
     # goes to the shared queue. 0: no such groups, every group to the shared queue.
     batch_sticky_wait_s: float = Field(10.0, ge=0)
-    # A fine-tuning job trains this many optimizer steps per chunk: one checkpoint each.
+    # A fine-tuning job trains at least this many optimizer steps per chunk: one checkpoint
+    # each. A chunk runs longer while what it costs beyond its steps (dispatch, resume, the
+    # checkpoint) is more than fine_tune_checkpoint_overhead of their time (CheckFreq's
+    # rule: on a small model's millisecond steps, 10 steps would be mostly overhead), but
+    # not past fine_tune_chunk_max_s, which bounds what a crash loses. Preemption, pause and
+    # cancel end a chunk at any step, with a checkpoint.
     fine_tune_chunk_steps: int = Field(10, ge=1)
+    fine_tune_checkpoint_overhead: float = Field(0.03, ge=0)
+    fine_tune_chunk_max_s: float = Field(300.0, gt=0)
     # Engines serve fine-tuned models (vLLM's LoRA support, up to max_loras adapters at
     # once beside the base model). False: the base model only, without LoRA's overhead.
     serve_fine_tuned: bool = True

@@ -37,7 +37,9 @@ class BatchHold:
 @dataclass
 class SlotStats:
     preemptions: int = 0
-    latencies_s: list[float] = field(default_factory=list)  # decision → engine slot free
+    # The latest preemptions: (hold id, seconds from the decision to the slot's release),
+    # how long interactive work waited for batch or training to yield.
+    yields: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=1000))
 
 
 class EngineSlots:
@@ -108,7 +110,7 @@ class EngineSlots:
         finally:
             self.holds.pop(id, None)
             if hold.preempted_at is not None:
-                self.stats.latencies_s.append(self.clock() - hold.preempted_at)
+                self.stats.yields.append((id, self.clock() - hold.preempted_at))
             async with self._changed:
                 self._changed.notify_all()
 

@@ -97,19 +97,29 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def load_base(model_path: str) -> torch.nn.Module:
+    """The frozen float32 base model a trainer wraps (seconds to minutes for a real one:
+    engine workers keep theirs between chunks)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.requires_grad_(False)
+    return model
+
+
 class Trainer:
     """A base model with a LoRA adapter, its optimizer and its place in the data; `run(k)`
     trains k more steps."""
 
-    def __init__(self, model_path: str, examples: Sequence[Example], hyper: Hyper, pad_id: int):
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model_path: str, examples: Sequence[Example], hyper: Hyper, pad_id: int,
+                 base: torch.nn.Module | None = None):
+        """`base`: the model at `model_path`, loaded already (`load_base`) and not in use by
+        another trainer; `release` gives it back as it was."""
         if not examples:
             raise ValueError("no training examples")
         self.examples, self.hyper, self.pad_id, self.model_path = list(examples), hyper, pad_id, model_path
-        torch.manual_seed(hyper.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.requires_grad_(False)
+        self.model = base if base is not None else load_base(model_path)
+        torch.manual_seed(hyper.seed)  # after loading: a trainer on a reused base starts the same
         init = torch.Generator().manual_seed(hyper.seed)
         self.adapted: dict[str, LoRALinear] = {}  # PEFT's module path → the wrapped layer
         for name, module in list(self.model.named_modules()):
@@ -125,6 +135,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=hyper.learning_rate)
         self.step = 0
         self.losses: list[float] = []
+
+    def release(self) -> torch.nn.Module:
+        """The base model without this trainer's adapter, for the next trainer."""
+        for path, wrapped in self.adapted.items():
+            parent = self.model.get_submodule(path.removeprefix("base_model.model.").rsplit(".", 1)[0])
+            setattr(parent, path.rsplit(".", 1)[1], wrapped.base)
+        self.adapted = {}
+        return self.model
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.adapted.values() for p in (m.lora_A, m.lora_B)]

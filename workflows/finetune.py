@@ -90,7 +90,7 @@ class FineTuneWorkflow:
         """One chunk; None when a pause or cancel stopped it (it checkpointed first)."""
         handle = workflow.start_activity(
             "train_chunk",
-            TrainChunkInput(inp.job_id, inp.chunk_steps),
+            TrainChunkInput(inp.job_id, inp.chunk_steps, inp.checkpoint_overhead, inp.chunk_max_s),
             result_type=TrainChunkResult,
             task_queue=inp.engine_queue,
             start_to_close_timeout=timedelta(hours=6),

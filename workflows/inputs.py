@@ -200,11 +200,13 @@ class ReconcileResult:
 class FineTuneInput:
     job_id: str
     engine_queue: str  # where training chunks run (engine workers poll it)
-    chunk_steps: int = 10  # optimizer steps per chunk: one checkpoint each
+    chunk_steps: int = 10  # optimizer steps per chunk at least: one checkpoint each
     heartbeat_timeout_s: float = 30.0
     chunks_per_run: int = 100  # then continue-as-new: a long job's history stays small
     tenant: str = "default"
     fairness_weight: float = 1.0
+    checkpoint_overhead: float = 0.0  # see TrainChunkInput.max_overhead
+    chunk_max_s: float = 300.0
     # Carried across continue-as-new.
     validated: bool = False
     paused: bool = False
@@ -225,7 +227,10 @@ class ValidateTrainingResult:
 @dataclass
 class TrainChunkInput:
     job_id: str
-    steps: int
+    steps: int  # at least this many (fewer only at the end, or when stopped)
+    # More while the chunk's cost beyond its steps exceeds this share of their time (0: no more).
+    max_overhead: float = 0.0
+    max_chunk_s: float = 300.0  # but no longer: what a crash can lose
 
 
 @dataclass

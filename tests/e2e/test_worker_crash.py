@@ -5,14 +5,19 @@ hope: every item is held mid-generation by the engine gate when the kill comes."
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import random
 import signal
 import time
 
 import pytest
+import torch
+from safetensors.torch import load
 
 from ballast import procs
+from journal import finetunes as fj
 from journal.batches import item_stream
 from tests.e2e.conftest import WAIT_S
 from tests.e2e.test_batch import TOPICS, _sql, chat_line, greedy, read_jsonl, submit, wait_for
@@ -67,3 +72,90 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     # Resumed from the journal on a fresh engine, each text is still vLLM's greedy output.
     expected = await asyncio.gather(*(greedy(engine, p, length, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
+
+
+async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one_uninterrupted_run(
+        client, stack, tiny_model, db_url, temporal_address):
+    """Chats preempt the job at random steps (each chunk stops after its step and
+    checkpoints), then its engine worker is SIGKILLed mid-chunk, with steps trained past
+    its last checkpoint: those are lost, redone on the new worker from that checkpoint.
+    The adapter and the loss curve equal those of one uninterrupted run here, bit for bit."""
+    from temporalio.client import Client
+    from transformers import AutoTokenizer
+
+    from engine.training import Hyper, Trainer, encode_chat
+    from tests.e2e.test_fine_tuning import CHATS, wait_final
+
+    epochs, seed = 100, 5  # 1,000 steps of 1 example: seconds of training, long enough to interrupt
+    body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
+    file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
+    job = client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, seed=seed,
+                                         hyperparameters=dict(n_epochs=epochs, batch_size=1))
+    steps = "SELECT (payload->>'step')::int FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' ORDER BY 1"
+    stream = fj.stream(job.id)
+
+    def on_engine() -> bool:
+        return f"ft:{job.id}" in stack.stats()["holds"]
+
+    procs.wait_until(on_engine, WAIT_S, "the job's first chunk on the engine worker")
+    rng = random.Random(seed)
+    for i in range(3):  # chats at random moments: each preempts the chunk running then
+        await asyncio.sleep(rng.uniform(0.3, 1.2))
+        reply = await asyncio.to_thread(client.chat.completions.create, model="ballast-tiny", max_tokens=4,
+                                        messages=[dict(role="user", content=f"surge {i}")])
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        procs.wait_until(on_engine, WAIT_S, "the job back on the engine worker after the chat")
+    preempted_at = [s for (s,) in _sql(db_url, steps, s=stream)]
+    assert len(preempted_at) >= 3 and preempted_at[-1] < 10 * epochs, preempted_at
+
+    # Stop the worker mid-chunk, with steps heartbeated past the last checkpoint; then kill it.
+    temporal = await Client.connect(temporal_address)
+    handle = temporal.get_workflow_handle(f"ftjob:{job.id}")
+
+    async def heartbeated() -> int:
+        pending = (await handle.describe()).raw_description.pending_activities
+        details = [p.heartbeat_details.payloads for p in pending if p.activity_type.name == "train_chunk"]
+        return json.loads(details[0][0].data) if details and details[0] else 0
+
+    victim = stack.engine
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, "never caught the chunk with unsaved steps"
+        last = max((s for (s,) in _sql(db_url, steps, s=stream)), default=0)
+        if await heartbeated() > last and on_engine():
+            os.killpg(victim.pid, signal.SIGSTOP)
+            saved, beat = max(s for (s,) in _sql(db_url, steps, s=stream)), await heartbeated()
+            if beat > saved:
+                break
+            os.killpg(victim.pid, signal.SIGCONT)
+        await asyncio.sleep(0.05)
+    try:
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        procs.wait_until(lambda: not procs.group_members(victim.pid), 10, "the worker's vLLM processes to die")
+    finally:
+        stack.start_engine()
+    await asyncio.to_thread(stack.wait_healthy)
+    done = await asyncio.to_thread(wait_final, client, job.id, 300)
+    assert done.status == "succeeded", done.error
+
+    # Each step checkpointed once at most, and the killed chunk was retried (from `saved`,
+    # its steps up to `beat` trained again): the curve and weights below prove how.
+    after = [s for (s,) in _sql(db_url, steps, s=stream)]
+    assert len(after) == len(set(after)) and after[-1] == 10 * epochs and saved < beat
+    from temporalio.api.enums.v1 import EventType
+
+    retried = [e.activity_task_started_event_attributes.attempt async for e in handle.fetch_history_events()
+               if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
+    assert max(retried) >= 2, retried
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in CHATS],
+                    Hyper(n_epochs=epochs, batch_size=1, learning_rate=1e-3, seed=seed), tok.eos_token_id)
+    await asyncio.to_thread(whole.run, 10 * epochs)
+    curve = [x for (p,) in _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' "
+                                        "ORDER BY (payload->>'step')::int", s=stream) for x in p["losses"]]
+    assert curve == whole.losses
+    with open(stack.root / "objects" / fj.adapter_prefix(job.id) / "adapter_model.safetensors", "rb") as f:
+        served = load(f.read())
+    mine = whole.weights()
+    assert served.keys() == mine.keys() and all(torch.equal(served[k], mine[k]) for k in mine)

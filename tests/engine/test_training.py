@@ -63,6 +63,28 @@ def test_chunks_resumed_from_checkpoints_end_bitwise_equal_to_one_run(tiny_model
     assert whole.losses[-1] < whole.losses[0]
 
 
+def test_a_reused_base_model_trains_as_a_freshly_loaded_one(tiny_model, tokenizer, examples):
+    """Engine workers keep their base model between chunks: a trainer on a base another
+    trainer used (different seed, trained, released) trains bitwise as one on a fresh load,
+    and the released base is the base again (its weights untouched, no adapter left)."""
+    from transformers import AutoModelForCausalLM
+
+    fresh = trainer(tiny_model, tokenizer, examples)
+    fresh.run(5)
+    other = trainer(tiny_model, tokenizer, examples, seed=99)
+    other.run(3)
+    base = other.release()
+    pristine = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).state_dict()
+    assert base.state_dict().keys() == pristine.keys()
+    assert all(torch.equal(base.state_dict()[k], pristine[k]) for k in pristine)
+    reused = Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=3, seed=7), tokenizer.eos_token_id,
+                     base=base)
+    reused.run(5)
+    assert reused.losses == fresh.losses
+    a, b = fresh.weights(), reused.weights()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_different_seed_trains_differently(tiny_model, tokenizer, examples):
     one, other = trainer(tiny_model, tokenizer, examples), trainer(tiny_model, tokenizer, examples, seed=8)
     one.run(2)

@@ -79,8 +79,10 @@ async def make_job(db, store: ObjectStore) -> str:
 
 
 class Run:
-    def __init__(self, client: Client, db, acts: FineTuneActivities, chunk_steps: int, chunks_per_run: int = 100):
+    def __init__(self, client: Client, db, acts: FineTuneActivities, chunk_steps: int, chunks_per_run: int = 100,
+                 checkpoint_overhead: float = 0.0, chunk_max_s: float = 300.0):
         tag = uuid.uuid4().hex[:8]
+        self.checkpoint_overhead, self.chunk_max_s = checkpoint_overhead, chunk_max_s
         self.client, self.db, self.acts = client, db, acts
         self.control, self.engine, self.chunk_steps = f"control-{tag}", f"engine-{tag}", chunk_steps
         self.chunks_per_run = chunks_per_run
@@ -93,7 +95,9 @@ class Run:
     async def start(self, job_id: str) -> WorkflowHandle:
         return await self.client.start_workflow(
             FineTuneWorkflow.run, FineTuneInput(job_id, self.engine, chunk_steps=self.chunk_steps,
-                                                heartbeat_timeout_s=10, chunks_per_run=self.chunks_per_run),
+                                                heartbeat_timeout_s=10, chunks_per_run=self.chunks_per_run,
+                                                checkpoint_overhead=self.checkpoint_overhead,
+                                                chunk_max_s=self.chunk_max_s),
             id=f"ftjob:{job_id}", task_queue=self.control)
 
 
@@ -181,6 +185,36 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     for h in (first_run, handle, client.get_workflow_handle(f"ftjob:{whole_id}")):
         await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await h.fetch_history())
     assert (await first_run.describe()).status.name == "CONTINUED_AS_NEW"
+
+
+async def test_a_chunk_trains_past_its_steps_while_its_overhead_is_above_its_share(temporal_address, db, store,
+                                                                                   tiny_model):
+    """CheckFreq's rule: chunks of at least 1 step, longer while dispatch, resume and
+    checkpoint cost more than `checkpoint_overhead` of the steps' time, but never past
+    `chunk_max_s`. Each checkpoint journals where its chunk's time went."""
+    client = await Client.connect(temporal_address)
+
+    async def checkpointed(checkpoint_overhead: float, chunk_max_s: float = 300.0) -> list[dict]:
+        job_id = await make_job(db, store)
+        run = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), 1,
+                  checkpoint_overhead=checkpoint_overhead, chunk_max_s=chunk_max_s)
+        w1, w2 = run.workers()
+        async with w1, w2:
+            assert await (await run.start(job_id)).result() == "succeeded"
+        return [p for (p,) in await sql(db, "SELECT payload FROM events WHERE stream = :s AND type = 'ft_checkpoint' "
+                                            "ORDER BY position", s=fj.stream(job_id))]
+
+    exact = await checkpointed(checkpoint_overhead=0)  # off: every chunk its 1 step
+    assert [c["step"] for c in exact] == list(range(1, STEPS + 1))
+    # No overhead is small enough for a share of 1e-9: the one chunk trains every step.
+    assert [c["step"] for c in await checkpointed(checkpoint_overhead=1e-9, chunk_max_s=600)] == [STEPS]
+    # … unless the chunk's time is up: then 1 step a chunk again.
+    assert [c["step"] for c in await checkpointed(checkpoint_overhead=1e-9, chunk_max_s=1e-6)] == list(
+        range(1, STEPS + 1))
+    for c in exact:
+        t = c["timing"]
+        assert set(t) == {"dispatch_s", "resume_s", "wait_s", "train_s", "checkpoint_s"} and min(t.values()) >= 0
+        assert t["train_s"] > 0 and c["bytes"] > 0
 
 
 async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_address, db, store, tiny_model):
