@@ -19,6 +19,7 @@ import io
 import time
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -125,6 +126,7 @@ class FineTuneActivities:
         runner = f"{(info.workflow_run_id or '')[-8:]}:{info.activity_id}:{info.attempt}"
         async with self.db.begin() as conn:
             fence = await acquire(conn, fj.stream(inp.job_id), runner)
+            now = (await conn.execute(select(func.now()))).scalar_one().timestamp()  # the journal's clock
         async with self.db.connect() as conn:
             job = await fj.get_job(conn, inp.job_id)
             assert job is not None, f"fine-tuning job {inp.job_id} vanished"
@@ -142,15 +144,14 @@ class FineTuneActivities:
         base = self._bases.pop() if self._bases else await asyncio.to_thread(load_base, self._model())
         trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id(), base)
         try:
-            return await self._run(inp, trainer, job, ckpts, fence, examples, began, info)
+            clock = ChunkClock(began, _dispatch_s(info), ckpts[-1] if ckpts else None, now)
+            return await self._run(inp, trainer, job, ckpts, fence, examples, clock)
         finally:
             self._bases.append(trainer.release())
 
     async def _run(self, inp: TrainChunkInput, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
-                   fence: int, examples: list[Example], began: float, info: activity.Info) -> TrainChunkResult:
+                   fence: int, examples: list[Example], clock: ChunkClock) -> TrainChunkResult:
         unusable = await self._resume(trainer, job, ckpts)
-        clock = ChunkClock(began, _dispatch_s(info), ckpts[-1].get("timing", {}).get("checkpoint_s", 0.0)
-                           if ckpts else 0.0)
         stopped = asyncio.Event()
         clock.mark_ready()
 
@@ -161,7 +162,8 @@ class FineTuneActivities:
         async with hold:
             clock.start()
             cancelled = await self._steps(trainer, inp, clock, stopped)
-            clock.trained()
+            clock.trained("done" if trainer.done else "cancelled" if cancelled else
+                          "preempted" if stopped.is_set() else "steps")
             await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), clock)
             if trainer.done:
                 await asyncio.to_thread(self._save_adapter, trainer, job["id"])
@@ -234,7 +236,7 @@ class FineTuneActivities:
         event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
         event.payload["tokens_per_epoch"] = tokens_per_epoch
         event.payload["bytes"] = len(ck.data)
-        event.payload["timing"] = clock.timing()
+        event.payload["timing"], event.payload["ended_by"] = clock.timing(), clock.ended_by
         # The tokens these steps trained, settled in the quota ledger with the checkpoint
         # that records them: SQL audits training as it audits inference.
         trained = sum(len(e.ids) for step in range(before, ck.step) for e in trainer.batch(step))
@@ -305,11 +307,18 @@ class ChunkClock:
     resume (started → ready to train: the lease, the file, the trainer, the checkpoint
     read), the wait for an engine slot (interactive work first: not the checkpoint's
     cost), the steps, and the checkpoint (the previous chunk's figure until this one's is
-    written)."""
+    written). Its overhead, what chunking costs beyond the steps, counts from the previous
+    chunk's checkpoint commit to this one's start (by the journal's clock: that chunk's
+    completion, the workflow's turn, dispatch) where that chunk ended by its own rule; a
+    chunk stopped early was followed by a wait that chunking did not cause."""
 
-    def __init__(self, began: float, dispatch_s: float, last_checkpoint_s: float):
-        self.began, self.dispatch_s, self.checkpoint_s = began, dispatch_s, last_checkpoint_s
+    def __init__(self, began: float, dispatch_s: float, previous: dict[str, Any] | None, now: float):
+        self.began, self.dispatch_s = began, dispatch_s
+        self.checkpoint_s = float(previous.get("timing", {}).get("checkpoint_s", 0.0)) if previous else 0.0
+        self.between_s = (max(dispatch_s, now - previous["at_s"]) if previous and previous.get("ended_by") == "steps"
+                          else dispatch_s)
         self.ready = self.started = self.ended = 0.0
+        self.ended_by = ""
 
     def mark_ready(self) -> None:
         self.ready = time.perf_counter()
@@ -317,8 +326,8 @@ class ChunkClock:
     def start(self) -> None:
         self.started = time.perf_counter()
 
-    def trained(self) -> None:
-        self.ended = time.perf_counter()
+    def trained(self, ended_by: str) -> None:
+        self.ended, self.ended_by = time.perf_counter(), ended_by
 
     def train_s(self) -> float:
         return (self.ended or time.perf_counter()) - self.started
@@ -327,7 +336,7 @@ class ChunkClock:
         return self.ready - self.began
 
     def overhead_s(self) -> float:
-        return self.dispatch_s + self.resume_s() + self.checkpoint_s
+        return self.between_s + self.resume_s() + self.checkpoint_s
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.began
@@ -336,8 +345,8 @@ class ChunkClock:
         """Called once the checkpoint's bytes are written (before they are journaled)."""
         self.checkpoint_s = time.perf_counter() - self.ended
         return {k: round(v, 4) for k, v in dict(
-            dispatch_s=self.dispatch_s, resume_s=self.resume_s(), wait_s=self.started - self.ready,
-            train_s=self.train_s(), checkpoint_s=self.checkpoint_s).items()}
+            dispatch_s=self.dispatch_s, between_s=self.between_s, resume_s=self.resume_s(),
+            wait_s=self.started - self.ready, train_s=self.train_s(), checkpoint_s=self.checkpoint_s).items()}
 
 
 def _dispatch_s(info: activity.Info) -> float:

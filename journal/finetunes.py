@@ -121,10 +121,11 @@ async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None)
 
 async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
     """The job's checkpoints, oldest first (one per step: the key dedups retries), each
-    with its position and when it was journaled."""
+    with its position and when it was journaled (`at` in seconds, `at_s` exact)."""
     q = select(events.c.position, events.c.payload, events.c.committed_at).where(
         events.c.stream == stream(job_id), events.c.type == CHECKPOINT).order_by(events.c.version)
-    return [dict(p, position=pos, at=int(at.timestamp())) for pos, p, at in (await conn.execute(q)).all()]
+    return [dict(p, position=pos, at=int(at.timestamp()), at_s=at.timestamp())
+            for pos, p, at in (await conn.execute(q)).all()]
 
 
 async def job_events(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:

@@ -84,13 +84,16 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
     from transformers import AutoTokenizer
 
     from engine.training import Hyper, Trainer, encode_chat
-    from tests.e2e.test_fine_tuning import CHATS, wait_final
+    from tests.e2e.test_fine_tuning import wait_final
 
-    epochs, seed = 100, 5  # 1,000 steps of 1 example: seconds of training, long enough to interrupt
-    body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
+    chats = [[dict(role="user", content=f"Colour {i}?"),
+              dict(role="assistant", content=random.Random(i).choice(["red", "green", "blue"]))] for i in range(40)]
+    epochs, seed = 50, 5  # 1,000 steps of 2 examples: seconds of training, long enough to interrupt
+    total = epochs * len(chats) // 2
+    body = "".join(json.dumps(dict(messages=c)) + "\n" for c in chats).encode()
     file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
     job = client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, seed=seed,
-                                         hyperparameters=dict(n_epochs=epochs, batch_size=1))
+                                         hyperparameters=dict(n_epochs=epochs, batch_size=2))
     steps = "SELECT (payload->>'step')::int FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' ORDER BY 1"
     stream = fj.stream(job.id)
 
@@ -106,7 +109,7 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
         assert reply.choices[0].finish_reason in ("stop", "length")
         procs.wait_until(on_engine, WAIT_S, "the job back on the engine worker after the chat")
     preempted_at = [s for (s,) in _sql(db_url, steps, s=stream)]
-    assert len(preempted_at) >= 3 and preempted_at[-1] < 10 * epochs, preempted_at
+    assert len(preempted_at) >= 3 and preempted_at[-1] < total, preempted_at
 
     # Stop the worker mid-chunk, with steps heartbeated past the last checkpoint; then kill it.
     temporal = await Client.connect(temporal_address)
@@ -142,16 +145,16 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
     # Each step checkpointed once at most, and the killed chunk was retried (from `saved`,
     # its steps up to `beat` trained again): the curve and weights below prove how.
     after = [s for (s,) in _sql(db_url, steps, s=stream)]
-    assert len(after) == len(set(after)) and after[-1] == 10 * epochs and saved < beat
+    assert len(after) == len(set(after)) and after[-1] == total and saved < beat
     from temporalio.api.enums.v1 import EventType
 
     retried = [e.activity_task_started_event_attributes.attempt async for e in handle.fetch_history_events()
                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
     assert max(retried) >= 2, retried
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
-    whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in CHATS],
-                    Hyper(n_epochs=epochs, batch_size=1, learning_rate=1e-3, seed=seed), tok.eos_token_id)
-    await asyncio.to_thread(whole.run, 10 * epochs)
+    whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in chats],
+                    Hyper(n_epochs=epochs, batch_size=2, learning_rate=1e-3, seed=seed), tok.eos_token_id)
+    await asyncio.to_thread(whole.run, total)
     curve = [x for (p,) in _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' "
                                         "ORDER BY (payload->>'step')::int", s=stream) for x in p["losses"]]
     assert curve == whole.losses

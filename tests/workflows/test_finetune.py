@@ -213,8 +213,9 @@ async def test_a_chunk_trains_past_its_steps_while_its_overhead_is_above_its_sha
         range(1, STEPS + 1))
     for c in exact:
         t = c["timing"]
-        assert set(t) == {"dispatch_s", "resume_s", "wait_s", "train_s", "checkpoint_s"} and min(t.values()) >= 0
-        assert t["train_s"] > 0 and c["bytes"] > 0
+        assert set(t) == {"dispatch_s", "between_s", "resume_s", "wait_s", "train_s", "checkpoint_s"}
+        assert min(t.values()) >= 0 and t["train_s"] > 0 and c["bytes"] > 0
+    assert [c["ended_by"] for c in exact] == ["steps"] * (STEPS - 1) + ["done"]
 
 
 async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_address, db, store, tiny_model):
