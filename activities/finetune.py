@@ -31,7 +31,7 @@ from journal.events import append
 from journal.leases import acquire
 from journal.objects import ObjectStore
 from policy.preemption import TIERS
-from protocol.finetune import Row, problems, rows
+from protocol.finetune import MIN_EXAMPLES, Row, problems, rows
 from workflows.inputs import FineTuneRef, FineTuneStatusInput, TrainChunkInput, TrainChunkResult, ValidateTrainingResult
 
 if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
@@ -60,18 +60,23 @@ class FineTuneActivities:
             assert job is not None, f"fine-tuning job {ref.job_id} vanished"
             if job["status"] != "validating_files":  # a retry after we decided
                 return ValidateTrainingResult(0, job["status"] == "failed")
-            file = await jb.get_file(conn, job["training_file"], job["tenant"])
-        if file is None:
-            raise ApplicationError(f"The training file {job['training_file']} is missing.", non_retryable=True)
-        with self.store.open(file["object_key"]) as f:
-            found = problems(f)
-        if found:
-            error = dict(code=found[0].code, param="training_file",
-                         message="; ".join(f"Line {e.line}: {e.message}" if e.line else e.message for e in found[:10]))
-            async with self.db.begin() as conn:
-                await fj.move_status(conn, job, "failed", error=error, finished_at=int(time.time()))
-            return ValidateTrainingResult(0, True)
-        with self.store.open(file["object_key"]) as f:
+            files = {param: await jb.get_file(conn, job[param], job["tenant"])
+                     for param in ("training_file", "validation_file") if job[param]}
+        for param, file in files.items():
+            if file is None:
+                raise ApplicationError(f"The {param.replace('_', ' ')} {job[param]} is missing.", non_retryable=True)
+            with self.store.open(file["object_key"]) as f:
+                found = problems(f, min_examples=MIN_EXAMPLES if param == "training_file" else 1)
+            if found:
+                what = "" if param == "training_file" else "Validation file: "
+                error = dict(code=found[0].code, param=param, message=what + "; ".join(
+                    f"Line {e.line}: {e.message}" if e.line else e.message for e in found[:10]))
+                async with self.db.begin() as conn:
+                    await fj.move_status(conn, job, "failed", error=error, finished_at=int(time.time()))
+                return ValidateTrainingResult(0, True)
+        training = files["training_file"]
+        assert training is not None
+        with self.store.open(training["object_key"]) as f:
             n = sum(1 for r in rows(f) if isinstance(r, Row))
         return ValidateTrainingResult(n, False)
 
@@ -100,10 +105,14 @@ class FineTuneActivities:
         key = f"files/{file_id}"
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["step", "train_loss"])
-        losses = [loss for c in ckpts for loss in c["losses"]]
-        for step, loss in enumerate(losses, start=1):
-            w.writerow([step, f"{loss:.6f}"])
+        w.writerow(["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"])
+        for c in ckpts:  # each checkpoint's steps; the validation figures at its own step
+            first = c["step"] - len(c["losses"]) + 1
+            accuracies = c.get("accuracies") or [None] * len(c["losses"])
+            for step, (loss, accuracy) in enumerate(zip(c["losses"], accuracies, strict=True), start=first):
+                last = step == c["step"]
+                w.writerow([step, _f(loss), _f(accuracy), _f(c.get("valid_loss") if last else None),
+                            _f(c.get("valid_mean_token_accuracy") if last else None)])
         with self.store.writer(key) as f:
             f.write(buf.getvalue().encode())
         async with self.db.begin() as conn:
@@ -130,14 +139,16 @@ class FineTuneActivities:
         async with self.db.connect() as conn:
             job = await fj.get_job(conn, inp.job_id)
             assert job is not None, f"fine-tuning job {inp.job_id} vanished"
-            file = await jb.get_file(conn, job["training_file"], job["tenant"])
+            files = {param: await jb.get_file(conn, job[param], job["tenant"])
+                     for param in ("training_file", "validation_file") if job[param]}
             ckpts = await fj.checkpoints(conn, inp.job_id)
-        if file is None:
-            raise ApplicationError(f"The training file {job['training_file']} is missing.", non_retryable=True)
-        examples = self._encoded.get(file["object_key"])
-        if examples is None:
-            examples = await asyncio.to_thread(self._examples, file["object_key"])
-        self._encoded = {file["object_key"]: examples}  # the job's next chunk here skips the tokenizer
+        for param, file in files.items():
+            if file is None:
+                raise ApplicationError(f"The {param.replace('_', ' ')} {job[param]} is missing.", non_retryable=True)
+        encoded = {param: await self._encode(f["object_key"]) for param, f in files.items() if f is not None}
+        # The job's next chunk here skips the tokenizer.
+        self._encoded = {f["object_key"]: encoded[param] for param, f in files.items() if f is not None}
+        examples, valid = encoded["training_file"], encoded.get("validation_file")
         hp = job["hyperparameters"]
         hyper = Hyper(n_epochs=int(hp["n_epochs"]), batch_size=int(hp["batch_size"]),
                       learning_rate=float(hp["learning_rate"]), seed=int(job["seed"]))
@@ -145,12 +156,13 @@ class FineTuneActivities:
         trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id(), base)
         try:
             clock = ChunkClock(began, _dispatch_s(info), ckpts[-1] if ckpts else None, now)
-            return await self._run(inp, trainer, job, ckpts, fence, examples, clock)
+            return await self._run(inp, trainer, job, ckpts, fence, examples, valid, clock)
         finally:
             self._bases.append(trainer.release())
 
     async def _run(self, inp: TrainChunkInput, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
-                   fence: int, examples: list[Example], clock: ChunkClock) -> TrainChunkResult:
+                   fence: int, examples: list[Example], valid: list[Example] | None,
+                   clock: ChunkClock) -> TrainChunkResult:
         unusable = await self._resume(trainer, job, ckpts)
         stopped = asyncio.Event()
         clock.mark_ready()
@@ -164,7 +176,8 @@ class FineTuneActivities:
             cancelled = await self._steps(trainer, inp, clock, stopped)
             clock.trained("done" if trainer.done else "cancelled" if cancelled else
                           "preempted" if stopped.is_set() else "steps")
-            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), clock)
+            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), valid,
+                                   clock)
             if trainer.done:
                 await asyncio.to_thread(self._save_adapter, trainer, job["id"])
         if cancelled:
@@ -223,33 +236,43 @@ class FineTuneActivities:
         return unusable
 
     async def _checkpoint(self, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
-                          unusable: set[int], fence: int, tokens_per_epoch: int, clock: ChunkClock) -> None:
+                          unusable: set[int], fence: int, tokens_per_epoch: int, valid: list[Example] | None,
+                          clock: ChunkClock) -> None:
         """Write and journal a checkpoint of where the trainer is. One journaled already at
         this step (an earlier attempt's) is kept, or rewritten where it was unusable: the
         bytes are the same, so the file is repaired and its journal entry stands."""
         if trainer.step == 0 or (trainer.step in {c["step"] for c in ckpts} and trainer.step not in unusable):
             return
+        scores = await asyncio.to_thread(trainer.evaluate, valid) if valid else None
         ck = trainer.checkpoint()
         key = fj.checkpoint_key(job["id"], ck.step)
         await asyncio.to_thread(self._write, key, ck.data)
         before = max((c["step"] for c in ckpts if c["step"] < ck.step), default=0)
         event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
-        event.payload["tokens_per_epoch"] = tokens_per_epoch
-        event.payload["bytes"] = len(ck.data)
+        event.payload.update(tokens_per_epoch=tokens_per_epoch, bytes=len(ck.data), total_steps=trainer.total_steps,
+                             accuracies=ck.accuracies[before:])
+        message = f"Step {ck.step}/{trainer.total_steps}: training loss={ck.losses[-1]:.4f}"
+        metrics: dict[str, Any] = dict(step=ck.step, train_loss=ck.losses[-1],
+                                       train_mean_token_accuracy=ck.accuracies[-1])
+        if scores is not None:
+            event.payload.update(valid_loss=scores[0], valid_mean_token_accuracy=scores[1])
+            message += f", validation loss={scores[0]:.4f}"
+            metrics.update(valid_loss=scores[0], valid_mean_token_accuracy=scores[1])
         event.payload["timing"], event.payload["ended_by"] = clock.timing(), clock.ended_by
         # The tokens these steps trained, settled in the quota ledger with the checkpoint
         # that records them: SQL audits training as it audits inference.
         trained = sum(len(e.ids) for step in range(before, ck.step) for e in trainer.batch(step))
         settle = ledger.Entry(ledger.SETTLE, fj.ledger_subject(job["id"], ck.step), job["tenant"], job["model"],
                               fj.TRAINING_TIER, trained, 0)
-        loss = ck.losses[-1]
         async with self.db.begin() as conn:
-            await append(conn, [event, fj.job_event(
-                job["id"], job["tenant"], f"step:{ck.step}",
-                f"Step {ck.step}/{trainer.total_steps}: training loss={loss:.4f}", step=ck.step, train_loss=loss)])
+            await append(conn, [event, fj.job_event(job["id"], job["tenant"], f"step:{ck.step}", message, **metrics)])
             await ledger.insert(conn, [settle])
 
     # -- files and the model -----------------------------------------------------------------
+
+    async def _encode(self, object_key: str) -> list[Example]:
+        cached = self._encoded.get(object_key)
+        return cached if cached is not None else await asyncio.to_thread(self._examples, object_key)
 
     def _examples(self, object_key: str) -> list[Example]:
         from engine.training import encode_chat, encode_prompt_completion
@@ -300,6 +323,10 @@ class FineTuneActivities:
             trainer.save_adapter(d)
             for path in sorted(Path(d).iterdir()):
                 self._write(f"{fj.adapter_prefix(job_id)}/{path.name}", path.read_bytes())
+
+
+def _f(x: float | None) -> str:
+    return "" if x is None else f"{x:.6f}"
 
 
 class ChunkClock:

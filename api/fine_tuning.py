@@ -57,14 +57,16 @@ def workflow_id(job_id: str) -> str:
     return f"ftjob:{job_id}"
 
 
-def job_object(row: dict[str, Any]) -> dict[str, Any]:
+def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's job object; `latest`, the job's newest checkpoint, dates its estimated finish."""
     hp = row["hyperparameters"]
     return dict(object="fine_tuning.job", id=row["id"], model=row["model"], created_at=row["created_at"],
                 finished_at=row["finished_at"], fine_tuned_model=row["fine_tuned_model"], organization_id=row["tenant"],
                 status=row["status"], error=row["error"], training_file=row["training_file"],
                 validation_file=row["validation_file"], result_files=row["result_files"],
                 trained_tokens=row["trained_tokens"], seed=row["seed"], user_provided_suffix=row["suffix"],
-                metadata=row["metadata"], estimated_finish=None, integrations=[],
+                metadata=row["metadata"], integrations=[],
+                estimated_finish=fj.estimated_finish(row["status"], latest, time.time()),
                 hyperparameters=dict(n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
                                      learning_rate_multiplier=hp["learning_rate_multiplier"]))
 
@@ -158,7 +160,8 @@ async def _owned(svc: Services, job_id: str, tenant: str) -> dict[str, Any]:
 
 @router.get("/{fine_tuning_job_id}", operation_id="retrieveFineTuningJob", responses=errors(404))
 async def retrieve(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
-    return job_object(await _owned(svc, fine_tuning_job_id, tenant))
+    row = await _owned(svc, fine_tuning_job_id, tenant)
+    return job_object(row, (await _latest(svc, [row]))[row["id"]])
 
 
 @router.get("", operation_id="listFineTuningJobs", responses=errors(400))
@@ -167,8 +170,18 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
     if after is None or possible_id(after):
         async with svc.db.connect() as conn:
             rows = await fj.list_jobs(conn, tenant, after, limit + 1)
-    data = [job_object(r) for r in rows[:limit]]
+    latest = await _latest(svc, rows[:limit])
+    data = [job_object(r, latest[r["id"]]) for r in rows[:limit]]
     return dict(object="list", data=data, has_more=len(rows) > limit)
+
+
+async def _latest(svc: Services, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """The newest checkpoint of each running job among `rows` (None for the others)."""
+    found: dict[str, dict[str, Any]] = {}
+    if running := [r["id"] for r in rows if r["status"] == "running"]:
+        async with svc.db.connect() as conn:
+            found = await fj.latest_checkpoints(conn, running)
+    return {r["id"]: found.get(r["id"]) for r in rows}
 
 
 async def _signal(svc: Services, tenant: str, job_id: str, name: str, allowed: tuple[str, ...]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 from ballast.settings import Settings
 from engine import prompts
 from policy.placement import EngineView, Request, Weights, rank
-from policy.prefix import MAX_BLOCKS, PrefixIndex, block_hashes
+from policy.prefix import MAX_BLOCKS, PrefixIndex, block_hashes, root
 from protocol.requests import CHAT, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -111,9 +111,13 @@ class Placer:
             return Prompt()
         return Prompt(tuple(ids), whole=True)
 
+    def seed(self, req: GenerationRequest) -> int:
+        """The blocks' chain seed: the base model's, or a fine-tuned model's own."""
+        return root(None if req.model == self.settings.model_name else req.model)
+
     def blocks(self, req: GenerationRequest, block_size: int) -> tuple[int, ...]:
         """The prompt's leading blocks, as the engine's prefix cache keys them."""
-        return block_hashes(self.prompt(req).ids, block_size)
+        return block_hashes(self.prompt(req).ids, block_size, seed=self.seed(req))
 
     def rank(self, req: GenerationRequest, engines: list[EngineView], regions: frozenset[str] | None = None,
              prompt: Prompt | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
@@ -121,7 +125,7 @@ class Placer:
         where the caller has it already."""
         self._forget_gone(engines)
         block_size = next((e.block_size for e in engines if e.model == self.settings.model_name), 16)
-        blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size)
+        blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size, seed=self.seed(req))
         request = Request(self.settings.model_name, blocks, regions, home=self.settings.region)
         current = [replace(e, interactive=self.in_flight(e)) for e in engines]
         ranked = rank(current, request, self.index.matched(blocks), self.weights)

@@ -77,6 +77,7 @@ class Checkpoint:
     data: bytes
     sha256: str
     losses: list[float] = field(default_factory=list)  # one per step done, in order
+    accuracies: list[float] = field(default_factory=list)  # the steps' mean token accuracy, likewise
 
 
 class CorruptCheckpoint(ValueError):
@@ -135,6 +136,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=hyper.learning_rate)
         self.step = 0
         self.losses: list[float] = []
+        self.accuracies: list[float] = []
 
     def release(self) -> torch.nn.Module:
         """The base model without this trainer's adapter, for the next trainer."""
@@ -172,13 +174,36 @@ class Trainer:
         out = []
         with single_threaded():
             while steps > 0 and not self.done:
-                out.append(self._step(self.batch(self.step)))
+                loss, accuracy = self._step(self.batch(self.step))
+                out.append(loss)
+                self.accuracies.append(accuracy)
                 self.step += 1
                 steps -= 1
         self.losses += out
         return out
 
-    def _step(self, batch: list[Example]) -> float:
+    def evaluate(self, examples: Sequence[Example]) -> tuple[float, float]:
+        """The adapter's loss and mean token accuracy on `examples` (a validation file), over
+        all their trained tokens. In eval mode and without gradients: it consumes no RNG
+        and changes nothing, so evaluating never perturbs the training it interrupts."""
+        total = correct = count = 0.0
+        self.model.eval()
+        try:
+            with single_threaded(), torch.no_grad():
+                for at in range(0, len(examples), self.hyper.batch_size):
+                    ids, attention, labels = self._tensors(list(examples[at:at + self.hyper.batch_size]))
+                    logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+                    target = labels[:, 1:]
+                    mask = target != IGNORE
+                    total += float(torch.nn.functional.cross_entropy(
+                        logits[mask].float(), target[mask], reduction="sum"))
+                    correct += float((logits.argmax(-1) == target)[mask].sum())
+                    count += float(mask.sum())
+        finally:
+            self.model.train()
+        return (total / count, correct / count) if count else (0.0, 0.0)
+
+    def _tensors(self, batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(e.ids) for e in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
@@ -189,21 +214,31 @@ class Trainer:
             attention[row, :n] = 1
             labels[row, :n] = torch.tensor([t if trained else IGNORE for t, trained in zip(e.ids, e.trained,
                                                                                           strict=True)])
+        return ids, attention, labels
+
+    def _step(self, batch: list[Example]) -> tuple[float, float]:
+        """One optimizer step; its loss and its mean token accuracy (greedy prediction =
+        the trained token), as OpenAI's metrics report them."""
+        ids, attention, labels = self._tensors(batch)
         # The model shifts labels itself: position i predicts token i + 1.
-        loss = self.model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        out = self.model(input_ids=ids, attention_mask=attention, labels=labels)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        out.loss.backward()
         self.optimizer.step()
-        return float(loss.detach())
+        with torch.no_grad():
+            target = labels[:, 1:]
+            mask = target != IGNORE
+            accuracy = float((out.logits[:, :-1].argmax(-1) == target)[mask].float().mean()) if mask.any() else 0.0
+        return float(out.loss.detach()), accuracy
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def checkpoint(self) -> Checkpoint:
         buf = io.BytesIO()
         torch.save(dict(step=self.step, adapter=self.weights(), optimizer=self.optimizer.state_dict(),
-                        rng=torch.get_rng_state(), losses=self.losses), buf)
+                        rng=torch.get_rng_state(), losses=self.losses, accuracies=self.accuracies), buf)
         data = buf.getvalue()
-        return Checkpoint(self.step, data, checksum(data), list(self.losses))
+        return Checkpoint(self.step, data, checksum(data), list(self.losses), list(self.accuracies))
 
     def restore(self, data: bytes, sha256: str) -> None:
         """Continue from a checkpoint's bytes, which must match the recorded checksum."""
@@ -218,6 +253,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.step, self.losses = int(state["step"]), [float(x) for x in state["losses"]]
+        self.accuracies = [float(x) for x in state.get("accuracies", [])]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The adapter, keyed as PEFT saves it (`…q_proj.lora_A.weight`)."""

@@ -128,6 +128,27 @@ async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]
             for pos, p, at in (await conn.execute(q)).all()]
 
 
+async def latest_checkpoints(conn: AsyncConnection, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Each job's newest checkpoint (its payload, `at_s` when journaled), for those with one."""
+    if not job_ids:
+        return {}
+    q = select(events.c.stream, events.c.payload, events.c.committed_at).distinct(events.c.stream).where(
+        events.c.stream.in_([stream(j) for j in job_ids]), events.c.type == CHECKPOINT).order_by(
+        events.c.stream, events.c.version.desc())
+    return {p["job_id"]: dict(p, at_s=at.timestamp()) for _, p, at in (await conn.execute(q)).all()}
+
+
+def estimated_finish(status: str, latest: dict[str, Any] | None, now: float) -> int | None:
+    """When a running job should end (Unix seconds): its steps left at the pace of its
+    last chunk, from that chunk's checkpoint. None before its first checkpoint, and
+    unless it runs (a paused or queued job has no pace to go by)."""
+    if status != "running" or not latest or "total_steps" not in latest or not latest.get("losses"):
+        return None
+    per_step = latest.get("timing", {}).get("train_s", 0.0) / len(latest["losses"])
+    left = latest["total_steps"] - latest["step"]
+    return int(max(now, latest["at_s"] + left * per_step) + 0.5) if per_step > 0 else None
+
+
 async def job_events(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
     """The job's /events, oldest first: each with its position and when it was journaled."""
     q = select(events.c.position, events.c.payload, events.c.committed_at).where(

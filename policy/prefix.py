@@ -15,6 +15,7 @@ to the fleet's KV cache. An engine that left is forgotten: only its keys move.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -22,11 +23,21 @@ ROOT = 0x0BA11A57  # the chain's seed: the hash "before" the first block
 MAX_BLOCKS = 512  # a prompt's leading blocks that count (8k tokens at 16 a block)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, limit: int = MAX_BLOCKS) -> tuple[int, ...]:
+def root(adapter: str | None = None) -> int:
+    """The chain's seed for a request to the base model, or to a LoRA adapter (a fine-tuned
+    model): vLLM keys an adapter's blocks by the adapter too, so the same prompt shares no
+    cache across adapters or with the base model, and must not match here either."""
+    if adapter is None:
+        return ROOT
+    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big")  # str hashes are salted per process
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, limit: int = MAX_BLOCKS,
+                 seed: int = ROOT) -> tuple[int, ...]:
     """The chained hashes of the prompt's full leading blocks (a partial last block is
-    never cached by vLLM, so it does not count)."""
+    never cached by vLLM, so it does not count), from `seed` (`root`)."""
     out: list[int] = []
-    h = ROOT
+    h = seed
     for start in range(0, min(len(token_ids), limit * block_size) - block_size + 1, block_size):
         h = hash((h, *token_ids[start:start + block_size]))
         out.append(h)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from api.placer import HEAD_CHARS_PER_TOKEN, Placer
 from ballast.settings import Settings
@@ -40,6 +41,17 @@ def test_the_blocks_are_those_of_the_engines_own_rendering(tiny_model, engine):
     text = GenerationRequest(COMPLETIONS, "ballast-tiny", prompt=SYSTEM)
     assert p.blocks(text, engine.block_size) == block_hashes(engine.render_text(SYSTEM), engine.block_size)
     assert p.prompt(text).tokens == len(engine.render_text(SYSTEM))
+
+
+def test_a_fine_tuned_models_blocks_are_its_own(tiny_model):
+    """A request naming a fine-tuned model runs with its adapter, whose cache vLLM keeps
+    apart: its blocks match neither the base model's nor another adapter's."""
+    p = placer(tiny_model)
+    base = chat("Where are we?")
+    tuned, other = (replace(base, model=f"ft:ballast-tiny:x:ftjob-{n}") for n in (1, 2))
+    a, b, c = (p.blocks(r, 16) for r in (base, tuned, other))
+    assert len(a) == len(b) == len(c) > 2 and not set(a) & set(b) and not set(b) & set(c)
+    assert p.blocks(replace(tuned), 16) == b
 
 
 def test_a_giant_text_prompt_is_cut_to_its_head_and_not_counted(tiny_model):

@@ -55,13 +55,10 @@ def tuned(stack, tiny_model):
         return done, load(f.read())
 
 
-def merged_greedy(tiny_model, adapter: dict[str, torch.Tensor] | None, messages: list[dict], n: int) -> str:
-    """transformers' greedy answer, the adapter merged into the base weights by hand."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def merged(tiny_model, adapter: dict[str, torch.Tensor] | None):
+    """The base model in transformers, the adapter merged into its weights by hand (W + alpha/r · B·A)."""
+    from transformers import AutoModelForCausalLM
 
-    from engine.prompts import render_chat
-
-    tok = AutoTokenizer.from_pretrained(tiny_model.path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)
     if adapter is not None:
         weights = model.state_dict()
@@ -70,6 +67,17 @@ def merged_greedy(tiny_model, adapter: dict[str, torch.Tensor] | None, messages:
                 layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                 weights[f"{layer}.weight"] += (16 / 8) * adapter[key.replace("lora_A", "lora_B")] @ a
         model.load_state_dict(weights)
+    return model
+
+
+def merged_greedy(tiny_model, adapter: dict[str, torch.Tensor] | None, messages: list[dict], n: int) -> str:
+    """transformers' greedy answer, the adapter merged into the base weights."""
+    from transformers import AutoTokenizer
+
+    from engine.prompts import render_chat
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    model = merged(tiny_model, adapter)
     ids = render_chat(tok, messages)
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
     # The byte-level model may end on part of a character: the API holds such a tail back
@@ -107,11 +115,43 @@ def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, 
     assert out["response"]["body"]["choices"][0]["message"]["content"] == expected
 
 
+def test_vllm_keeps_a_fine_tuned_models_prefix_cache_apart_as_placement_predicts(client, stack, tuned, db_url):
+    """Placement seeds a fine-tuned model's blocks with its own root (policy/prefix.py)
+    because vLLM does not share cached blocks between an adapter and the base model: the
+    premise, checked on vLLM's own prefix-cache counters. A prompt the base model has just
+    run hits nothing for the adapter; run again with the adapter, it hits."""
+    done, _ = tuned
+    prompt = [dict(role="system", content=" ".join(f"rule {i}: answer in colours." for i in range(30))),
+              dict(role="user", content=f"Colour {time.time_ns()}?")]
+
+    def counters() -> tuple[int, int]:
+        time.sleep(2.5)  # the engine worker reports its counters every second
+        with psycopg.connect(db_url) as conn:
+            stats = [s for (s,) in conn.execute("SELECT stats FROM engines")]
+        return sum(s.get("prefix_queries", 0) for s in stats), sum(s.get("prefix_hits", 0) for s in stats)
+
+    def run(model: str) -> tuple[int, int]:
+        q0, h0 = counters()
+        client.chat.completions.create(model=model, messages=prompt, max_tokens=1, temperature=0)
+        q1, h1 = counters()
+        return q1 - q0, h1 - h0
+
+    run("ballast-tiny")
+    queried, hit = run(done.fine_tuned_model)
+    assert queried > 256 and hit == 0  # the base model's blocks are no hit for the adapter
+    queried, hit = run(done.fine_tuned_model)
+    assert hit >= 256  # its own are
+
+
 def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client, stack, tiny_model, db_url):
     body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
     file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
+    held_out = [[dict(role="user", content=f"Shade {i}?"), dict(role="assistant", content=["teal", "navy"][i % 2])]
+                for i in range(3)]
+    valid_id = client.files.create(file=("valid.jsonl", io.BytesIO("".join(
+        json.dumps(dict(messages=c)) + "\n" for c in held_out).encode())), purpose="fine-tune").id
     job = client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, suffix="colours", seed=11,
-                                         hyperparameters=dict(n_epochs=2, batch_size=4))
+                                         validation_file=valid_id, hyperparameters=dict(n_epochs=2, batch_size=4))
     done = wait_final(client, job.id)
     assert done.status == "succeeded", done.error
     assert done.fine_tuned_model == f"ft:ballast-tiny:colours:{job.id}" and done.finished_at >= done.created_at
@@ -119,10 +159,10 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
     assert checkpoints[0].step_number == steps
     events = [e.message for e in client.fine_tuning.jobs.list_events(job.id)]
-    assert events[0].startswith(f"Step {steps}/{steps}: training loss=")
-    metrics = client.files.content(done.result_files[0]).text.splitlines()
-    assert metrics[0] == "step,train_loss" and [r.split(",")[0] for r in metrics[1:]] == [str(s) for s in
-                                                                                          range(1, steps + 1)]
+    assert events[0].startswith(f"Step {steps}/{steps}: training loss=") and ", validation loss=" in events[0]
+    metrics = [r.split(",") for r in client.files.content(done.result_files[0]).text.splitlines()]
+    assert metrics[0] == ["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"]
+    assert [r[0] for r in metrics[1:]] == [str(s) for s in range(1, steps + 1)]
 
     from transformers import AutoTokenizer
 
@@ -141,7 +181,21 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
         served = load(f.read())
     mine = here.weights()
     assert served.keys() == mine.keys() and all(torch.equal(served[k], mine[k]) for k in mine)
-    assert [r.split(",")[1] for r in metrics[1:]] == [f"{x:.6f}" for x in here.losses]
+    assert [r[1] for r in metrics[1:]] == [f"{x:.6f}" for x in here.losses]
+    assert [r[2] for r in metrics[1:]] == [f"{x:.6f}" for x in here.accuracies]
+
+    # The validation loss at the last step: the held-out chats' trained tokens, scored by
+    # transformers with the served adapter merged in.
+    model, total, count = merged(tiny_model, served), 0.0, 0
+    with torch.no_grad():
+        for chat in held_out:
+            e = encode_chat(tok, chat)
+            labels = torch.tensor([[t if trained else -100 for t, trained in zip(e.ids, e.trained, strict=True)]])
+            n = int((labels[0, 1:] != -100).sum())
+            total += n * float(model(input_ids=torch.tensor([list(e.ids)]), labels=labels).loss)
+            count += n
+    assert float(metrics[-1][3]) == pytest.approx(total / count, rel=1e-4)
+    assert 0 <= float(metrics[-1][4]) <= 1 and metrics[1][3] == ""  # scored at checkpoints only
 
 
 def test_a_bad_training_file_fails_the_job_naming_its_lines(client):

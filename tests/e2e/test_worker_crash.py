@@ -110,6 +110,8 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
         procs.wait_until(on_engine, WAIT_S, "the job back on the engine worker after the chat")
     preempted_at = [s for (s,) in _sql(db_url, steps, s=stream)]
     assert len(preempted_at) >= 3 and preempted_at[-1] < total, preempted_at
+    running = client.fine_tuning.jobs.retrieve(job.id)  # dated by the pace of its checkpointed chunks
+    assert running.status == "running" and running.estimated_finish >= running.created_at
 
     # Stop the worker mid-chunk, with steps heartbeated past the last checkpoint; then kill it.
     temporal = await Client.connect(temporal_address)

@@ -154,3 +154,46 @@ def test_the_saved_adapter_merged_into_the_base_gives_the_trained_models_logits(
         base = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)(input_ids=ids).logits
     assert torch.allclose(trained, base_merged, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(trained, base, atol=1e-3)  # and the adapter changed something
+
+
+def test_validation_scores_a_held_out_file_without_perturbing_training(tiny_model, tokenizer, examples, tmp_path):
+    """`evaluate` (a validation file's loss and token accuracy) equals what transformers
+    computes with the saved adapter merged into the base: the loss over every trained
+    token, and how many of them are the greedy prediction. Evaluating between steps leaves
+    the run bitwise what it would have been."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    held_out = [encode_chat(tokenizer, [dict(role="user", content=f"Shade {i}?"),
+                                        dict(role="assistant", content=["teal", "navy", "rust"][i % 3])])
+                for i in range(5)]
+    plain, scored = trainer(tiny_model, tokenizer, examples), trainer(tiny_model, tokenizer, examples)
+    plain.run(6)
+    scored.run(3)
+    loss, accuracy = scored.evaluate(held_out)
+    scored.run(3)
+    assert scored.losses == plain.losses and scored.accuracies == plain.accuracies
+    a, b = plain.weights(), scored.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    again = trainer(tiny_model, tokenizer, examples)
+    again.run(3)
+    again.save_adapter(str(tmp_path))
+    adapter = load_file(str(tmp_path / "adapter_model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)
+    weights = merged.state_dict()
+    for key in adapter:
+        if key.endswith("lora_A.weight"):
+            layer = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            weights[f"{layer}.weight"] += (16 / 8) * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]
+    merged.load_state_dict(weights)
+    total = correct = count = 0.0
+    with torch.no_grad():
+        for e in held_out:
+            logits = merged(input_ids=torch.tensor([list(e.ids)])).logits[0]
+            for i in range(1, len(e.ids)):
+                if e.trained[i]:
+                    total -= float(torch.log_softmax(logits[i - 1], -1)[e.ids[i]])
+                    correct += int(logits[i - 1].argmax()) == e.ids[i]
+                    count += 1
+    assert count > 0 and loss == pytest.approx(total / count, rel=1e-4) and accuracy == correct / count

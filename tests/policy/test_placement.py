@@ -6,7 +6,7 @@ import random
 import pytest
 
 from policy.placement import EngineView, Request, Weights, affinity_score, eligible, load_cap, load_score, rank
-from policy.prefix import PrefixIndex, block_hashes
+from policy.prefix import ROOT, PrefixIndex, block_hashes, root
 
 
 def ev(id, interactive=0, batch=0, model="m", max_seqs=8, region="eu", draining=False):
@@ -164,6 +164,17 @@ def test_block_hashes_chain_whole_blocks_only():
     assert a[0] != b[0] and a[1] != b[1]  # the second block matches only with the first
     assert block_hashes(list(range(40)), 16) == a  # deterministic
     assert block_hashes(list(range(10)), 16) == ()
+
+
+def test_an_adapters_blocks_chain_from_its_own_root():
+    """vLLM's prefix cache keys a LoRA request's blocks by its adapter: one prompt shares no
+    block between the base model and an adapter, or between two adapters; an adapter's
+    requests share among themselves."""
+    ids = list(range(64))
+    base, tuned, other = (block_hashes(ids, 16, seed=root(a)) for a in (None, "ft:m::a", "ft:m::b"))
+    assert base == block_hashes(ids, 16) and root() == ROOT
+    assert not set(base) & set(tuned) and not set(tuned) & set(other)
+    assert block_hashes(ids, 16, seed=root("ft:m::a")) == tuned and len(tuned) == 4
 
 
 def test_the_index_matches_leading_blocks_forgets_least_recent_and_a_lost_engine():

@@ -180,7 +180,8 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     assert job[0] == "succeeded" and job[1] == f"ft:ballast-tiny:colours:{chunked_id}" and job[2] > 0
     with store.open(f"files/{job[3][0]}") as f:
         csv_rows = f.read().decode().splitlines()
-    assert csv_rows[0] == "step,train_loss" and len(csv_rows) == STEPS + 1
+    assert csv_rows[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
+    assert len(csv_rows) == STEPS + 1 and all(r.count(",") == 4 and not r.endswith(",,,") for r in csv_rows[1:])
     first_run = client.get_workflow_handle(f"ftjob:{chunked_id}", run_id=handle.first_execution_run_id)
     for h in (first_run, handle, client.get_workflow_handle(f"ftjob:{whole_id}")):
         await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await h.fetch_history())
