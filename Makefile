@@ -33,6 +33,7 @@ bench: install
 	$(VENV)/bin/ballast bench fairness
 	$(VENV)/bin/ballast bench placement
 	$(VENV)/bin/ballast bench grouping
+	$(VENV)/bin/ballast bench training
 	$(VENV)/bin/python -m bench.lora_overhead
 
 clean:

@@ -198,6 +198,48 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     assert 0 <= float(metrics[-1][4]) <= 1 and metrics[1][3] == ""  # scored at checkpoints only
 
 
+def test_pause_resume_and_cancel_through_the_api(client, stack, db_url):
+    """Paused, the job trains no step (its checkpoints stand still); resumed, it goes on
+    from its checkpoint and succeeds; cancelled, it ends `cancelled` with every checkpoint
+    it wrote still listed."""
+    body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
+    file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
+    steps = "SELECT coalesce(max((payload->>'step')::int), 0) FROM events WHERE stream = %s AND type = 'ft_checkpoint'"
+
+    def saved(job_id: str) -> int:
+        with psycopg.connect(db_url) as conn:
+            return conn.execute(steps, (fj.stream(job_id),)).fetchone()[0]
+
+    def until(job_id: str, status: str) -> None:
+        deadline = time.monotonic() + 60
+        while client.fine_tuning.jobs.retrieve(job_id).status != status:
+            assert time.monotonic() < deadline, f"{job_id} never {status}"
+            time.sleep(0.1)
+
+    jobs = []
+    for seed in (1, 2):  # 500 steps each: seconds of training, paused within a fraction of one
+        jobs.append(job := client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, seed=seed,
+                                                          hyperparameters=dict(n_epochs=50, batch_size=1)))
+        stack.wait_stats(lambda st: f"ft:{job.id}" in st["holds"], "the job training on the engine worker")
+        time.sleep(0.2)
+        client.fine_tuning.jobs.pause(job.id)
+        until(job.id, "paused")
+    held = saved(jobs[0].id)
+    assert 0 < held < 500  # it checkpointed when paused, mid-run
+    time.sleep(2)
+    assert saved(jobs[0].id) == held  # nothing trains while paused
+    client.fine_tuning.jobs.resume(jobs[0].id)
+    done = wait_final(client, jobs[0].id)
+    assert done.status == "succeeded" and saved(jobs[0].id) == 500
+
+    kept = saved(jobs[1].id)
+    assert client.fine_tuning.jobs.cancel(jobs[1].id).id == jobs[1].id
+    cancelled = wait_final(client, jobs[1].id)
+    assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
+    listed = [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(jobs[1].id)]
+    assert listed and listed[0] == kept
+
+
 def test_a_bad_training_file_fails_the_job_naming_its_lines(client):
     lines = [dict(messages=c) for c in CHATS] + [dict(messages=[dict(role="user", content="no answer")])]
     body = "".join(json.dumps(x) + "\n" for x in lines).encode() + b"{oops\n"
