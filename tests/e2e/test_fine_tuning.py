@@ -9,15 +9,22 @@ count: the determinism that lets a chunk resume on any worker).
 Then the result serves: the model is in the tenant's /v1/models (no one else's); a chat
 and a batch item naming it run on vLLM with the adapter and answer what transformers
 answers with the adapter merged into the base weights (W + alpha/r · B·A), which is not
-what the base model answers. A bad file fails the job in validation with its lines named,
-and nothing trains."""
+what the base model answers, and what vLLM answers with the adapter loaded directly. A bad
+file fails the job in validation with its lines named, and nothing trains."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -85,7 +92,34 @@ def merged_greedy(tiny_model, adapter: dict[str, torch.Tensor] | None, messages:
     return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True).removesuffix("\ufffd")
 
 
-def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, stack, tiny_model, tuned, db_url):
+def vllm_with_adapter(tiny_model, adapter_dir: Path, messages: list[dict], n: int, tmp_path: Path) -> str:
+    """vLLM's own greedy answer with the adapter loaded directly (`LLM.chat` with a
+    LoRARequest on the adapter's directory), in a process of its own."""
+    out = tmp_path / "vllm-answer.json"
+    script = textwrap.dedent(f"""
+        import json, os
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+        llm = LLM(model={tiny_model.path!r}, enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+                  dtype="float32", seed=0, enable_lora=True, max_lora_rank=8, max_loras=1)
+        got = llm.chat({messages!r}, SamplingParams(max_tokens={n}, temperature=0),
+                       lora_request=LoRARequest("direct", 1, {str(adapter_dir)!r}), use_tqdm=False)
+        open({str(out)!r}, "w").write(json.dumps(got[0].outputs[0].text))
+        os._exit(0)  # vLLM's engine process would hold the exit
+    """)
+    with open(tmp_path / "vllm.log", "w") as log:  # a file, not a pipe: vLLM's engine process outlives it
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            assert child.wait(300) == 0, (tmp_path / "vllm.log").read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # its engine process too
+    return json.loads(out.read_text()).removesuffix("\ufffd")
+
+
+def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, stack, tiny_model, tuned, db_url,
+                                                                          tmp_path):
     from tests.e2e.test_admission import tenant_client
     from tests.e2e.test_batch import submit, wait_for
 
@@ -105,6 +139,9 @@ def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, 
     assert tuned_answer.model == done.fine_tuned_model
     expected = merged_greedy(tiny_model, adapter, messages, 8)
     assert tuned_answer.choices[0].message.content == expected
+    # … and what vLLM answers with the adapter the job wrote loaded directly.
+    adapter_dir = stack.root / "objects" / fj.adapter_prefix(done.id)
+    assert vllm_with_adapter(tiny_model, adapter_dir, messages, 8, tmp_path) == expected
     assert base_answer.choices[0].message.content == merged_greedy(tiny_model, None, messages, 8) != expected
 
     line = dict(custom_id="ft-0", method="POST", url="/v1/chat/completions",
@@ -198,17 +235,19 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     assert 0 <= float(metrics[-1][4]) <= 1 and metrics[1][3] == ""  # scored at checkpoints only
 
 
-def test_pause_resume_and_cancel_through_the_api(client, stack, db_url):
-    """Paused, the job trains no step (its checkpoints stand still); resumed, it goes on
-    from its checkpoint and succeeds; cancelled, it ends `cancelled` with every checkpoint
-    it wrote still listed."""
+def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_url):
+    """Paused, the job trains no step (its checkpoints stand still). Its newest checkpoint
+    is then corrupted on disk; resumed, it finds that by the checksum, says so in its
+    events, goes on from the one before (or the start), and ends bitwise equal to one
+    uninterrupted run. Cancelled, a job ends `cancelled` with its checkpoints listed."""
     body = "".join(json.dumps(dict(messages=c)) + "\n" for c in CHATS).encode()
     file_id = client.files.create(file=("train.jsonl", io.BytesIO(body)), purpose="fine-tune").id
     steps = "SELECT coalesce(max((payload->>'step')::int), 0) FROM events WHERE stream = %s AND type = 'ft_checkpoint'"
 
     def saved(job_id: str) -> int:
         with psycopg.connect(db_url) as conn:
-            return conn.execute(steps, (fj.stream(job_id),)).fetchone()[0]
+            (step,) = conn.execute(steps, (fj.stream(job_id),)).fetchall()[0]
+        return step
 
     def until(job_id: str, status: str) -> None:
         deadline = time.monotonic() + 60
@@ -228,9 +267,24 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, db_url):
     assert 0 < held < 500  # it checkpointed when paused, mid-run
     time.sleep(2)
     assert saved(jobs[0].id) == held  # nothing trains while paused
+    newest = stack.root / "objects" / fj.checkpoint_key(jobs[0].id, held)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
     client.fine_tuning.jobs.resume(jobs[0].id)
     done = wait_final(client, jobs[0].id)
     assert done.status == "succeeded" and saved(jobs[0].id) == 500
+    warned = [e.message for e in client.fine_tuning.jobs.list_events(jobs[0].id, limit=100) if e.level == "warn"]
+    assert warned == [f"The checkpoint at step {held} fails its checksum; resuming from an earlier one."]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in CHATS],
+                    Hyper(n_epochs=50, batch_size=1, learning_rate=1e-3, seed=1), tok.eos_token_id)
+    whole.run(500)
+    with open(stack.root / "objects" / fj.adapter_prefix(jobs[0].id) / "adapter_model.safetensors", "rb") as f:
+        served = load(f.read())
+    assert all(torch.equal(served[k], v) for k, v in whole.weights().items())
 
     kept = saved(jobs[1].id)
     assert client.fine_tuning.jobs.cancel(jobs[1].id).id == jobs[1].id
