@@ -45,6 +45,7 @@ class Limits(BaseModel):
     concurrent_requests: int | None = _LIMIT
     tokens_per_day: int | None = _LIMIT
     batch_queue_tokens: int | None = _LIMIT
+    concurrent_fine_tunes: int | None = _LIMIT
 
 
 def _epoch(at: datetime | None) -> int | None:

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -24,7 +26,8 @@ from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, check_text, not_found, possible_id, require_id
 from journal import batches as jb
 from journal import finetunes as fj
-from journal import tenants
+from journal import ledger, tenants
+from policy.admission import ANY_MODEL, Refuse, admit_fine_tune, describe_fine_tune
 from protocol.schema import errors
 from workflows.finetune import FineTuneWorkflow
 from workflows.inputs import FineTuneInput
@@ -51,6 +54,20 @@ class CreateJob(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     suffix: str | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+async def _admit(conn: AsyncConnection, tenant: str, model: str) -> None:
+    """Refuse a job over the tenant's `concurrent_fine_tunes` (429, as OpenAI's limit on
+    active jobs). Counted and created in one transaction, one creation per tenant at a
+    time (a transaction-scoped advisory lock): two at once cannot both take the last place."""
+    await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"fine-tune-admission:{tenant}"))))
+    sets = (await ledger.load_limits(conn, tenant)).get(tenant, ())
+    scopes = [(s, await fj.active_jobs(conn, tenant, None if s.model == ANY_MODEL else model))
+              for s in sets if s.model in (ANY_MODEL, model) and s.concurrent_fine_tunes is not None]
+    decision = admit_fine_tune(scopes)
+    if isinstance(decision, Refuse):
+        raise APIError(429, describe_fine_tune(decision, tenant, model), code="rate_limit_exceeded",
+                       headers={"Retry-After": str(decision.retry_after_s)})
 
 
 def workflow_id(job_id: str) -> str:
@@ -93,7 +110,7 @@ def _hyperparameters(h: Hyperparameters | None) -> dict[str, Any]:
 
 
 @router.post("", operation_id="createFineTuningJob",
-             responses=_links("retrieveFineTuningJob", "cancelFineTuningJob") | errors(400, 404, 503))
+             responses=_links("retrieveFineTuningJob", "cancelFineTuningJob") | errors(400, 404, 429, 503))
 async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     s = svc.settings
     if body.model != s.model_name:
@@ -123,6 +140,7 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
             if f["purpose"] != "fine-tune":
                 raise APIError(400, f"File {file_id} has purpose {f['purpose']!r}; fine-tuning needs purpose "
                                     "'fine-tune'.", param=param, code="invalid_value")
+        await _admit(conn, tenant, body.model)
         await fj.create_job(conn, row)
         owner = await tenants.get_tenant(conn, tenant)
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.events import NewEvent, append_one, read_stream
@@ -126,6 +126,15 @@ async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]
         events.c.stream == stream(job_id), events.c.type == CHECKPOINT).order_by(events.c.version)
     return [dict(p, position=pos, at=int(at.timestamp()), at_s=at.timestamp())
             for pos, p, at in (await conn.execute(q)).all()]
+
+
+async def active_jobs(conn: AsyncConnection, tenant: str, model: str | None = None) -> int:
+    """The tenant's jobs not yet ended (on `model`, or on any)."""
+    q = select(func.count()).select_from(fine_tuning_jobs).where(
+        fine_tuning_jobs.c.tenant == tenant, fine_tuning_jobs.c.status.not_in(FINAL))
+    if model is not None:
+        q = q.where(fine_tuning_jobs.c.model == model)
+    return int((await conn.execute(q)).scalar_one())
 
 
 async def latest_checkpoints(conn: AsyncConnection, job_ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -237,7 +237,8 @@ async def settle_items(conn: AsyncConnection, items: Sequence[ItemUsage]) -> Non
 def limit_set(row: Any) -> LimitSet:
     m = row._mapping
     return LimitSet(m["model"], m["requests_per_min"], m["input_tokens_per_min"], m["output_tokens_per_min"],
-                    m["concurrent_requests"], m["tokens_per_day"], m["batch_queue_tokens"])
+                    m["concurrent_requests"], m["tokens_per_day"], m["batch_queue_tokens"],
+                    m["concurrent_fine_tunes"])
 
 
 async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[str, tuple[LimitSet, ...]]:

@@ -124,6 +124,8 @@ fine_tuning_jobs = Table(
     # The position of the ft_job_created event: listing is newest first by it.
     Column("seq", BigInteger, nullable=False),
     Index("fine_tuning_jobs_tenant_seq", "tenant", text("seq DESC")),
+    Index("fine_tuning_jobs_active", "tenant", "model",
+          postgresql_where=text("status NOT IN ('succeeded', 'failed', 'cancelled')")),
 )
 
 engines = Table(
@@ -188,6 +190,7 @@ limits = Table(
     Column("concurrent_requests", BigInteger),
     Column("tokens_per_day", BigInteger),
     Column("batch_queue_tokens", BigInteger),
+    Column("concurrent_fine_tunes", BigInteger),  # active fine-tuning jobs (0010)
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

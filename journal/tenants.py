@@ -24,7 +24,7 @@ KEY_PREFIX = "sk-ballast-"
 SHOWN = 14  # characters of a key kept for display: "sk-ballast-" and 3 random ones
 TENANT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # as the tenants_id_format constraint
 DIMENSIONS = ("requests_per_min", "input_tokens_per_min", "output_tokens_per_min", "concurrent_requests",
-              "tokens_per_day", "batch_queue_tokens")
+              "tokens_per_day", "batch_queue_tokens", "concurrent_fine_tunes")
 ANY_MODEL = "*"
 
 

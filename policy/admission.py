@@ -59,6 +59,7 @@ MINUTE_S = 60
 DAY_S = 86_400
 ANY_MODEL = "*"
 CONCURRENCY_RETRY_S = 1
+FINE_TUNE_RETRY_S = 60  # a job takes minutes at least to end
 FLEET_RETRY_S = 1
 
 Dimension = Literal["requests_per_min", "input_tokens_per_min", "output_tokens_per_min", "concurrent_requests",
@@ -73,6 +74,7 @@ LABELS = {
     "concurrent_requests": "concurrent requests",
     "tokens_per_day": "tokens per day (TPD)",
     "batch_queue_tokens": "enqueued batch tokens",
+    "concurrent_fine_tunes": "active fine-tuning jobs",
 }
 
 # The estimate of a prompt before the engine has tokenized it (`estimate`): every token
@@ -94,6 +96,7 @@ class LimitSet:
     concurrent_requests: int | None = None
     tokens_per_day: int | None = None
     batch_queue_tokens: int | None = None
+    concurrent_fine_tunes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,17 @@ def admit_batch(tokens: int, scopes: Sequence[tuple[LimitSet, int]]) -> Admit | 
     return ADMIT
 
 
+def admit_fine_tune(scopes: Sequence[tuple[LimitSet, int]]) -> Admit | Refuse:
+    """May the tenant start another fine-tuning job? `scopes`: each limit that applies with
+    the tenant's active jobs (not yet succeeded, failed or cancelled) in its scope ('*'
+    first). Paused jobs count: they hold their place and resume at will."""
+    for limits, active in sorted(scopes, key=lambda s: (s[0].model != ANY_MODEL, s[0].model)):
+        limit = limits.concurrent_fine_tunes
+        if limit is not None and active + 1 > limit:
+            return Refuse("concurrent_fine_tunes", limit, FINE_TUNE_RETRY_S, limits.model, active, 1)
+    return ADMIT
+
+
 def describe(r: Refuse, tenant: str, model: str, tier: str) -> str:
     """The 429's message, in OpenAI's words where it has them."""
     if r.limit == "capacity":
@@ -219,6 +233,12 @@ def describe(r: Refuse, tenant: str, model: str, tier: str) -> str:
     shed = "" if r.shed_at >= 1.0 else f" for {tier} requests, which yield at {r.shed_at:.0%} of the limit"
     return (f"Rate limit reached for {scope} on {LABELS[r.limit]}{shed}: Limit {r.value}, Used {r.used}, "
             f"Requested {r.requested}. Please try again in {r.retry_after_s}s.")
+
+
+def describe_fine_tune(r: Refuse, tenant: str, model: str) -> str:
+    scope = f"{model} in tenant {tenant}" if r.model != ANY_MODEL else f"all models in tenant {tenant}"
+    return (f"You have reached the maximum number of active fine-tuning jobs for {scope}: Limit {r.value}, "
+            f"Active {r.used}. Cancel one or wait for one to finish, then try again.")
 
 
 def describe_batch(r: Refuse, tenant: str, model: str) -> str:

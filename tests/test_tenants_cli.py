@@ -73,15 +73,16 @@ def test_limits_show_set_and_clear(db_url, name):
     ok(ballast(db_url, "create", name))
     assert "no limits" in ok(ballast(db_url, "limits", name))
     ok(ballast(db_url, "limits", name, "--requests-per-min", "60", "--tokens-per-day", "100000"))
-    ok(ballast(db_url, "limits", name, "--model", "ballast-tiny", "--concurrent-requests", "4"))
+    ok(ballast(db_url, "limits", name, "--model", "ballast-tiny", "--concurrent-requests", "4",
+               "--concurrent-fine-tunes", "2"))
     ok(ballast(db_url, "limits", name, "--tokens-per-day", "none"))  # clears that one, keeps the rest
-    got = rows(db_url, "SELECT model, requests_per_min, tokens_per_day, concurrent_requests FROM limits "
-                       "WHERE tenant = %s ORDER BY model", name)
-    assert got == [("*", 60, None, None), ("ballast-tiny", None, None, 4)]
+    got = rows(db_url, "SELECT model, requests_per_min, tokens_per_day, concurrent_requests, concurrent_fine_tunes "
+                       "FROM limits WHERE tenant = %s ORDER BY model", name)
+    assert got == [("*", 60, None, None, None), ("ballast-tiny", None, None, 4, 2)]
     shown = ok(ballast(db_url, "limits", name)).splitlines()
     assert shown[0].split()[:3] == ["MODEL", "REQUESTS_PER_MIN", "INPUT_TOKENS_PER_MIN"]
-    assert shown[1].split() == ["*", "60", "-", "-", "-", "-", "-"]  # '*' first
-    assert shown[2].split() == ["ballast-tiny", "-", "-", "-", "4", "-", "-"]
+    assert shown[1].split() == ["*", "60", "-", "-", "-", "-", "-", "-"]  # '*' first
+    assert shown[2].split() == ["ballast-tiny", "-", "-", "-", "4", "-", "-", "2"]
 
 
 @pytest.mark.parametrize("args, says", [

@@ -115,3 +115,49 @@ async def test_an_unknown_job_is_a_404_in_openais_shape(client):
         await client.fine_tuning.jobs.retrieve("ftjob-nope")
     assert caught.value.code == "not_found" and "ftjob-nope" in caught.value.body["message"]
 
+
+
+async def test_active_jobs_past_the_tenants_limit_are_refused_at_creation(settings, db, temporal_client):
+    """`concurrent_fine_tunes`: a 429 in OpenAI's shape with Retry-After, nothing created;
+    counted per model and across models ('*'); a job that ends frees its place; two
+    creations at once cannot both take the last one."""
+    import asyncio
+    import uuid
+
+    from journal import tenants as jt
+    from tests.api.conftest import build, new_key
+
+    tenant = "ft-limited-" + uuid.uuid4().hex[:8]
+    async with build(settings, db, temporal_client, await new_key(db, tenant)) as http, \
+            openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=http.headers["Authorization"][7:],
+                               max_retries=0, http_client=http) as c:
+        file_id = await upload(c)
+        async with db.begin() as conn:
+            await jt.set_limits(conn, tenant, "*", concurrent_fine_tunes=3)
+            await jt.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=2)
+
+        async def create():
+            return await c.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id)
+
+        got = await asyncio.gather(create(), create(), create(), return_exceptions=True)
+        made = [j for j in got if not isinstance(j, BaseException)]
+        refused = [e for e in got if isinstance(e, BaseException)]
+        assert len(made) == 2 and len(refused) == 1  # the model's limit, taken at once by three
+        err = refused[0]
+        assert isinstance(err, openai.RateLimitError) and err.code == "rate_limit_exceeded"
+        assert err.response.headers["Retry-After"] == "60"
+        assert err.body["message"] == (f"You have reached the maximum number of active fine-tuning jobs for "
+                                       f"ballast-tiny in tenant {tenant}: Limit 2, Active 2. Cancel one or wait "
+                                       "for one to finish, then try again.")
+        async with db.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM fine_tuning_jobs WHERE tenant = :t"),
+                                       dict(t=tenant))).scalar_one() == 2
+        async with db.begin() as conn:  # one ends: its place is free
+            await fj.move_status(conn, await fj.get_job(conn, made[0].id), "cancelled")
+        await create()
+        async with db.begin() as conn:  # the model's limit lifted: the tenant's own (3) binds
+            await jt.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=None)
+            await fj.move_status(conn, await fj.get_job(conn, made[1].id), "paused")  # paused still counts
+        await create()
+        with pytest.raises(openai.RateLimitError, match="for all models in tenant .*: Limit 3, Active 3"):
+            await create()

@@ -204,3 +204,17 @@ def test_the_declared_bound_holds_when_views_are_stale(processes, seed):
     if processes == 1:
         assert sum(own) <= limit
     assert wrong == 0
+
+
+def test_a_fine_tune_is_admitted_while_every_limit_has_a_place_left():
+    from policy.admission import FINE_TUNE_RETRY_S, admit_fine_tune
+
+    everything, tiny = LimitSet("*", concurrent_fine_tunes=3), LimitSet("tiny", concurrent_fine_tunes=1)
+    assert admit_fine_tune([]) == ADMIT and admit_fine_tune([(LimitSet("*"), 99)]) == ADMIT  # none set
+    assert admit_fine_tune([(everything, 2), (tiny, 0)]) == ADMIT
+    assert admit_fine_tune([(tiny, 1), (everything, 2)]) == Refuse("concurrent_fine_tunes", 1, FINE_TUNE_RETRY_S,
+                                                                    "tiny", 1, 1)
+    # '*' is checked first, whatever the order given.
+    assert admit_fine_tune([(tiny, 1), (everything, 3)]) == Refuse("concurrent_fine_tunes", 3, FINE_TUNE_RETRY_S,
+                                                                    "*", 3, 1)
+    assert admit_fine_tune([(LimitSet("*", concurrent_fine_tunes=0), 0)]).limit == "concurrent_fine_tunes"
