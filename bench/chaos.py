@@ -214,19 +214,22 @@ class Chaos:
 
     def pump(self) -> None:
         """Two batches in flight, always: a new one as soon as one ends."""
-        n = 0
+        attempt = 0
         with self._client() as api:
             while not self.stop.is_set():
                 running = [b for b, s in self.report.batches.items() if s not in FINAL]
                 for bid in running:
                     self.report.batches[bid] = self._status(api, bid)
                 if len(running) < 2:
-                    n += self._submit(api, n)
+                    # Each attempt's items have ids of their own: a batch made whose answer
+                    # was lost runs all the same, beside the one the next attempt makes.
+                    self._submit(api, attempt)
+                    attempt += 1
                 self.stop.wait(0.5)
 
-    def _submit(self, api: httpx.Client, n: int) -> int:
-        made = (up := self._upload(api, f"b{n}")) is not None and self._create(api, *up) is not None
-        return int(made)
+    def _submit(self, api: httpx.Client, attempt: int) -> None:
+        if (up := self._upload(api, f"b{attempt}")) is not None:
+            self._create(api, *up)
 
     def _upload(self, api: httpx.Client, tag: str) -> tuple[str, list[str]] | None:
         """A batch input file of `plan.items` chats: (its id, their custom ids)."""
