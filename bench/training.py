@@ -46,6 +46,7 @@ import httpx
 import psycopg
 
 from ballast.settings import Settings
+from bench.placement import _pct as placement_pct
 from bench.stack import Stack, ballast_up
 
 SEED = 29
@@ -198,10 +199,8 @@ def surge(stack: Stack, model: str, file_id: str, n: int) -> dict[str, Any]:
 
 
 def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]
+    """The nearest-rank percentile, as bench placement's (0 for none)."""
+    return placement_pct(sorted(xs), p) if xs else 0.0
 
 
 def _ms(s: float) -> float:
