@@ -167,13 +167,14 @@ class BatchActivities:
         # The last word on the item: take its lease first, so that no generation attempt
         # still running somewhere can write after this.
         async with self.db.begin() as conn:
-            await acquire(conn, jb.item_stream(inp.batch_id, inp.idx), "fail_item")
+            fence = await acquire(conn, jb.item_stream(inp.batch_id, inp.idx), "fail_item")
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id)
             assert batch is not None, f"batch {inp.batch_id} vanished"
             item = await jb.get_item(conn, inp.batch_id, inp.idx)
             if item and item["status"] == "pending":
-                failed = jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body)
+                failed = jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body,
+                                              fence=fence)
                 await jb.append_one(conn, failed)
 
     @activity.defn

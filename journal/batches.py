@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.events import Event, NewEvent, append, append_one
+from journal.leases import acquire_many
 from journal.schema import batch_items, batches, events, files
 from policy.lifecycle import can_move
 
@@ -119,10 +120,15 @@ async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Se
                  f"{item_stream(batch_id, it.idx)}:created", tenant)
         for it in items
     ]
+    invalid = [it for it in items if it.error is not None]
+    # A result is an attempt's last word, and the database takes none without a fence:
+    # validation is this item's one attempt, under a lease of its own.
+    streams = [item_stream(batch_id, it.idx) for it in invalid]
+    fences = await acquire_many(conn, streams, "validation") if streams else {}
     new += [
-        item_failed_event(batch_id, it.idx, tenant, it.error.status_code, it.error.body())
-        for it in items
-        if it.error is not None
+        item_failed_event(batch_id, it.idx, tenant, it.error.status_code, it.error.body(),
+                          fence=fences[item_stream(batch_id, it.idx)])
+        for it in invalid
     ]
     await append(conn, new)
 

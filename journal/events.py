@@ -70,7 +70,13 @@ class StaleAttempt(RuntimeError):
         self.stream, self.fence, self.current = stream, fence, current
 
 
-STALE_SQLSTATE = "BF001"  # raised by the events_fenced trigger (migration 0004)
+class Unfenced(RuntimeError):
+    """The database refused an attempt's event (an item's chunk or result, a training
+    checkpoint) that carries no fence: a code path that skipped taking the lease."""
+
+
+STALE_SQLSTATE = "BF001"  # raised by the events_fenced trigger (migrations 0004, 0011)
+UNFENCED_SQLSTATE = "BF002"  # likewise, for an attempt's event with no fence (0011)
 
 
 _PAGE = 5000  # events per statement
@@ -134,6 +140,8 @@ async def append(conn: AsyncConnection, new: Sequence[NewEvent], *, attempts: in
             except DBAPIError as err:
                 if (stale := _stale(err)) is not None:
                     raise stale from err
+                if isinstance(err.orig, psycopg.Error) and err.orig.sqlstate == UNFENCED_SQLSTATE:
+                    raise Unfenced(err.orig.diag.message_primary or str(err.orig)) from err
                 raise
             # The payloads are the ones we sent: reading them back would parse every
             # checkpoint's tokens again (most of an append's CPU).

@@ -17,6 +17,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.batch import BatchActivities
 from api.batches import workflow_id
 from journal import batches as jb
+from journal.leases import acquire
 from journal.objects import ObjectStore
 from protocol.requests import Limits
 from tests.api.conftest import assert_openai_error
@@ -53,8 +54,10 @@ async def _finalize(acts, batch_id: str, outcome: BatchOutcome) -> str:
 
 async def _settle(db, batch_id: str, idx: int, ok: bool = True) -> None:
     body = {"object": "chat.completion"} if ok else {"error": {"message": "no", "code": "x"}}
-    ev = (jb.item_completed_event(batch_id, idx, "default", body) if ok
-          else jb.item_failed_event(batch_id, idx, "default", 400, body))
+    async with db.begin() as conn:
+        fence = await acquire(conn, jb.item_stream(batch_id, idx), "test")
+    ev = (jb.item_completed_event(batch_id, idx, "default", body, fence=fence) if ok
+          else jb.item_failed_event(batch_id, idx, "default", 400, body, fence=fence))
     async with db.begin() as conn:
         await jb.append_one(conn, ev)
 

@@ -18,8 +18,14 @@ from journal.events import (
 from journal.leases import acquire
 
 
-def chunk(stream: str, offset: int, runner: str, fence: int | None = None) -> NewEvent:
+def chunk(stream: str, offset: int, runner: str, fence: int) -> NewEvent:
     return NewEvent(stream, "item_chunk", {"offset": offset, "runner": runner}, f"{stream}:chunk:{offset}", fence=fence)
+
+
+async def lease(db, stream: str, holder: str = "test") -> int:
+    """An attempt's chunks carry its lease token: the database takes none without one."""
+    async with db.begin() as c:
+        return await acquire(c, stream, holder)
 
 
 async def outcome(f: asyncio.Future):
@@ -31,10 +37,11 @@ async def outcome(f: asyncio.Future):
 
 async def test_twins_share_a_commit_and_a_conflicting_twin_fails_alone(db):
     s = "item:cp:twins"
+    f = await lease(db, s)
     async with Checkpointer(db) as cp:
         # Submitted in one tick: one commit.
-        first, twin, clash, other = (cp.submit([chunk(s, 0, "a")]), cp.submit([chunk(s, 0, "a")]),
-                                     cp.submit([chunk(s, 0, "b")]), cp.submit([chunk(s, 1, "a")]))
+        first, twin, clash, other = (cp.submit([chunk(s, 0, "a", f)]), cp.submit([chunk(s, 0, "a", f)]),
+                                     cp.submit([chunk(s, 0, "b", f)]), cp.submit([chunk(s, 1, "a", f)]))
         results = [await outcome(f) for f in (first, twin, clash, other)]
     assert results == [[None], [None], IdempotencyConflict, [None]]
     async with db.connect() as c:
@@ -44,10 +51,11 @@ async def test_twins_share_a_commit_and_a_conflicting_twin_fails_alone(db):
 
 async def test_a_conflict_with_the_journal_fails_only_its_event(db):
     s = "item:cp:journaled"
+    f, other = await lease(db, s), await lease(db, "item:cp:bystander")
     async with db.begin() as c:
-        await append(c, [chunk(s, 0, "zombie")])
+        await append(c, [chunk(s, 0, "zombie", f)])
     async with Checkpointer(db) as cp:
-        clash, fine = cp.submit([chunk(s, 0, "retry")]), cp.submit([chunk("item:cp:bystander", 0, "x")])
+        clash, fine = cp.submit([chunk(s, 0, "retry", f)]), cp.submit([chunk("item:cp:bystander", 0, "x", other)])
         assert await outcome(clash) is IdempotencyConflict
         assert await fine == [None]
     async with db.connect() as c:
@@ -64,7 +72,7 @@ async def test_a_stale_attempt_fails_alone(db):
     async with Checkpointer(db) as cp:
         stale = cp.submit([chunk(s, 0, "old", fence=token - 1)])
         current = cp.submit([chunk(s, 1, "new", fence=token)])
-        bystander = cp.submit([chunk("item:cp:stale-bystander", 0, "x")])
+        bystander = cp.submit([chunk("item:cp:stale-bystander", 0, "x", await lease(db, "item:cp:stale-bystander"))])
         assert await outcome(stale) is StaleAttempt
         assert await current == [None] and await bystander == [None]
     async with db.connect() as c:
@@ -72,9 +80,10 @@ async def test_a_stale_attempt_fails_alone(db):
 
 
 async def test_any_other_failure_fails_every_waiting_event(db):
+    f = await lease(db, "item:cp:bad")
     async with Checkpointer(db) as cp:
         bad = cp.submit([NewEvent("item:cp:bad", "t", {"x": float("nan")}, "cp-bad")])  # NaN: not JSON to Postgres
-        bystander = cp.submit([chunk("item:cp:bad", 0, "x")])
+        bystander = cp.submit([chunk("item:cp:bad", 0, "x", f)])
         results = [await outcome(bad), await outcome(bystander)]
     assert results[0] is results[1] and issubclass(results[0], Exception)
     async with db.connect() as c:
@@ -98,11 +107,12 @@ async def test_an_outage_delays_the_commit_and_drops_no_tokens(db):
     """Unreachable Postgres: the commit goes again until it lands, so an item's chunks stay
     contiguous (no tokens counted as saved that never were) and whoever awaits durability
     waits for it instead of failing."""
-    gen, down = Producer("item:cp:outage"), Outage(db, commits=3)
+    gen, down = Producer("item:cp:outage", await lease(db, "item:cp:outage")), Outage(db, commits=3)
+    result_fence = await lease(db, "item:cp:outage-result")
     async with Checkpointer(down, interval_s=0.05) as cp:
         with cp.track(gen):
             gen.tokens = list(range(10))
-            result = cp.submit([chunk("item:cp:outage-result", 0, "x")], urgent=True)
+            result = cp.submit([chunk("item:cp:outage-result", 0, "x", result_fence)], urgent=True)
             await asyncio.sleep(0.05)
             gen.tokens += list(range(10, 25))  # produced while the database is away
             assert await asyncio.wait_for(result, 10) == [None]
@@ -120,8 +130,8 @@ async def test_an_outage_delays_the_commit_and_drops_no_tokens(db):
 class Producer:
     """A generation as the checkpointer sees it (journal/checkpointer.py `Tracked`)."""
 
-    def __init__(self, stream: str):
-        self.stream, self.saved = stream, 0
+    def __init__(self, stream: str, fence: int):
+        self.stream, self.fence, self.saved = stream, fence, 0
         self.tokens: list[int] = []
         self.refused: list[BaseException] = []
 
@@ -130,7 +140,7 @@ class Producer:
         if offset == self.saved:
             return []
         return [NewEvent(self.stream, "item_chunk", {"offset": offset, "token_ids": self.tokens[offset:]},
-                         f"{self.stream}:chunk:{offset}")]
+                         f"{self.stream}:chunk:{offset}", fence=self.fence)]
 
     def committed(self, event: asyncio.Future) -> None:
         def seen(f: asyncio.Future) -> None:
@@ -145,7 +155,7 @@ async def test_a_crash_loses_at_most_one_interval_and_one_commit_of_tokens(db):
     generation lags what it produced by at most what it produces in one interval plus one
     commit. Read back with SQL, as a resumed attempt would."""
     interval, every = 0.2, 0.005  # a token every 5 ms: 40 per interval
-    gen = Producer("item:cp:bound")
+    gen = Producer("item:cp:bound", await lease(db, "item:cp:bound"))
     commits: list[float] = []
     lags = []
 

@@ -5,6 +5,7 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from journal import events as j
+from journal.leases import acquire
 from journal.migrate import upgrade
 from journal.projections import rebuild
 from journal.schema import batch_items, batches, files
@@ -113,6 +114,8 @@ def test_upgrade_head_twice_is_a_no_op(db_url):
 
 
 async def test_read_models_rebuild_from_events(db, owner_db):
+    async with db.begin() as c:
+        fence = await acquire(c, "item:batch_rebuild:1", "test")
     batch = dict(id="batch_rebuild", tenant="t", endpoint="/v1/completions", input_file_id="file-x",
                  completion_window="24h", metadata={}, status="validating", created_at=1, expires_at=2)
     async with db.begin() as c:
@@ -125,7 +128,8 @@ async def test_read_models_rebuild_from_events(db, owner_db):
             *[j.NewEvent(f"item:batch_rebuild:{i}", "item_created",
                          dict(batch_id="batch_rebuild", idx=i, line=i + 1, custom_id=f"c{i}", body={}), f"rb-i{i}")
               for i in range(3)],
-            j.NewEvent("item:batch_rebuild:1", "item_completed", dict(batch_id="batch_rebuild", idx=1), "rb-done"),
+            j.NewEvent("item:batch_rebuild:1", "item_completed", dict(batch_id="batch_rebuild", idx=1), "rb-done",
+                       fence=fence),
         ])
 
     async def snapshot():

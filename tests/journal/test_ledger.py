@@ -14,6 +14,7 @@ from activities.quota import QuotaActivities
 from journal import ledger
 from journal.db import libpq_url
 from journal.events import NewEvent, append
+from journal.leases import acquire_many
 from journal.ledger import Entry
 from workflows.inputs import ReconcileInput
 
@@ -83,11 +84,13 @@ async def test_a_batch_refund_releases_its_reservation_once(db):
 async def test_an_item_result_settles_the_item_in_its_own_transaction(db):
     t, batch_id = uid("t"), uid("batch")
     body = dict(model="m", usage=dict(prompt_tokens=7, completion_tokens=9, total_tokens=16))
+    async with db.begin() as c:
+        fences = await acquire_many(c, [f"item:{batch_id}:0", f"item:{batch_id}:1"], "test")
     done = NewEvent(f"item:{batch_id}:0", "item_completed", dict(batch_id=batch_id, idx=0, body_json=json.dumps(body)),
-                    f"item:{batch_id}:0:result", t)
+                    f"item:{batch_id}:0:result", t, fence=fences[f"item:{batch_id}:0"])
     failed = NewEvent(f"item:{batch_id}:1", "item_failed",
                       dict(batch_id=batch_id, idx=1, status_code=400, body_json=json.dumps({"error": {}})),
-                      f"item:{batch_id}:1:result", t)
+                      f"item:{batch_id}:1:result", t, fence=fences[f"item:{batch_id}:1"])
     for _ in range(2):
         async with db.begin() as c:
             await append(c, [done, failed])
