@@ -14,6 +14,13 @@ The API and the engine worker share a secret, the engine token (BALLAST_ENGINE_T
 an engine worker demands of every request): unless it is set, the first start makes one and
 keeps it in data_dir/engine-token (mode 0600), for later starts and for engine workers
 started by hand on other hosts. Only the API and the engine worker are handed it.
+
+Postgres roles: migrations and the tenant keys run as the owner (the embedded server's
+superuser, whose password is in data_dir/postgres-password); the API and the workers are
+handed only the services' role's URL (BALLAST_SERVICE_ROLE), never the owner's URL or
+password. On the embedded server that role's password is made on the first start and kept
+in data_dir/service-db-password (0600), unless BALLAST_SERVICE_DATABASE_PASSWORD sets it.
+No process `ballast up` starts inherits an owner credential from its environment.
 """
 
 from __future__ import annotations
@@ -32,13 +39,13 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from ballast import affinity, procs
-from ballast.pg import EmbeddedPostgres
+from ballast.pg import EmbeddedPostgres, kept_secret, set_password, write_secret
 from ballast.settings import Settings
 from ballast.supervise import Supervisor
 from ballast.temporal_server import TemporalDevServer
 from ballast.tenants_cli import URL_FILE
 from journal import tenants
-from journal.db import connect
+from journal.db import as_role, connect
 from journal.migrate import upgrade
 from policy.restarts import RestartPolicy
 
@@ -46,6 +53,9 @@ READY_TIMEOUT_S = 300
 TENANT = "default"
 KEY_FILES = (("api-key", False), ("admin-key", True))  # file in data_dir, admin?
 ENGINE_TOKEN_FILE = "engine-token"
+SERVICE_PASSWORD_FILE = "service-db-password"
+# Where `ballast up` may have been handed the owner's credentials: no child inherits them.
+OWNER_ENV = ("DATABASE_URL", "BALLAST_DATABASE_URL", "PGPASSWORD", "PGPASSFILE")
 
 
 class _Stop(Exception):
@@ -90,6 +100,10 @@ def _step(msg: str) -> None:
 
 def _start(settings: Settings, data: Path, logs: Path,
            stack: ExitStack) -> tuple[Supervisor, Settings, list[Key]]:
+    # Settings has read them; everything started from here on (Postgres and Temporal
+    # included, which inherit this environment) is spared them.
+    for name in OWNER_ENV:
+        os.environ.pop(name, None)
     env = dict(os.environ)
     # Crashed processes start again (ballast/supervise.py); stopping stops each one.
     supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
@@ -97,18 +111,7 @@ def _start(settings: Settings, data: Path, logs: Path,
                             say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True),
                             on_serving=(lambda _: affinity.keep_off_model_workers(os.getpid()))
                             if settings.isolate_engine_cpus else None)
-    if not settings.database_url:
-        _step(f"starting embedded Postgres in {data / 'pg'}")
-        pg = stack.enter_context(EmbeddedPostgres(data))
-        assert pg.child is not None  # started
-        supervisor.adopt("embedded postgres", pg.child, pg.restart, pg.log_path)
-        env["BALLAST_DATABASE_URL"] = pg.url
-        # For `ballast tenants` in another terminal; gone when the server is.
-        url_file = data / URL_FILE
-        url_file.write_text(pg.url)
-        stack.callback(url_file.unlink, missing_ok=True)
-    else:
-        env["BALLAST_DATABASE_URL"] = settings.database_url
+    owner_url, service_url, service_password = _postgres(settings, data, stack, supervisor)
     if not settings.temporal_address:
         port = settings.temporal_port if procs.port_is_free(settings.temporal_port) else procs.free_port()
         ui = settings.temporal_ui_port if procs.port_is_free(settings.temporal_ui_port) else procs.free_port()
@@ -123,12 +126,18 @@ def _start(settings: Settings, data: Path, logs: Path,
         env["BALLAST_TEMPORAL_ADDRESS"] = settings.temporal_address
     env["BALLAST_DATA_DIR"] = str(data)
     _step("migrating the journal (alembic upgrade head)")
-    # As the owner; the children derive the restricted role's URL from the same URL.
-    owner = settings.model_copy(update=dict(database_url=env["BALLAST_DATABASE_URL"]))
-    upgrade(owner.require("database_url"), service_url=owner.service_db_url)
-    keys = asyncio.run(_keys(owner.require("database_url"), data))
+    upgrade(owner_url, service_url=service_url)  # as the owner; it creates the services' role
+    if service_password is not None:
+        # The migration that creates the role sets its password then only: an older data
+        # dir's role has none, or another one.
+        set_password(owner_url, settings.service_role, service_password)
+    keys = asyncio.run(_keys(owner_url, data))
     token = engine_token(settings, data)
     env.pop("BALLAST_ENGINE_TOKEN", None)
+    # The services' role only. The CLI wants a BALLAST_DATABASE_URL of the API and the
+    # workers, which they use for nothing but this: theirs is the services' URL too.
+    env.pop("BALLAST_SERVICE_DATABASE_PASSWORD", None)
+    env.update(BALLAST_DATABASE_URL=service_url, BALLAST_SERVICE_DATABASE_URL=service_url)
     with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
     stack.callback(supervisor.stop_all, 30)  # the workers and the API, before Postgres and Temporal
@@ -142,9 +151,30 @@ def _start(settings: Settings, data: Path, logs: Path,
     effective = settings.model_copy(update=dict(
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),
-        database_url=env["BALLAST_DATABASE_URL"],
+        database_url=owner_url,
+        service_database_url=service_url,
     ))
     return supervisor, effective, keys
+
+
+def _postgres(settings: Settings, data: Path, stack: ExitStack,
+              supervisor: Supervisor) -> tuple[str, str, str | None]:
+    """(the owner's URL, the services' URL, the services' password to set on their role
+    where `ballast up` manages it: on its embedded server, unless a service URL is given)."""
+    if settings.database_url:
+        return settings.database_url, settings.require("service_db_url"), None
+    _step(f"starting embedded Postgres in {data / 'pg'}")
+    pg = stack.enter_context(EmbeddedPostgres(data))
+    assert pg.child is not None  # started
+    supervisor.adopt("embedded postgres", pg.child, pg.restart, pg.log_path)
+    # For `ballast tenants` in another terminal; gone when the server is.
+    url_file = data / URL_FILE
+    write_secret(url_file, pg.url)
+    stack.callback(url_file.unlink, missing_ok=True)
+    if settings.service_database_url:
+        return pg.url, settings.service_database_url, None
+    password = settings.service_database_password or kept_secret(data / SERVICE_PASSWORD_FILE)
+    return pg.url, as_role(pg.url, settings.service_role, password), password
 
 
 def _engine_workers(settings: Settings, env: dict[str, str]) -> list[tuple[str, list[str], dict[str, str], int, str]]:
@@ -188,7 +218,7 @@ async def _keys(url: str, data: Path) -> list[Key]:
                     out.append(Key(path, key, admin, new=False))
                     continue
                 _, key = await tenants.create_key(conn, TENANT, f"ballast up ({name})", admin)
-                _write_secret(path, key)
+                write_secret(path, key)
                 out.append(Key(path, key, admin, new=True))
             return out
     finally:
@@ -204,18 +234,8 @@ def engine_token(settings: Settings, data: Path) -> str:
     token = path.read_text().strip() if path.exists() else ""
     if not token:
         token = secrets.token_urlsafe(32)
-        _write_secret(path, token)
+        write_secret(path, token)
     return token
-
-
-def _write_secret(path: Path, text: str) -> None:
-    """Readable by this user only, from the first byte (never briefly world-readable)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    os.chmod(tmp, 0o600)  # O_CREAT's mode only applies to a file it creates
-    os.replace(tmp, path)
 
 
 def _token_source(settings: Settings, data: Path) -> str:
@@ -227,6 +247,11 @@ def _token_source(settings: Settings, data: Path) -> str:
 
 def _user(url: str | None) -> str | None:
     return make_url(url).username if url else None
+
+
+def _shown(url: str | None) -> str:
+    """A URL fit to print: its password masked."""
+    return make_url(url).render_as_string(hide_password=True) if url else ""
 
 
 def _healthy(url: str) -> bool:
@@ -260,7 +285,7 @@ def _banner(settings: Settings, data: Path, logs: Path, keys: list[Key]) -> None
 Ballast is up.
   API (OpenAI-compatible)  {api}/v1     health: {api}/healthz
   Temporal                 {settings.temporal_address}   Web UI: http://127.0.0.1:{settings.temporal_ui_port}
-  Postgres                 {settings.database_url}   services as: {_user(settings.service_db_url)}
+  Postgres                 {_shown(settings.database_url)}   services as: {_user(settings.service_db_url)}
   model                    {settings.model_name}
   data                     {data}     logs: {logs}
   {f"API key ({TENANT})":<25}{tenant.path}{"   (new)" if tenant.new else ""}

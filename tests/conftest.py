@@ -1,7 +1,8 @@
 """Shared fixtures: a fresh Postgres database per test run (dropped afterwards).
 
 `DATABASE_URL` points at a server (CI: the machine's Postgres); without it an embedded
-server is started under a temporary directory. `db` connects as the services' restricted
+server is started under a temporary directory, where every role needs its password (the
+services' role's is made for the run, in BALLAST_SERVICE_DATABASE_PASSWORD). `db` connects as the services' restricted
 role, as the API and workers do, so every test exercises its grants; `owner_db` is for
 what only the owner may do (rebuilding read models, rewriting anything).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import tempfile
 import uuid
@@ -36,9 +38,16 @@ def pg_server_url(tmp_path_factory):
     root = Path(tempfile.mkdtemp(prefix="ballast-test-pg-"))
     server = pg.EmbeddedPostgres(root)
     server.start()
+    # The server asks every role for its password, the services' role included: the
+    # migrations set this one on it, and Settings (so every process a test starts, which
+    # inherits it) reads it, as BALLAST_SERVICE_DATABASE_PASSWORD.
+    env = pytest.MonkeyPatch()
+    if not os.environ.get("BALLAST_SERVICE_DATABASE_PASSWORD"):
+        env.setenv("BALLAST_SERVICE_DATABASE_PASSWORD", secrets.token_urlsafe(24))
     try:
         yield server.url
     finally:
+        env.undo()
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
