@@ -2,6 +2,8 @@
 below), Retry-After is the window's end, tiers shed flex → default → priority, per-model
 limits apply with the tenant's, and the declared overshoot bound holds."""
 
+import heapq
+import itertools
 import math
 import random
 
@@ -172,38 +174,128 @@ def test_the_staleness_and_bound_come_from_the_settings():
         Settings(admission_headroom_flex=0.99, admission_headroom_default=0.9)
 
 
-@pytest.mark.parametrize("processes", [1, 2, 4])
-@pytest.mark.parametrize("seed", range(5))
-def test_the_declared_bound_holds_when_views_are_stale(processes, seed):
-    """P processes admit from their own exact count plus the others' as of S ago: the
-    window's total never passes L + bound (one process: never L), where the bound takes
-    the most any process admitted within S; and nothing is refused while the true total
-    still had room."""
-    rnd = random.Random(seed)
-    limit, stale_s, dt = 50, 3.2, 0.01
-    lag = int(stale_s / dt)
-    p_arrival = rnd.choice([0.02, 0.2, 1.0])  # per process per step
+def _most_within(times: list[float], span_s: float) -> int:
+    """The most of `times` (sorted) inside any `span_s`-long stretch."""
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] > span_s:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def _simulate(processes: int, flush_s: float, refresh_s: float, limit: int, rate: float, seconds: float,
+              rnd: random.Random, fold_overrun_s: float = 0.0):
+    """P admitting processes on the real schedule, in virtual time (api/admission.py,
+    workflows/quota.py). Each process decides from its own admissions (exact) plus the
+    others' in its view; flushes its reserves every `flush_s` at a phase of its own (one
+    that the engine has not sized yet waits one tick: half of them here); the reconciler
+    folds the rows committed by its start every `refresh_s` at a fixed rate (the next
+    starts `refresh_s` after this one began, or when it ends, then a timer that fires
+    late); each process re-reads the newest finished fold every `refresh_s` at its own
+    phase. The flush, the fold, the timer's lateness and the refresh each take up to a
+    quarter of a refresh period (together at most one: what S allows them), plus
+    `fold_overrun_s` for the fold. Nothing here is told S: how late a view is comes out
+    of the schedule. Returns (admitted per process, their times, each delay from an
+    admission to its appearance in another process's view, requests refused while the
+    true total had room)."""
+    quarter = refresh_s / 4
+    heap: list = []
+    seq = itertools.count()
+
+    def at(t: float, kind: str, p: int = -1, data: tuple[int, ...] = ()) -> None:
+        heapq.heappush(heap, (t, next(seq), kind, p, data))
+
+    for p in range(processes):
+        at(rnd.uniform(0, flush_s), "flush", p)
+        at(rnd.uniform(0, refresh_s), "refresh", p)
+        t = rnd.expovariate(rate)
+        while t < seconds:
+            at(t, "arrive", p)
+            t += rnd.expovariate(rate)
+    at(rnd.uniform(0, refresh_s), "fold")
     own = [0] * processes
-    history: list[list[int]] = []  # own counts at each step
+    admitted: list[list[float]] = [[] for _ in range(processes)]
+    pending: list[list[list[bool]]] = [[] for _ in range(processes)]  # [sized by the API, waited a tick]
+    committed: list[tuple[float, int]] = []  # (commit time, process) per reserve row
+    folds: list[tuple[float, tuple[int, ...]]] = [(0.0, (0,) * processes)]  # (finished at, rows per process)
+    view = [[0] * processes for _ in range(processes)]
+    delays: list[float] = []
     wrong = 0
-    for step in range(int(30 / dt)):
-        history.append(list(own))
-        seen = history[max(0, step - lag)]
-        for p in range(processes):
-            if rnd.random() >= p_arrival:
-                continue
-            others = sum(seen[q] for q in range(processes) if q != p)
-            usage = Usage(requests=own[p] + others)
+    while heap:
+        t, _, kind, p, data = heapq.heappop(heap)
+        if t > seconds + 30:  # long after the last arrival: every view has caught up
+            break
+        if kind == "arrive":
+            usage = Usage(requests=own[p] + sum(view[p][q] for q in range(processes) if q != p))
             if admit(Demand("priority", 1, 1), [(LimitSet(requests_per_min=limit), usage)], NOW) == ADMIT:
                 own[p] += 1
+                admitted[p].append(t)
+                pending[p].append([rnd.random() < 0.5, False])
             elif sum(own) + 1 <= limit:
                 wrong += 1
-    history.append(list(own))
-    peak = max(history[i][p] - history[max(0, i - lag)][p] for i in range(len(history)) for p in range(processes))
+        elif kind == "flush":
+            ready = [x for x in pending[p] if x[0] or x[1]]
+            pending[p] = [x for x in pending[p] if not (x[0] or x[1])]
+            for x in pending[p]:
+                x[1] = True
+            committed += [(t + rnd.uniform(0, min(flush_s, quarter)), p)] * len(ready)
+            at(t + flush_s, "flush", p)
+        elif kind == "fold":
+            took = rnd.uniform(0, quarter) + fold_overrun_s
+            folds.append((t + took, tuple(sum(1 for c, q in committed if c <= t and q == r)
+                                          for r in range(processes))))
+            at(t + max(refresh_s, took) + rnd.uniform(0, quarter), "fold")
+        elif kind == "refresh":
+            at(t + rnd.uniform(0, quarter), "view", p, [rows for done, rows in folds if done <= t][-1])
+            at(t + refresh_s, "refresh", p)
+        elif kind == "view":
+            for q in range(processes):
+                if q != p:
+                    delays += [t - a for a in admitted[q][view[p][q]:data[q]]]
+            view[p] = list(data)
+    assert all(view[p][q] == own[q] for p in range(processes) for q in range(processes) if q != p)
+    return own, admitted, delays, wrong
+
+
+@pytest.mark.parametrize("flush_s, refresh_s", [(0.1, 1.0), (0.05, 0.5), (0.5, 2.0), (0.25, 0.25)])
+@pytest.mark.parametrize("processes", [1, 2, 4])
+@pytest.mark.parametrize("rate", [15.0, 60.0])
+@pytest.mark.parametrize("seed", range(2))
+def test_the_declared_bound_holds_on_the_real_flush_and_refresh_schedule(flush_s, refresh_s, processes, rate, seed):
+    """On the flush / fold / refresh schedule, simulated: every admission reaches every
+    other process's view within S = 2 × flush + 3 × refresh (README), the window's total
+    never passes L + (P − 1) × min(L, the most one process admitted within S) (one
+    process: never L), and nothing is refused while the true total had room."""
+    limit = 200
+    stale_s = 2 * flush_s + 3 * refresh_s  # as README states S, by hand
+    assert staleness_s(flush_s, refresh_s) == pytest.approx(stale_s)
+    assert Settings(admission_flush_s=flush_s, admission_refresh_s=refresh_s).admission_staleness_s == \
+        pytest.approx(stale_s)
+    own, admitted, delays, wrong = _simulate(processes, flush_s, refresh_s, limit, rate, 20.0, random.Random(seed))
+    assert sum(own) >= limit  # the limit was reached: the bound had something to bound
+    assert max(delays, default=0.0) < stale_s
+    peak = max(_most_within(times, stale_s) for times in admitted)
+    assert sum(own) <= limit + (processes - 1) * min(limit, peak)
     assert sum(own) <= limit + overshoot_bound(limit, processes, peak / stale_s, stale_s)
     if processes == 1:
-        assert sum(own) <= limit
+        assert sum(own) == limit
     assert wrong == 0
+
+
+def test_views_later_than_s_pass_the_bound():
+    """The check above can fail: a fold that overruns its period by two makes views later
+    than S, and then the total passes L + the bound computed with S."""
+    limit, flush_s, refresh_s, processes = 1000, 0.1, 1.0, 2
+    stale_s = 2 * flush_s + 3 * refresh_s
+    over = []
+    for seed in range(3):
+        own, admitted, delays, _ = _simulate(processes, flush_s, refresh_s, limit, 100.0, 30.0, random.Random(seed),
+                                             fold_overrun_s=2 * refresh_s)
+        assert max(delays) > stale_s
+        peak = max(_most_within(times, stale_s) for times in admitted)
+        over.append(sum(own) - (limit + (processes - 1) * min(limit, peak)))
+    assert max(over) > 0, over
 
 
 def test_a_fine_tune_is_admitted_while_every_limit_has_a_place_left():
