@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chaos", help="faults injected into a fresh `ballast up` under load; the journal's "
                                      "invariants checked in SQL at the end")
     c.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
-    sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL")
+    sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL: each check's "
+                                  "rows examined; exits 1 on a violation, or when nothing at all was examined")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -121,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos(settings, minutes=args.minutes)
     if args.cmd == "verify":
-        from journal.invariants import audit, report
+        from journal.invariants import audit, passed, report
 
         _need(settings, "database_url")
         findings = audit(settings.require("database_url"))
         print(report(findings))
-        return 0 if all(f.ok for f in findings) else 1
+        return 0 if passed(findings) else 1
     if args.cmd == "bench":
         if args.name == "batch":
             from bench.batch import main as bench_batch

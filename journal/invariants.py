@@ -1,9 +1,24 @@
-"""The journal's invariants, each one SQL query that returns its violations.
+"""The journal's invariants, each one SQL query that returns its violations, and one that
+counts the rows it examined.
 
-Plain SQL over `events`, `batch_items`, `batches` and `ledger`, on purpose: an auditor can
-run the same queries by hand (`ballast verify` runs them), and none of them trusts the
-code that wrote the rows. Some hold at every moment; the rest (`at_rest`) only once
-nothing runs: no batch in flight, every request's stream ended and swept.
+Plain SQL over `events`, `batch_items`, `batches`, `files` and `ledger` (what the auditor
+role may read too), on purpose: an auditor can run the same queries by hand (`ballast
+verify` runs them), and none of them trusts the code that wrote the rows. Some hold at
+every moment; the rest (`at_rest`) only once nothing runs: no batch in flight, every
+request's stream ended and swept.
+
+The ledger is checked against figures written by someone else than the ledger's writer,
+or computed differently: a request's settle against what the engine worker recorded
+vLLM counted (`request_served`, written by the engine worker, not the API); a batch
+item's settled completion tokens against the token ids its chunks journaled; a training
+checkpoint's settle against the job's epochs and the tokens an epoch holds (its
+checkpoint events, the job's hyperparameters) and the trained_tokens the job reported.
+
+A check passes only if it looked at something: each reports how many rows it examined,
+one that examined none says "nothing to check", and the audit as a whole passes only
+when no check found a violation (or could not run) and at least one row was examined.
+So an empty journal, or a role that row-level security hides every row from (the
+auditor outside a tenant's transaction), fails rather than reading as all-ok.
 """
 
 from __future__ import annotations
@@ -21,6 +36,8 @@ class Check:
     name: str
     what: str  # the invariant, as a sentence
     sql: str  # its violations, one row each
+    examined: str  # one row, one column: how many rows the check looked at
+    unit: str  # what `examined` counts, plural
     at_rest: bool = False
 
 
@@ -29,24 +46,44 @@ class Finding:
     check: Check
     violations: int
     examples: list[tuple[Any, ...]] = field(default_factory=list)
+    examined: int = 0
+    error: str | None = None  # the check could not run (a permission, a missing table)
 
     @property
     def ok(self) -> bool:
-        return self.violations == 0
+        """No violation and no error (a check that examined nothing is ok, and says so)."""
+        return self.violations == 0 and self.error is None
+
+    @property
+    def state(self) -> str:
+        if not self.ok:
+            return "FAIL"
+        return "ok" if self.examined else "none"
 
 
-_ITEM_RESULTS = "e.type IN ('item_completed', 'item_failed')"
+_ITEM_RESULTS = "type IN ('item_completed', 'item_failed')"
+_ITEM_STREAM = "'item:' || i.batch_id || ':' || i.idx"
 
 CHECKS = (
-    Check("item_results_once", "every batch item has at most one result, and exactly one once its batch completed",
+    Check("item_results_once",
+          "every item of a completed batch has a result; an item's result is the one its unique key admits "
+          "(<stream>:result), no other; the item's read model (status, result_position) is that result",
           f"""
-          SELECT i.batch_id, i.idx, b.status, count(e.position) AS results
-            FROM batch_items i
-            JOIN batches b ON b.id = i.batch_id
-            LEFT JOIN events e ON e.stream = 'item:' || i.batch_id || ':' || i.idx AND {_ITEM_RESULTS}
-           GROUP BY i.batch_id, i.idx, b.status
-          HAVING count(e.position) > 1 OR (b.status = 'completed' AND count(e.position) <> 1)
-          """),
+          WITH i AS (SELECT i.batch_id, i.idx, {_ITEM_STREAM} AS stream, i.status, i.result_position,
+                            b.status AS batch_status
+                       FROM batch_items i JOIN batches b ON b.id = i.batch_id),
+               r AS (SELECT stream, position, type, idempotency_key FROM events WHERE {_ITEM_RESULTS})
+          SELECT coalesce(i.stream, r.stream) AS stream, i.batch_status, i.status, i.result_position,
+                 r.position, r.type, r.idempotency_key
+            FROM i FULL JOIN r ON r.stream = i.stream
+           WHERE i.stream IS NULL  -- a result of no item
+              OR (i.batch_status = 'completed' AND r.position IS NULL)
+              OR r.idempotency_key <> r.stream || ':result'
+              OR i.result_position IS DISTINCT FROM r.position
+              OR i.status <> CASE r.type WHEN 'item_completed' THEN 'completed'
+                                         WHEN 'item_failed' THEN 'failed' ELSE 'pending' END
+          """,
+          "SELECT count(*) FROM batch_items", "items"),
     Check("chunks_contiguous", "each item's journaled chunks start at offset 0 and follow one another, no gap, "
                                "no overlap",
           """
@@ -56,7 +93,8 @@ CHECKS = (
                               OVER (PARTITION BY stream ORDER BY (payload->>'offset')::int), 0) AS expected
               FROM events WHERE type = 'item_chunk') c
            WHERE off <> expected
-          """),
+          """,
+          "SELECT count(*) FROM events WHERE type = 'item_chunk'", "chunks"),
     Check("fences_only_rise", "within a stream, no event carries an older attempt's fence than one before it",
           """
           SELECT stream, position, fence, newest FROM (
@@ -65,7 +103,8 @@ CHECKS = (
                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS newest
               FROM events WHERE fence IS NOT NULL) f
            WHERE fence < newest
-          """),
+          """,
+          "SELECT count(*) FROM events WHERE fence IS NOT NULL", "fenced events"),
     Check("completed_batches_have_files", "a completed batch names an output or error file, and every file it names "
                                           "exists",
           """
@@ -74,62 +113,193 @@ CHECKS = (
              AND ((b.output_file_id IS NULL AND b.error_file_id IS NULL)
                   OR (b.output_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.output_file_id))
                   OR (b.error_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.error_file_id)))
-          """),
-    Check("ledger_equals_journal", "the ledger settles exactly the tokens the journal records, once per request and "
-                                   "per batch item result",
-          rf"""
+          """,
+          "SELECT count(*) FROM batches WHERE status = 'completed'", "completed batches"),
+    Check("ledger_equals_journal",
+          "every settle in the ledger is of an outcome the journal records, and every such outcome is settled, "
+          "in its tier: a request's (request_finished), a batch item's result (tier batch), a training "
+          "checkpoint's (ftjob:<id>:<step>, tier training)",
+          """
           WITH j AS (
-            SELECT 'request:' || (payload->>'request_id') AS subject, (payload->>'prompt_tokens')::bigint AS i,
-                   (payload->>'completion_tokens')::bigint AS o
-              FROM events WHERE type = 'request_finished'
+            SELECT stream AS subject, 'request' AS what FROM events WHERE type = 'request_finished'
             UNION ALL
-            -- Read from the body's text, not cast to JSON: generated text may hold NUL,
-            -- which Postgres's JSON functions refuse. The keys cannot occur unescaped inside
-            -- a JSON string, so the only match is the usage's own.
-            SELECT stream, coalesce(substring(payload->>'body_json' FROM '"prompt_tokens":\s*(\d+)')::bigint, 0),
-                   coalesce(substring(payload->>'body_json' FROM '"completion_tokens":\s*(\d+)')::bigint, 0)
-              FROM events e WHERE {_ITEM_RESULTS}),
-          l AS (SELECT subject, input_tokens AS i, output_tokens AS o FROM ledger WHERE kind = 'settle')
-          SELECT coalesce(j.subject, l.subject), j.i, j.o, l.i, l.o
+            SELECT stream, 'item' FROM events WHERE type IN ('item_completed', 'item_failed')
+            UNION ALL
+            SELECT 'ftjob:' || (payload->>'job_id') || ':' || (payload->>'step'), 'training'
+              FROM events WHERE type = 'ft_checkpoint'),
+          l AS (SELECT subject, tier FROM ledger WHERE kind = 'settle')
+          SELECT coalesce(j.subject, l.subject) AS subject, j.what, l.tier
             FROM j FULL JOIN l ON l.subject = j.subject
-           WHERE j.subject IS NULL OR l.subject IS NULL OR (j.i, j.o) IS DISTINCT FROM (l.i, l.o)
-          """),
+           WHERE j.subject IS NULL OR l.subject IS NULL
+              OR (j.what = 'item') <> (l.tier = 'batch')
+              OR (j.what = 'training') <> (l.tier = 'training')
+          """,
+          """
+          SELECT (SELECT count(*) FROM ledger WHERE kind = 'settle')
+               + (SELECT count(*) FROM events WHERE type IN ('request_finished', 'item_completed', 'item_failed',
+                                                             'ft_checkpoint'))
+          """, "settles and outcomes"),
+    Check("request_tokens_match_engine",
+          "a request's settled tokens are what its engine worker recorded vLLM counted (request_served): the "
+          "prompt always; the completion exactly once the request completed, at most that if it was cut short",
+          """
+          WITH l AS (SELECT substr(subject, length('request:') + 1) AS rid, input_tokens AS i, output_tokens AS o
+                       FROM ledger WHERE kind = 'settle' AND subject LIKE 'request:%'),
+               s AS (SELECT payload->>'request_id' AS rid, (payload->>'prompt_tokens')::bigint AS i,
+                            (payload->>'completion_tokens')::bigint AS o
+                       FROM events WHERE type = 'request_served'),
+               f AS (SELECT payload->>'request_id' AS rid, payload->>'status' AS status
+                       FROM events WHERE type = 'request_finished')
+          SELECT l.rid, f.status, l.i AS settled_in, l.o AS settled_out, s.i AS served_in, s.o AS served_out
+            FROM l JOIN s ON s.rid = l.rid LEFT JOIN f ON f.rid = l.rid
+           WHERE l.i <> s.i OR l.o > s.o
+              OR (l.o <> s.o AND coalesce(f.status, '') NOT IN ('cancelled', 'failed'))
+          """,
+          """
+          SELECT count(*) FROM ledger l JOIN events s ON s.type = 'request_served'
+                  AND l.subject = 'request:' || (s.payload->>'request_id')
+           WHERE l.kind = 'settle'
+          """, "requests settled and served"),
+    Check("item_tokens_match_chunks",
+          "a completed batch item settles as many completion tokens as its chunks journaled token ids (at most "
+          "that where the request has stop strings: a resumed run may overshoot one); a failed item settles none",
+          f"""
+          WITH l AS (SELECT subject, input_tokens AS i, output_tokens AS o
+                       FROM ledger WHERE kind = 'settle' AND subject LIKE 'item:%'),
+               r AS (SELECT stream, type FROM events WHERE {_ITEM_RESULTS}),
+               c AS (SELECT stream, sum(jsonb_array_length(payload->'token_ids')) AS n
+                       FROM events WHERE type = 'item_chunk' GROUP BY stream),
+               stops AS (SELECT {_ITEM_STREAM} AS stream,
+                                CASE jsonb_typeof(i.body->'stop')
+                                  WHEN 'string' THEN i.body->>'stop' <> ''
+                                  WHEN 'array' THEN jsonb_array_length(i.body->'stop') > 0
+                                  ELSE false END AS has_stop
+                           FROM batch_items i)
+          SELECT l.subject, r.type, l.i AS settled_in, l.o AS settled_out, coalesce(c.n, 0) AS journaled,
+                 stops.has_stop
+            FROM l JOIN r ON r.stream = l.subject
+            LEFT JOIN c ON c.stream = l.subject
+            LEFT JOIN stops ON stops.stream = l.subject
+           WHERE (r.type = 'item_failed' AND (l.i <> 0 OR l.o <> 0))
+              OR (r.type = 'item_completed'
+                  AND (l.o > coalesce(c.n, 0) OR (l.o <> coalesce(c.n, 0) AND NOT coalesce(stops.has_stop, false))))
+          """,
+          f"""
+          SELECT count(*) FROM ledger l JOIN events r ON r.stream = l.subject AND r.{_ITEM_RESULTS}
+           WHERE l.kind = 'settle'
+          """, "items settled"),
+    Check("training_tokens_match_checkpoints",
+          "a fine-tuning job's settles, summed to each checkpoint, lie within the epochs it had trained (epoch = "
+          "total_steps / n_epochs steps, tokens_per_epoch tokens: exact at an epoch's end), settle no output "
+          "tokens, and sum to the trained_tokens the job reported when it succeeded",
+          """
+          WITH job AS (SELECT payload->>'id' AS job, (payload->'hyperparameters'->>'n_epochs')::bigint AS epochs
+                         FROM events WHERE type = 'ft_job_created'),
+               ck AS (SELECT payload->>'job_id' AS job, (payload->>'step')::bigint AS step,
+                             (payload->>'tokens_per_epoch')::bigint AS per_epoch,
+                             (payload->>'total_steps')::bigint AS total_steps
+                        FROM events WHERE type = 'ft_checkpoint'),
+               st AS (SELECT substring(subject FROM '^ftjob:(.*):[0-9]+$') AS job,
+                             substring(subject FROM ':([0-9]+)$')::bigint AS step,
+                             input_tokens AS i, output_tokens AS o
+                        FROM ledger WHERE kind = 'settle' AND subject LIKE 'ftjob:%'),
+               b AS (SELECT ck.job, ck.step, ck.per_epoch, ck.total_steps / nullif(job.epochs, 0) AS per,
+                            ck.total_steps % nullif(job.epochs, 0) AS odd,
+                            (SELECT sum(st.i) FROM st WHERE st.job = ck.job AND st.step <= ck.step) AS settled,
+                            (SELECT sum(st.o) FROM st WHERE st.job = ck.job AND st.step <= ck.step) AS out
+                       FROM ck LEFT JOIN job ON job.job = ck.job)
+          SELECT 'checkpoint' AS what, job, step, settled, per_epoch * (step / per) AS low,
+                 per_epoch * ((step + per - 1) / per) AS high, out
+            FROM b
+           WHERE per IS NULL OR per = 0 OR odd <> 0 OR per_epoch IS NULL OR settled IS NULL OR out <> 0
+              OR settled < per_epoch * (step / per) OR settled > per_epoch * ((step + per - 1) / per)
+          UNION ALL
+          SELECT 'succeeded', t.job, NULL, (SELECT sum(st.i) FROM st WHERE st.job = t.job), t.told, t.told, NULL
+            FROM (SELECT payload->>'job_id' AS job, (payload->>'trained_tokens')::bigint AS told
+                    FROM events WHERE type = 'ft_status' AND payload->>'status' = 'succeeded') t
+           WHERE (SELECT sum(st.i) FROM st WHERE st.job = t.job) IS DISTINCT FROM t.told
+          """,
+          "SELECT count(*) FROM events WHERE type = 'ft_checkpoint'", "checkpoints"),
     Check("batches_ended", "no batch is left unfinished",
           """
           SELECT id, status FROM batches
            WHERE status NOT IN ('completed', 'failed', 'cancelled', 'expired')
-          """, at_rest=True),
+          """,
+          "SELECT count(*) FROM batches", "batches", at_rest=True),
     Check("requests_accounted", "every request an engine served is journaled as finished",
           """
           SELECT s.payload->>'request_id', s.committed_at FROM events s
            WHERE s.type = 'request_served'
              AND NOT EXISTS (SELECT FROM events f
                               WHERE f.idempotency_key = 'request:' || (s.payload->>'request_id') || ':finished')
-          """, at_rest=True),
+          """,
+          "SELECT count(*) FROM events WHERE type = 'request_served'", "served requests", at_rest=True),
     Check("reservations_closed", "every quota reservation is settled, refunded or expired",
-          "SELECT subject, tier, holder, at FROM open_reservations", at_rest=True),
+          "SELECT subject, tier, holder, at FROM open_reservations",
+          "SELECT count(*) FROM ledger WHERE kind = 'reserve'", "reservations", at_rest=True),
 )
 
 
 def audit(db_url: str, *, at_rest: bool = True, examples: int = 5) -> list[Finding]:
     """Every check (only those that hold at every moment unless `at_rest`), run as the
-    URL's role in one read-only snapshot."""
+    URL's role in one read-only snapshot. A check that cannot run (the role may not read
+    a table) is a finding with its error, not an exception: the others still run."""
     out = []
     with psycopg.connect(libpq_url(db_url)) as conn:
         conn.read_only = True
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        for check in CHECKS:
-            if check.at_rest and not at_rest:
-                continue
-            rows = conn.execute(check.sql).fetchall()
-            out.append(Finding(check, len(rows), rows[:examples]))
+        with conn.transaction():
+            for check in CHECKS:
+                if check.at_rest and not at_rest:
+                    continue
+                out.append(_run(conn, check, examples))
     return out
+
+
+def _run(conn: psycopg.Connection, check: Check, examples: int) -> Finding:
+    try:
+        with conn.transaction():  # a savepoint: an error here leaves the snapshot usable
+            rows = conn.execute(check.sql).fetchall()
+            row = conn.execute(check.examined).fetchone()
+    except psycopg.Error as err:
+        return Finding(check, 0, error=f"{type(err).__name__}: {str(err).splitlines()[0]}")
+    return Finding(check, len(rows), rows[:examples], int(row[0]) if row else 0)
+
+
+def examined(findings: list[Finding]) -> int:
+    return sum(f.examined for f in findings)
+
+
+def passed(findings: list[Finding]) -> bool:
+    """The audit's verdict: no check failed, and at least one row was examined."""
+    return all(f.ok for f in findings) and examined(findings) > 0
 
 
 def report(findings: list[Finding]) -> str:
     lines = []
     for f in findings:
-        mark = "ok  " if f.ok else "FAIL"
-        lines.append(f"{mark} {f.check.name}: {f.check.what}" + ("" if f.ok else f" — {f.violations} violations"))
+        seen = f"({f.examined:,} {f.check.unit} examined)"
+        if f.error is not None:
+            tail = f" — could not run: {f.error}"
+        elif f.violations:
+            tail = f" — {f.violations:,} violations {seen}"
+        elif not f.examined:
+            tail = f" — nothing to check {seen}"
+        else:
+            tail = f" {seen}"
+        lines.append(f"{f.state:<4} {f.check.name}: {f.check.what}{tail}")
         lines += [f"       {row}" for row in f.examples]
+    lines.append(verdict(findings))
     return "\n".join(lines)
+
+
+def verdict(findings: list[Finding]) -> str:
+    failed = [f.check.name for f in findings if not f.ok]
+    if failed:
+        return f"FAILED: {', '.join(failed)}"
+    if not examined(findings):
+        return ("FAILED: nothing examined: the journal is empty, or this role sees none of it "
+                "(row-level security shows the auditor only the tenant set for its transaction)")
+    quiet = [f.check.name for f in findings if not f.examined]
+    return (f"passed: {len(findings) - len(quiet)} checks over {examined(findings):,} rows"
+            + (f"; nothing to check for {', '.join(quiet)}" if quiet else ""))
