@@ -8,11 +8,17 @@ cost) and back to back (each request's bookkeeping — workflow start and task, 
 write — then runs during the next one's TTFT: what the control plane's CPU costs on a
 machine with no cores to spare). Both arms time the first text (the client's first
 non-empty content; the byte-level tiny model's first token is often part of a character
-and carries none). Prints TTFT p50/p99 for both arms, the ratio and the
-added milliseconds; where the time goes (the journal records the TTFT the API and the
+and carries none). REQUESTS per pacing and arm, so that p99 is not the slowest request.
+
+Prints TTFT p50/p99 for both arms, their ratios and the added milliseconds, each with a
+bootstrap 95 % interval (bench/stats.py) that resamples runs of BLOCK consecutive
+requests: on a shared machine slow phases last seconds, and requests within one are not
+independent draws. Then where the time goes (the journal records the TTFT the API and the
 engine worker each saw); then what one request costs the control plane: Temporal actions
-and history events (read back from the server) and Postgres rows written. One JSON line
-last.
+and history events (read back from the server), and the rows it writes in Postgres, per
+table, as Postgres itself counts them (pg_stat_user_tables over the whole run, less the
+stack's background writes measured idle beforehand), beside a count by hand in SQL of the
+journal's and the ledger's rows for those very requests. One JSON line last.
 """
 
 from __future__ import annotations
@@ -25,16 +31,26 @@ from pathlib import Path
 from typing import Any
 
 from ballast.settings import Settings
-from bench.stack import ballast_up
-from bench.surge import pct
+from bench.stack import Stack, ballast_up
+from bench.stats import diff_ci, p50, p99, pct, ratio_ci
 
-PROMPTS = [f"Question {i}: what is {i} plus {i * 7}?" for i in range(60)]
+REQUESTS = 500  # per pacing and arm: p99 is then the 5th-slowest
 MAX_TOKENS = 16
 GAP_S = 0.1
 PACINGS = (("paced", GAP_S), ("back to back", 0.0))
+BLOCK = 25  # consecutive requests resampled together for the intervals
+IDLE_S = 20.0  # the stack's background writes (announces, ticks) are measured over this, idle
+# An idle backend hands its table counters to pg_stat within PGSTAT_IDLE_INTERVAL (10 s); a
+# busy one at most once a second (PGSTAT_MIN_INTERVAL). Waiting this long after the last
+# write leaves nothing pending.
+FLUSH_S = 11.0
 
 
-async def direct(settings: Settings, gap_s: float) -> list[float]:
+def prompts(n: int) -> list[str]:
+    return [f"Question {i}: what is {i} plus {i * 7}?" for i in range(n)]
+
+
+async def direct(settings: Settings, gap_s: float, n: int) -> list[float]:
     from engine.models import resolve_model
     from engine.vllm_engine import Engine
 
@@ -42,7 +58,7 @@ async def direct(settings: Settings, gap_s: float) -> list[float]:
                                 max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
     try:
         ttft = []
-        for i, p in enumerate(["warm up", *PROMPTS]):
+        for i, p in enumerate(["warm up", *prompts(n)]):
             await asyncio.sleep(gap_s)
             t0 = time.perf_counter()
             ids = engine.render_chat([dict(role="user", content=p)])
@@ -51,15 +67,19 @@ async def direct(settings: Settings, gap_s: float) -> list[float]:
                     ttft.append(time.perf_counter() - t0)  # model's first token is often only part of a character)
                     break
             await engine.abort(f"d-{i}")
+        if len(ttft) != n + 1:
+            raise RuntimeError(f"{n + 1 - len(ttft)} of {n + 1} direct requests produced no text")
         return ttft[1:]
     finally:
         engine.shutdown()
 
 
-def through_ballast(api, model: str, gap_s: float) -> tuple[list[float], list[str]]:
+def through_ballast(api, model: str, gap_s: float, n: int) -> tuple[list[float], list[str]]:
+    """TTFTs of the n requests after a warm-up, and the ids of all n + 1 (the warm-up's
+    first): every one of them writes the journal."""
     ttft: list[float] = []
     ids: list[str] = []
-    for p in ["warm up", *PROMPTS]:
+    for p in ["warm up", *prompts(n)]:
         time.sleep(gap_s)
         body = dict(model=model, messages=[dict(role="user", content=p)], max_tokens=MAX_TOKENS, temperature=0,
                     stream=True)
@@ -76,20 +96,26 @@ def through_ballast(api, model: str, gap_s: float) -> tuple[list[float], list[st
                     first = time.perf_counter() - t0
         assert first is not None, f"no content streamed back for {p!r}"
         ttft.append(first)
-    return ttft[1:], list(dict.fromkeys(ids))[1:]
+    ids = list(dict.fromkeys(ids))
+    assert len(ids) == n + 1, f"{len(ids)} distinct response ids for {n + 1} requests"
+    return ttft[1:], ids
 
 
-async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
+async def control_plane_cost(temporal_address: str, request_id: str, timeout_s: float = 30) -> dict:
     from temporalio.client import Client
     from temporalio.service import RPCError
 
     client = await Client.connect(temporal_address)
     handle = client.get_workflow_handle(f"request:{request_id}")
-    for _ in range(100):  # its start goes out once the request has ended, in the background
+    deadline = time.monotonic() + timeout_s
+    while True:  # its start goes out once the request has ended, in the background
         try:
             await handle.result()
             break
-        except RPCError:
+        except RPCError as err:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"request {request_id}'s workflow did not complete in {timeout_s:.0f} s: "
+                                   f"its history would be counted part-way ({err})") from err
             await asyncio.sleep(0.1)
     history = await handle.fetch_history()
     kinds = [e.WhichOneof("attributes") for e in history.events]
@@ -101,66 +127,179 @@ async def control_plane_cost(temporal_address: str, request_id: str) -> dict:
                 workflow_starts=1, signals=signals, activities=activities, local_activities=local, timers=timers)
 
 
-def main(settings: Settings) -> int:
-    print(f"bench overhead: {len(PROMPTS)} streamed chat requests, one at a time, max_tokens {MAX_TOKENS}", flush=True)
+def blocks(n: int) -> list[int]:
+    """Each of n consecutive requests' block, for the intervals."""
+    return [i // BLOCK for i in range(n)]
+
+
+def compare(raw: list[float], bal: list[float]) -> dict[str, Any]:
+    """Both arms' TTFT p50/p99 (ms), Ballast's over direct's with intervals, and the
+    milliseconds added."""
+    groups = (blocks(len(bal)), blocks(len(raw)))
+    d50, d99, b50, b99 = (1000 * f(xs) for xs in (raw, bal) for f in (p50, p99))
+    return dict(direct_ttft_p50_ms=round(d50, 2), direct_ttft_p99_ms=round(d99, 2),
+                ballast_ttft_p50_ms=round(b50, 2), ballast_ttft_p99_ms=round(b99, 2),
+                ratio_p50=ratio_ci(bal, raw, p50, groups=groups).as_dict(),
+                ratio_p99=ratio_ci(bal, raw, p99, groups=groups).as_dict(),
+                added_p50_ms=diff_ci(bal, raw, p50, groups=groups).as_dict(scale=1000),
+                added_p99_ms=diff_ci(bal, raw, p99, groups=groups).as_dict(scale=1000))
+
+
+def main(settings: Settings, requests: int = REQUESTS) -> int:
+    print(f"bench overhead: {requests} streamed chat requests per pacing and arm, one at a time, "
+          f"max_tokens {MAX_TOKENS}", flush=True)
     print("arm 1: direct AsyncLLM …", flush=True)
-    raw = {name: asyncio.run(direct(settings, gap)) for name, gap in PACINGS}
+    raw = {name: asyncio.run(direct(settings, gap, requests)) for name, gap in PACINGS}
     print("arm 2: through Ballast (ballast up) …", flush=True)
-    bal, seen = {}, {}
+    bal, seen, sent = {}, {}, []
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d, ballast_up(settings, Path(d)) as stack:
+        background = idle_writes(stack.db_url)
+        before = table_writes(stack.db_url)
+        t0 = time.monotonic()
         for name, gap in PACINGS:
-            bal[name], ids = through_ballast(stack.api, settings.model_name, gap)
-            seen[name] = _journaled_ttfts(stack.db_url, ids)
-        cost = asyncio.run(control_plane_cost(stack.temporal_address, ids[-1]))
-        rows = _rows_per_request(stack.db_url, ids[-1])
-    out: dict[str, Any] = dict(bench="overhead", requests=len(PROMPTS), gap_s=GAP_S)
+            bal[name], ids = through_ballast(stack.api, settings.model_name, gap, requests)
+            sent += ids
+            seen[name] = _journaled_ttfts(stack.db_url, ids[1:])
+        cost = asyncio.run(control_plane_cost(stack.temporal_address, sent[-1]))
+        rows = rows_per_request(stack, sent, before, background, t0)
+    out: dict[str, Any] = dict(bench="overhead", requests=requests, gap_s=GAP_S, block=BLOCK)
     for name, _ in PACINGS:
-        key = name.replace(" ", "_")
-        d50, d99, b50, b99 = (1000 * pct(xs, q) for xs in (raw[name], bal[name]) for q in (50, 99))
         api_ms, engine_ms = seen[name]
-        out[key] = dict(direct_ttft_p50_ms=round(d50, 2), direct_ttft_p99_ms=round(d99, 2),
-                        ballast_ttft_p50_ms=round(b50, 2), ballast_ttft_p99_ms=round(b99, 2),
-                        added_p50_ms=round(b50 - d50, 2), added_p99_ms=round(b99 - d99, 2),
-                        ratio_p50=round(b50 / d50, 3),
-                        # p50s of what each hop saw: the client (above), the API, the engine worker.
-                        api_ttft_p50_ms=round(pct(api_ms, 50), 2), engine_ttft_p50_ms=round(pct(engine_ms, 50), 2))
-    out.update(temporal=cost, postgres_rows_per_request=rows)
-    for name, _ in PACINGS:
-        r = out[name.replace(" ", "_")]
-        print(f"\n{name}:")
-        print(f"  direct     TTFT p50 {r['direct_ttft_p50_ms']:7.2f} ms  p99 {r['direct_ttft_p99_ms']:7.2f} ms")
-        print(f"  Ballast    TTFT p50 {r['ballast_ttft_p50_ms']:7.2f} ms  p99 {r['ballast_ttft_p99_ms']:7.2f} ms")
-        print(f"  added      p50 {r['added_p50_ms']:+.2f} ms  p99 {r['added_p99_ms']:+.2f} ms"
-              f"  (ratio p50 {r['ratio_p50']}×)")
-        print(f"  TTFT p50 as each hop saw it: engine worker {r['engine_ttft_p50_ms']:.2f} ms,"
-              f" API {r['api_ttft_p50_ms']:.2f} ms, client {r['ballast_ttft_p50_ms']:.2f} ms")
-    print(f"\nper request: {cost['actions']} Temporal actions ({cost}), {rows} Postgres rows")
+        # p50s of what each hop saw: the client (in `compare`), the API, the engine worker.
+        out[name.replace(" ", "_")] = dict(compare(raw[name], bal[name]), api_ttft_p50_ms=round(pct(api_ms, 50), 2),
+                                           engine_ttft_p50_ms=round(pct(engine_ms, 50), 2))
+    out.update(temporal=cost, postgres_rows_per_request=rows["total"], postgres=rows)
+    report(out)
     print(json.dumps(out))
     return 0
 
 
-def _journaled_ttfts(db_url: str, request_ids: list[str]) -> tuple[list[float], list[float]]:
+def report(out: dict[str, Any]) -> None:
+    def ci(d: dict) -> str:
+        v = d.get("ratio", d.get("diff"))
+        return f"{v} [{d['ci95'][0]}, {d['ci95'][1]}]"
+
+    for name, _ in PACINGS:
+        r = out[name.replace(" ", "_")]
+        print(f"\n{name} (n = {out['requests']} each; 95 % intervals in brackets):")
+        print(f"  direct     TTFT p50 {r['direct_ttft_p50_ms']:7.2f} ms  p99 {r['direct_ttft_p99_ms']:7.2f} ms")
+        print(f"  Ballast    TTFT p50 {r['ballast_ttft_p50_ms']:7.2f} ms  p99 {r['ballast_ttft_p99_ms']:7.2f} ms")
+        print(f"  added      p50 {ci(r['added_p50_ms'])} ms  p99 {ci(r['added_p99_ms'])} ms")
+        print(f"  ratio      p50 {ci(r['ratio_p50'])}×  p99 {ci(r['ratio_p99'])}×")
+        print(f"  TTFT p50 as each hop saw it: engine worker {r['engine_ttft_p50_ms']:.2f} ms,"
+              f" API {r['api_ttft_p50_ms']:.2f} ms, client {r['ballast_ttft_p50_ms']:.2f} ms")
+    pg = out["postgres"]
+    print(f"\nper request: {out['temporal']['actions']} Temporal actions ({out['temporal']}); "
+          f"{pg['total']} Postgres rows written (inserted + updated + deleted, pg_stat over {pg['requests']} requests)")
+    for table, w in pg["tables"].items():
+        print(f"  {table:32} {w}")
+    print(f"  by hand in SQL for these requests: {pg['by_sql']}")
+
+
+# -- Postgres rows per request ---------------------------------------------------------------------
+
+
+def table_writes(db_url: str) -> dict[str, tuple[int, int, int]]:
+    """(inserted, updated, deleted) rows per table, as Postgres has counted them so far."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_force_next_flush()")  # this session's own, if any
+        conn.execute("SELECT pg_stat_clear_snapshot()")  # a fresh read, not a cached one
+        rows = conn.execute("SELECT schemaname || '.' || relname, n_tup_ins, n_tup_upd, n_tup_del"
+                            " FROM pg_stat_user_tables").fetchall()
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+def _delta(after: dict, before: dict) -> dict[str, tuple[int, int, int]]:
+    out = {}
+    for t, now in after.items():
+        was = before.get(t, (0, 0, 0))
+        d = tuple(a - b for a, b in zip(now, was, strict=True))
+        if any(d):
+            out[t] = d
+    return out
+
+
+def idle_writes(db_url: str) -> tuple[dict[str, tuple[int, int, int]], float]:
+    """What the stack writes with no request in flight (engine announces, the fleet's and
+    the reconciler's ticks): rows per table over IDLE_S, and the seconds they cover."""
+    time.sleep(FLUSH_S)  # start-up's writes counted before the idle window opens
+    a, t0 = table_writes(db_url), time.monotonic()
+    time.sleep(IDLE_S)
+    return _delta(table_writes(db_url), a), time.monotonic() - t0
+
+
+def rows_per_request(stack: Stack, ids: list[str], before: dict, background: tuple[dict, float],
+                     t0: float, timeout_s: float = 60) -> dict[str, Any]:
+    """Rows each request wrote, per table: Postgres's own counters over the run, once every
+    request is journaled and every counter flushed, less the idle rate over the run's
+    length, over the requests. Raises if Postgres's count of the journal's or the
+    ledger's inserts falls short of the rows there are for these requests."""
+    _journaled_ttfts(stack.db_url, ids)  # every outcome journaled (and settled) first
+    time.sleep(FLUSH_S)  # the reconciler's fold of the last settles, and every backend's counters
+    by_hand = _rows_by_sql(stack.db_url, ids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = _delta(table_writes(stack.db_url), before)
+        seconds = time.monotonic() - t0
+        short = {t: (run.get(t, (0, 0, 0))[0], n) for t, n in by_hand["inserted"].items()
+                 if run.get(t, (0, 0, 0))[0] < n}
+        if not short:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pg_stat counts fewer inserts than these requests' rows (counted, in SQL): {short}")
+        time.sleep(1.0)
+    idle, idle_s = background
+    n = len(ids)
+    tables: dict[str, dict[str, float]] = {}
+    for t in sorted(set(run) | set(idle)):
+        got, bg = run.get(t, (0, 0, 0)), idle.get(t, (0, 0, 0))
+        per = [(g - b * seconds / idle_s) / n for g, b in zip(got, bg, strict=True)]
+        tables[t.removeprefix("public.")] = {"ins": round(per[0], 3), "upd": round(per[1], 3), "del": round(per[2], 3),
+                                             "background_per_s": round(sum(bg) / idle_s, 2)}
+    total = sum(w["ins"] + w["upd"] + w["del"] for w in tables.values())
+    return dict(requests=n, seconds=round(seconds, 1), total=round(total, 2), tables=tables,
+                by_sql={t: round(c / n, 3) for t, c in by_hand["per_kind"].items()})
+
+
+def _rows_by_sql(db_url: str, ids: list[str]) -> dict[str, dict[str, int]]:
+    """The journal's and the ledger's rows for these requests, counted in SQL: the events
+    on their streams (the workflow's record, the engine worker's: journal/served.py), the
+    ledger rows on their subjects (reserve, settle, refund: journal/ledger.py)."""
+    import psycopg
+
+    streams = [f"request:{r}" for r in ids] + [f"served:{r}" for r in ids]
+    with psycopg.connect(db_url) as conn:
+        events = conn.execute("SELECT type, count(*) FROM events WHERE stream = ANY(%s) GROUP BY type",
+                              (streams,)).fetchall()
+        ledger = conn.execute("SELECT kind, count(*) FROM ledger WHERE subject = ANY(%s) GROUP BY kind",
+                              ([f"request:{r}" for r in ids],)).fetchall()
+    per_kind = {f"events.{t}": c for t, c in events} | {f"ledger.{k}": c for k, c in ledger}
+    for kind in ("events.request_finished", "events.request_served", "ledger.settle"):
+        if per_kind.get(kind, 0) != len(ids):  # each request has exactly one
+            raise RuntimeError(f"{per_kind.get(kind, 0)} {kind} rows for {len(ids)} requests: {per_kind}")
+    return dict(inserted={"public.events": sum(c for _, c in events), "public.ledger": sum(c for _, c in ledger)},
+                per_kind=per_kind)
+
+
+def _journaled_ttfts(db_url: str, request_ids: list[str], timeout_s: float = 120) -> tuple[list[float], list[float]]:
     """The TTFTs the API and the engine worker recorded, from the journal (each request's
-    outcome is journaled a moment after its response, in the background)."""
+    outcome is journaled a moment after its response, in the background). Every
+    request's, or an error naming those missing."""
     import psycopg
 
     streams = [f"request:{r}" for r in request_ids]
-    with psycopg.connect(db_url) as conn:
-        for _ in range(100):
-            rows = conn.execute("SELECT (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float FROM events"
-                                " WHERE stream = ANY(%s) AND type = 'request_finished'", (streams,)).fetchall()
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        while True:
+            rows = conn.execute("SELECT stream, (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float"
+                                " FROM events WHERE stream = ANY(%s) AND type = 'request_finished'",
+                                (streams,)).fetchall()
             if len(rows) == len(streams):
-                break
-            time.sleep(0.1)
-    return [r[0] for r in rows], [r[1] for r in rows]
-
-
-def _rows_per_request(db_url: str, request_id: str) -> int:
-    import psycopg
-
-    with psycopg.connect(db_url) as conn:
-        # Its workflow's record, and the engine worker's (journal/served.py).
-        row = conn.execute("SELECT count(*) FROM events WHERE stream IN (%s, %s)",
-                           (f"request:{request_id}", f"served:{request_id}")).fetchone()
-        assert row is not None  # count(*) always has its row
-        return row[0]
+                return [r[1] for r in rows], [r[2] for r in rows]
+            if time.monotonic() > deadline:
+                missing = sorted(set(streams) - {r[0] for r in rows})
+                raise RuntimeError(f"{len(missing)} of {len(streams)} requests have no request_finished after "
+                                   f"{timeout_s:.0f} s (e.g. {missing[:5]})")
+            time.sleep(0.2)

@@ -47,6 +47,7 @@ import psycopg
 
 from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
+from bench.stats import pct
 from journal.db import libpq_url
 
 SEED = 5
@@ -124,16 +125,46 @@ def _engines(db_url: str) -> dict[str, dict]:
         return {i: s for i, s in c.execute("SELECT id, stats FROM engines")}
 
 
-def _served_on(db_url: str, ids: list[str]) -> dict[str, str]:
-    """Where each request ran: its engine worker's own record (`request_served`)."""
+def _served_on(db_url: str, ids: list[str], timeout_s: float = 30) -> dict[str, str]:
+    """Where each request ran: its engine worker's own record (`request_served`, written
+    a moment after the stream ends). Every request's, or an error naming those missing."""
     q = ("SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served' "
          "AND payload->>'request_id' = ANY(%s)")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout_s
     while True:
         with psycopg.connect(libpq_url(db_url)) as c:
             where: dict[str, str] = dict(c.execute(q, (ids,)).fetchall())
-        if len(where) == len(ids) or time.monotonic() > deadline:
+        missing = [i for i in ids if i not in where]
+        if not missing:
             return where
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(missing)} of {len(ids)} requests have no request_served record after "
+                               f"{timeout_s:.0f} s (e.g. {missing[:5]}): the imbalance would be computed without them")
+        time.sleep(0.5)
+
+
+def _db_now(db_url: str) -> float:
+    with psycopg.connect(libpq_url(db_url)) as c:
+        row = c.execute("SELECT extract(epoch FROM clock_timestamp())::float").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def _engines_after(db_url: str, at: float, engines: int, timeout_s: float = 30) -> dict[str, dict]:
+    """Every engine's counters as announced after `at` (database clock): an engine gathers
+    them as its announcing transaction starts, once a second, so a row seen later than
+    `at` + 1.5 s holds every request that ended by `at`. An error if an engine is silent."""
+    q = "SELECT id, stats, extract(epoch FROM seen_at)::float FROM engines"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with psycopg.connect(libpq_url(db_url)) as c:
+            rows = c.execute(q).fetchall()
+        stale = [i for i, _, seen in rows if seen < at + 1.5]
+        if len(rows) >= engines and not stale:
+            return {i: stats for i, stats, _ in rows}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engines {stale or 'missing'} ({len(rows)} of {engines} listed) announced no counters "
+                               f"in the {timeout_s:.0f} s after the trace: the hit rate would miss their last requests")
         time.sleep(0.5)
 
 
@@ -161,20 +192,16 @@ async def play(stack: Stack, model: str, turns: list[Turn], engines: int = 2) ->
             await asyncio.sleep(max(0.0, t0 + turn.at - time.perf_counter()))
             tasks.append(asyncio.create_task(_chat(http, model, turn)))
         chats = list(await asyncio.gather(*tasks))
-    await asyncio.sleep(2.5)  # the engines' counters are announced every second
-    after = _engines(stack.db_url)
+    ended = await asyncio.to_thread(_db_now, stack.db_url)
+    after = await asyncio.to_thread(_engines_after, stack.db_url, ended, engines)
     queried = sum(after[e]["prefix_queries"] - before.get(e, {}).get("prefix_queries", 0) for e in after)
     hits = sum(after[e]["prefix_hits"] - before.get(e, {}).get("prefix_hits", 0) for e in after)
     where = await asyncio.to_thread(_served_on, stack.db_url, [c.id for c in chats])
     ratio, moments = imbalance(chats, where, engines)
-    ttfts = sorted(c.ttft for c in chats)
-    return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * _pct(ttfts, 50), 1),
-                ttft_p99_ms=round(1000 * _pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
+    ttfts = [c.ttft for c in chats]
+    return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * pct(ttfts, 50), 1),
+                ttft_p99_ms=round(1000 * pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
                 imbalance=ratio, imbalance_moments=moments, served_by=dict(Counter(where.values())))
-
-
-def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]
 
 
 def kv_bytes_per_token(model_path: str) -> int:
@@ -216,8 +243,7 @@ def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> di
         placer.sent(ranked[0], blocks)
         costs.append(time.perf_counter() - t0)
         placer.done(ranked[0].id)
-    costs.sort()
-    out = dict(decisions=len(costs), p50_ms=round(1000 * _pct(costs, 50), 3), p99_ms=round(1000 * _pct(costs, 99), 3))
+    out = dict(decisions=len(costs), p50_ms=round(1000 * pct(costs, 50), 3), p99_ms=round(1000 * pct(costs, 99), 3))
 
     # Worker loss: where each conversation's latest turn would go now, and once e0 is gone.
     reqs = {json.dumps(t.messages[:2]): GenerationRequest(CHAT, settings.model_name, tuple(

@@ -46,8 +46,8 @@ import httpx
 import psycopg
 
 from ballast.settings import Settings
-from bench.placement import _pct as placement_pct
 from bench.stack import Stack, ballast_up
+from bench.stats import pct as _pct
 
 SEED = 29
 EXAMPLES = 200
@@ -196,11 +196,6 @@ def surge(stack: Stack, model: str, file_id: str, n: int) -> dict[str, Any]:
                 resumes=len(resume), resume_ms_p50=_ms(_pct(resume, 50)), resume_ms_p99=_ms(_pct(resume, 99)),
                 first_chunk_start_ms=_ms(first["resume_s"]), step_ms=_ms(step_s),
                 resume_in_steps=round(_pct(resume, 50) / step_s, 2) if resume else None)
-
-
-def _pct(xs: list[float], p: float) -> float:
-    """The nearest-rank percentile, as bench placement's (0 for none)."""
-    return placement_pct(sorted(xs), p) if xs else 0.0
 
 
 def _ms(s: float) -> float:
