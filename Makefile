@@ -34,7 +34,6 @@ bench: install
 	$(VENV)/bin/ballast bench placement
 	$(VENV)/bin/ballast bench grouping
 	$(VENV)/bin/ballast bench training
-	$(VENV)/bin/python -m bench.lora_overhead
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

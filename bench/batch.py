@@ -1,21 +1,37 @@
-"""`ballast bench batch`: the same batches through raw vLLM and through Ballast.
+"""`ballast bench batch`: the same batch files through raw vLLM, vLLM's own batch runner
+and Ballast, on the same vLLM engine arguments.
 
-Arm 1 (baseline): every request submitted at once to an in-process vLLM AsyncLLM.
-Arm 2 (Ballast): the same requests as a JSONL file through `ballast up` end to end —
-REST upload → batch workflow → engine worker → journal checkpoints → output file — on
-default settings. Same model, engine settings and requests; each arm's engine is warm
-(start-up is not counted).
+Arms, each round:
+- raw: every request submitted at once to an in-process vLLM AsyncLLM (warm: its start
+  and a warm-up request are not counted);
+- run-batch: `python -m vllm.entrypoints.openai.run_batch -i in.jsonl -o out.jsonl` on the
+  same JSONL file, what a vLLM user runs instead of a batch service. One process per
+  file, so its start is part of what it costs: its time is reported with the start (spawn
+  to the output file written) and without it (from its "Reading batch from" log line,
+  when its engine is up, to the output file written); the ratios use the latter, the
+  like-for-like one, and give the former beside it;
+- Ballast: the file through `ballast up` end to end — REST upload → batch workflow →
+  engine worker → journal checkpoints → output file — on default settings (warm stack);
+  the batch ends when the journal records it completed, so the client's polling interval
+  does not count;
+- Ballast with LoRA support flipped (BALLAST_SERVE_FINE_TUNED, default on): the same
+  stack without it (or with it, where the settings turn it off), for LoRA's cost.
 
-Both arms place their processes alike: on a CPU engine, off the cores vLLM binds its
-model worker to (ballast/affinity.py; BALLAST_ISOLATE_ENGINE_CPUS=false turns it off in
-both). Two batches: the short one (`requests` completions, 256 by default) and a long one sized
-so that the raw arm runs at least `long_s` seconds. `runs` rounds, alternating raw and
-Ballast, each with its own engine or stack; the ratio is of the medians. A Ballast batch
-ends when the journal records it completed (the batch's status event), so the client's
-polling interval does not count. CPU per process is sampled from /proc throughout and
-reported per 1,000 output tokens; the last round's short batch is drawn (vLLM's running
-and waiting sequences, when each item reached vLLM and left it, activity starts,
-checkpoint commits, CPU per process) into `picture`. One JSON line last.
+Every engine gets vLLM's engine arguments from one function, `engine_args` (engine/
+vllm_engine.py), the one the engine worker's Engine.start uses: the raw arm passes them to
+AsyncLLM, run-batch gets them as its CLI flags (read back through vLLM's own parser), and
+each Ballast stack's are read from its engine worker's log. The JSON prints each arm's,
+and the run fails if the raw, run-batch and Ballast arms' differ. vLLM's processes run
+at the same lower CPU priority in every arm (BALLAST_ENGINE_NICE).
+
+Two batches: the short one (`requests` chat completions, 256 by default) and a long one
+sized so that the raw arm runs at least `long_s` seconds. `runs` rounds, the arms' order
+rotating from round to round, each arm with its own engine or stack; ratios are of the
+medians over rounds, with a bootstrap interval (bench/stats.py). CPU per process is
+sampled from /proc throughout and reported per 1,000 output tokens; the last round's short
+batch is drawn (vLLM's running and waiting sequences, when each item reached vLLM and left
+it, activity starts, checkpoint commits, CPU per process) into `picture`. One JSON line
+last.
 """
 
 from __future__ import annotations
@@ -26,7 +42,10 @@ import math
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,47 +53,112 @@ from typing import Any
 
 import httpx
 
-from ballast import affinity
+from ballast import affinity, procs
 from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
+from bench.stats import p50, ratio_ci
 from bench.timeline import VLLM_ROLES, CpuSampler, draw
 
 SEED = 7
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,.ABCDEFGHIJ0123456789"
 PICTURE = Path(__file__).with_name("batch-timeline.png")
+URL = "/v1/chat/completions"  # the one generation endpoint vLLM's batch runner takes
+ARMS = ("raw", "run_batch", "ballast", "ballast_lora_flipped")
+ARGS_LINE = "vLLM engine args: "  # what Engine.from_args logs (engine/vllm_engine.py)
+READY_LINE = "Reading batch from"  # run-batch's log, once its engine is up
 
 
 def workload(n: int, seed: int = SEED) -> list[dict]:
-    """n completions: prompts of 100-500 tokens (byte tokenizer: one per character),
-    128-256 output tokens each, greedy, run to max_tokens."""
+    """n chat completions: a user message of 100-500 characters (byte tokenizer: one
+    token each, plus the chat template's), 128-256 output tokens each, greedy, run to
+    max_tokens."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        prompt = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(100, 500)))
-        out.append(dict(model=None, prompt=prompt, max_tokens=rng.randint(128, 256), temperature=0, ignore_eos=True))
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(100, 500)))
+        out.append(dict(messages=[dict(role="user", content=text)], max_tokens=rng.randint(128, 256),
+                        temperature=0, ignore_eos=True))
     return out
+
+
+def batch_file(reqs: list[dict], model: str) -> bytes:
+    """The OpenAI batch input file every arm but raw runs (raw runs its lines' bodies)."""
+    return "".join(json.dumps(dict(custom_id=f"r{i}", method="POST", url=URL, body=dict(r, model=model))) + "\n"
+                   for i, r in enumerate(reqs)).encode()
+
+
+# -- the engine arguments ----------------------------------------------------------------
+
+
+def run_batch_argv(args: dict[str, Any]) -> list[str]:
+    """`args` (AsyncEngineArgs keywords) as vLLM's CLI flags, spelled as vLLM's own parser
+    (the one run-batch uses) defines them."""
+    from vllm.entrypoints.launchers.run_batch import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    actions = {a.dest: a for a in make_arg_parser(FlexibleArgumentParser())._actions}
+    argv: list[str] = []
+    for key, value in args.items():
+        action = actions[key]
+        flag = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            negative = [o for o in action.option_strings if o.startswith("--no-")]
+            if negative:
+                argv.append(negative[0])
+            elif action.default is not False:  # a store_true flag: absent is False only where that's its default
+                raise ValueError(f"vLLM's CLI cannot say {key}=False")
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parsed_args(argv: list[str], keys: list[str]) -> dict[str, Any]:
+    """What vLLM's own parser makes of `argv`: the engine arguments run-batch gets."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.run_batch import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(["-i", "in.jsonl", "-o", "out.jsonl", *argv])
+    got = vars(AsyncEngineArgs.from_cli_args(ns))
+    out = {k: got[k] for k in keys}
+    names = out.get("served_model_name")
+    if isinstance(names, list) and len(names) == 1:  # the CLI takes a list of names; Python, a name or a list
+        out["served_model_name"] = names[0]
+    return out
+
+
+def logged_args(log: Path) -> dict[str, Any]:
+    """The engine arguments an engine worker started vLLM with, from its own log."""
+    for line in log.read_text(errors="replace").splitlines():
+        if ARGS_LINE in line:
+            return json.loads(line.split(ARGS_LINE, 1)[1])
+    raise RuntimeError(f"no '{ARGS_LINE}' line in {log}")
 
 
 # -- arm 1: raw vLLM ---------------------------------------------------------------------
 
 
 async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: float | None = None) -> dict:
-    """Each batch through one in-process engine. With `long_s`, the "long" batch is sized
-    from the short one's throughput to run that long (its requests are returned)."""
+    """Each batch through one in-process engine on `engine_args(spec, settings)`. With
+    `long_s`, the "long" batch is sized from the short one's throughput to run that long
+    (its requests are returned)."""
     from engine.models import resolve_model
-    from engine.vllm_engine import Engine
+    from engine.vllm_engine import Engine, engine_args
 
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib,
-                                max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
+    spec = resolve_model(settings)
+    args = engine_args(spec, settings)
+    engine = await Engine.from_args(spec, args, nice=settings.engine_nice)
     everywhere = os.sched_getaffinity(0)
     if settings.isolate_engine_cpus:  # as `ballast up` places its processes: the same for both arms
         affinity.keep_off_model_workers(os.getpid())
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = dict(args=args)
     try:
         async def one(i: int, r: dict, items: list) -> int:
             n, start = 0, time.time()
-            async for step in engine.generate(f"raw-{i}", engine.render_text(r["prompt"]), max_tokens=r["max_tokens"],
-                                              temperature=0.0, ignore_eos=True):
+            async for step in engine.generate(f"raw-{i}", engine.render_chat(r["messages"]),
+                                              max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True):
                 n += len(step.token_ids)
             items.append((start, time.time()))
             return n
@@ -84,7 +168,7 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
                 load.append((time.time(), engine.load.running, engine.load.waiting))
                 await asyncio.sleep(0.05)
 
-        await one(-1, dict(prompt="warm up", max_tokens=8), [])
+        await one(-1, dict(messages=[dict(role="user", content="warm up")], max_tokens=8), [])
         for name in ("short", "long"):
             reqs = batches.get(name)
             if name == "long" and reqs is None and long_s is not None:
@@ -109,16 +193,122 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
             os.sched_setaffinity(tid, everywhere)
 
 
-# -- arm 2: through Ballast --------------------------------------------------------------
+# -- arm 2: vLLM's own batch runner ------------------------------------------------------
+
+
+def run_batch_arm(settings: Settings, batches: dict[str, list[dict]], log=print) -> dict:
+    """Each batch file through one `run_batch` process on the raw arm's engine arguments."""
+    from engine.models import resolve_model
+    from engine.vllm_engine import engine_args
+
+    spec = resolve_model(settings)
+    args = engine_args(spec, settings)
+    argv = run_batch_argv(args)
+    out: dict[str, Any] = dict(args=parsed_args(argv, list(args)), argv=argv)
+    with tempfile.TemporaryDirectory(prefix="ballast-run-batch-") as d:
+        for name, reqs in batches.items():
+            got = _run_batch(Path(d) / name, batch_file(reqs, spec.name), len(reqs), argv, settings.engine_nice)
+            log(f"  {name}: its engine up in {got['start_s']:.1f} s")
+            out[name] = got
+    return out
+
+
+def _run_batch(work: Path, lines: bytes, n: int, argv: list[str], nice: int) -> dict:
+    work.mkdir()
+    infile, outfile, logfile = work / "in.jsonl", work / "out.jsonl", work / "run-batch.log"
+    infile.write_bytes(lines)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(infile), "-o", str(outfile), *argv]
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+    t_spawn = time.time()
+    # Its own session: stop() ends its group (it and the engine processes it forks), nothing else.
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    child = procs.Child("vllm run-batch", proc, logfile)
+    ready: list[float] = []
+    reader = threading.Thread(target=_follow, args=(proc, logfile, ready), daemon=True)
+    reader.start()
+    try:
+        with CpuSampler(proc.pid, root_role="vLLM frontend") as cpu:
+            while not ready and proc.poll() is None:
+                _renice_vllm(proc.pid, nice)
+                time.sleep(0.1)
+            _renice_vllm(proc.pid, nice)  # threads its engine started since
+            while not _complete(outfile, n) and proc.poll() is None:
+                time.sleep(0.05)
+            t_done = time.time()
+        rc = proc.wait(120)
+        reader.join(10)
+    finally:
+        child.stop(30)
+    if not ready or not _complete(outfile, n) or rc != 0:
+        raise RuntimeError(f"run-batch failed (exit {proc.returncode}); log {logfile}:\n{child.log_tail()}")
+    results = [json.loads(ln) for ln in outfile.read_text().splitlines()]
+    failed = [r for r in results if r["error"] is not None or r["response"]["status_code"] != 200]
+    if failed:
+        raise RuntimeError(f"run-batch: {len(failed)} of {n} requests failed, e.g. {failed[0]}")
+    tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
+    seconds, with_start = t_done - ready[0], t_done - t_spawn
+    return dict(seconds=seconds, tokens=tokens, tps=tokens / seconds, requests=n, t0=ready[0],
+                seconds_with_start=with_start, tps_with_start=tokens / with_start, start_s=ready[0] - t_spawn,
+                cpu=cpu_between(cpu.samples, ready[0], t_done))
+
+
+def _follow(proc: subprocess.Popen, logfile: Path, ready: list[float]) -> None:
+    """Copy run-batch's output to its log, noting when its engine is up (as the line arrives:
+    vLLM's logger flushes each line)."""
+    assert proc.stdout is not None
+    with open(logfile, "wb") as f:
+        for line in proc.stdout:
+            if not ready and READY_LINE.encode() in line:
+                ready.append(time.time())
+            f.write(line)
+            f.flush()
+
+
+def _complete(path: Path, n: int) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return data.endswith(b"\n") and data.count(b"\n") >= n
+
+
+def _renice_vllm(root: int, nice: int) -> None:
+    """vLLM's engine processes under `root` (ours) at `nice` more than this process, every
+    thread (niceness is per thread on Linux), as Engine.start places its own."""
+    if nice <= 0:
+        return
+    target = os.getpriority(os.PRIO_PROCESS, 0) + nice
+    for pid in affinity.descendants(root):
+        try:
+            if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
+                continue
+            for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+                if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                    os.setpriority(os.PRIO_PROCESS, tid, target)
+        except OSError:
+            continue  # gone already
+
+
+def cpu_between(samples: list[tuple[float, dict[str, float]]], start: float, end: float) -> dict[str, float]:
+    """CPU seconds by role between two times, from a CpuSampler's cumulative samples: the
+    last sample at or before `start` to the first at or after `end`."""
+    before = next((c for t, c in reversed(samples) if t <= start), {})
+    after = next((c for t, c in samples if t >= end), samples[-1][1] if samples else {})
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
+
+
+# -- arm 3: through Ballast --------------------------------------------------------------
 
 
 def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d:
         trace = Path(d) / "engine-trace.jsonl"
-        with ballast_up(settings, Path(d), BALLAST_ENGINE_TRACE=str(trace)) as stack:
+        with ballast_up(settings, Path(d), BALLAST_ENGINE_TRACE=str(trace),
+                        BALLAST_SERVE_FINE_TUNED=str(settings.serve_fine_tuned).lower()) as stack:
+            out: dict[str, Any] = dict(args=logged_args(Path(d) / "logs" / "engine.log"))
             warm = run_batch(stack, [dict(batches["short"][0], max_tokens=8)], settings)
             log(f"  warm-up batch: {warm['seconds']:.2f} s")
-            out = {}
             for name, reqs in batches.items():
                 with CpuSampler(stack.pid, root_role="ballast up") as cpu:
                     got = run_batch(stack, reqs, settings)
@@ -130,17 +320,12 @@ def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print) -
 
 def run_batch(stack: Stack, reqs: list[dict], settings: Settings, poll_s: float = 0.5) -> dict:
     api = stack.api
-    lines = "".join(
-        json.dumps(dict(custom_id=f"r{i}", method="POST", url="/v1/completions",
-                        body=dict(r, model=settings.model_name)))
-        + "\n"
-        for i, r in enumerate(reqs)
-    ).encode()
+    lines = batch_file(reqs, settings.model_name)
     t0 = time.time()
     fid = api.post("/v1/files", files={"file": ("bench.jsonl", lines)},
                    data={"purpose": "batch"}).raise_for_status().json()["id"]
-    bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions",
-                                            completion_window="24h")).json()["id"]
+    bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint=URL,
+                                            completion_window="24h")).raise_for_status().json()["id"]
     while (b := api.get(f"/v1/batches/{bid}").json())["status"] not in ("completed", "failed", "cancelled", "expired"):
         time.sleep(poll_s)
     assert b["status"] == "completed", b
@@ -197,71 +382,135 @@ def per_1k(cpu: dict[str, float], tokens: int) -> dict[str, float]:
 
 def control_plane(cpu: dict[str, float]) -> float:
     """CPU seconds of everything that is not vLLM's engine core and model worker: in the
-    raw arm vLLM's frontend (the bench process), in Ballast every other process of the
-    stack (the engine worker, which holds vLLM's frontend, API, control worker, Temporal,
-    Postgres)."""
+    raw and run-batch arms vLLM's frontend (the bench process; run-batch's own), in Ballast
+    every other process of the stack (the engine worker, which holds vLLM's frontend, API,
+    control worker, Temporal, Postgres)."""
     return sum(v for k, v in cpu.items() if k not in VLLM_ROLES)
 
 
+def vllm_cpu(cpu: dict[str, float]) -> float:
+    return sum(v for k, v in cpu.items() if k in VLLM_ROLES)
+
+
+def args_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The engine arguments two arms disagree on (as JSON: how the engine worker logs them)."""
+    a, b = json.loads(json.dumps(a)), json.loads(json.dumps(b))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
+
+
+def _ratio(arm: list[float], base: list[float]) -> dict:
+    """Of the medians over rounds, with a bootstrap interval over the rounds."""
+    return ratio_ci(arm, base, stat=p50).as_dict()
+
+
 def summarise(rounds: list[dict[str, dict]], size: str) -> dict:
-    raw = [r["raw"][size] for r in rounds if size in r["raw"]]
-    bal = [r["ballast"][size] for r in rounds if size in r["ballast"]]
-    raw_tps, bal_tps = statistics.median(x["tps"] for x in raw), statistics.median(x["tps"] for x in bal)
-    last_raw, last_bal = raw[-1], bal[-1]
+    runs = {arm: [r[arm][size] for r in rounds if size in r.get(arm, {})] for arm in ARMS}
+    tps = {arm: [x["tps"] for x in xs] for arm, xs in runs.items()}
+    raw, rb, bal, flipped = runs["raw"], runs["run_batch"], runs["ballast"], runs["ballast_lora_flipped"]
+
+    def cpu_1k(xs: list[dict], part) -> float:
+        return round(p50([1000 * part(x["cpu"]) / x["tokens"] for x in xs]), 4)
+
     return dict(
         requests=raw[0]["requests"], output_tokens=raw[0]["tokens"],
-        raw_tokens_per_s=round(raw_tps, 1), ballast_tokens_per_s=round(bal_tps, 1),
-        ratio=round(bal_tps / raw_tps, 3),
-        ratios_per_round=[round(b["tps"] / r["tps"], 3) for r, b in zip(raw, bal, strict=False)],
-        raw_seconds=[round(x["seconds"], 2) for x in raw], ballast_seconds=[round(x["seconds"], 2) for x in bal],
-        # Control-plane CPU per 1,000 output tokens (medians over the rounds), and the
-        # last round's CPU per process per 1,000 tokens.
-        raw_control_cpu_per_1k=round(statistics.median(1000 * control_plane(x["cpu"]) / x["tokens"] for x in raw), 4),
-        ballast_control_cpu_per_1k=round(statistics.median(1000 * control_plane(x["cpu"]) / x["tokens"]
-                                                           for x in bal), 4),
-        raw_cpu_per_1k=per_1k(last_raw["cpu"], last_raw["tokens"]),
-        ballast_cpu_per_1k=per_1k(last_bal["cpu"], last_bal["tokens"]),
+        tokens_per_s={arm: round(p50(xs), 1) for arm, xs in tps.items()},
+        run_batch_tokens_per_s_with_start=round(p50([x["tps_with_start"] for x in rb]), 1),
+        # Ballast against each baseline; run-batch's own time excludes its start (its
+        # engine up to its output file written), the like-for-like figure.
+        ratio=_ratio(tps["ballast"], tps["raw"]),
+        ratio_vs_run_batch=_ratio(tps["ballast"], tps["run_batch"]),
+        ratio_vs_run_batch_with_start=_ratio(tps["ballast"], [x["tps_with_start"] for x in rb]),
+        run_batch_vs_raw=_ratio(tps["run_batch"], tps["raw"]),
+        ratios_per_round={arm: [round(x["tps"] / r["tps"], 3) for r, x in zip(raw, xs, strict=False)]
+                          for arm, xs in runs.items() if arm != "raw"},
+        seconds={arm: [round(x["seconds"], 2) for x in xs] for arm, xs in runs.items()},
+        run_batch_seconds_with_start=[round(x["seconds_with_start"], 2) for x in rb],
+        run_batch_start_s=[round(x["start_s"], 2) for x in rb],
+        # CPU per 1,000 output tokens (medians over the rounds): vLLM's own processes (engine
+        # core + model worker) and the control plane; and the last round's by process.
+        vllm_cpu_per_1k={arm: cpu_1k(xs, vllm_cpu) for arm, xs in runs.items()},
+        control_cpu_per_1k={arm: cpu_1k(xs, control_plane) for arm, xs in runs.items()},
+        cpu_per_1k={arm: per_1k(xs[-1]["cpu"], xs[-1]["tokens"]) for arm, xs in runs.items()},
+        # LoRA's cost: the same stack with LoRA support against without it.
+        lora=_lora_line(bal, flipped),
     )
+
+
+def _lora_line(bal: list[dict], flipped: list[dict]) -> dict:
+    on, off = (bal, flipped) if "enable_lora" in bal[0].get("args", {}) else (flipped, bal)
+    return dict(on_tokens_per_s=round(p50([x["tps"] for x in on]), 1),
+                off_tokens_per_s=round(p50([x["tps"] for x in off]), 1),
+                on_over_off=_ratio([x["tps"] for x in on], [x["tps"] for x in off]))
 
 
 def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float = 65.0,
          picture: Path | None = PICTURE) -> int:
     batches: dict[str, list[dict]] = {"short": workload(requests)}
-    print(f"bench batch: a short batch of {requests} completions and a long one sized to ≥ {long_s:.0f} s on raw "
-          f"vLLM; prompts 100-500 tokens, 128-256 output tokens; {runs} rounds alternating raw and Ballast; "
-          f"model {settings.model_name}", flush=True)
+    flipped = settings.model_copy(update=dict(serve_fine_tuned=not settings.serve_fine_tuned))
+    print(f"bench batch: a short batch of {requests} chat completions and a long one sized to ≥ {long_s:.0f} s on "
+          f"raw vLLM; messages of 100-500 characters, 128-256 output tokens; {runs} rounds of raw vLLM, vLLM "
+          f"run-batch, Ballast and Ballast with LoRA support {'off' if settings.serve_fine_tuned else 'on'}, "
+          f"their order rotating; model {settings.model_name}", flush=True)
     rounds: list[dict[str, dict]] = []
     for n in range(1, runs + 1):
-        print(f"round {n}/{runs}, raw vLLM AsyncLLM (in process) …", flush=True)
-        raw = asyncio.run(raw_arm(settings, batches, long_s if long_s > 0 else None))
-        for name, r in raw.items():
-            print(f"  {name}: {r['tokens']} tokens in {r['seconds']:.2f} s ({r['tps']:.0f} tok/s)", flush=True)
-        print(f"round {n}/{runs}, Ballast (ballast up: REST → Temporal → engine worker → journal) …", flush=True)
-        bal = ballast_arm(settings, batches)
-        for name, r in bal.items():
-            print(f"  {name}: {r['tokens']} tokens in {r['seconds']:.2f} s ({r['tps']:.0f} tok/s, "
-                  f"{r['tps'] / raw[name]['tps']:.3f} × raw)", flush=True)
-        rounds.append(dict(raw=raw, ballast=bal))
+        got: dict[str, dict] = {}
+        order = ARMS[(n - 1) % len(ARMS):] + ARMS[:(n - 1) % len(ARMS)]
+        if "long" not in batches and long_s > 0:  # the long batch is sized from raw's short one
+            order = ("raw", *(a for a in order if a != "raw"))
+        for arm in order:
+            if arm == "raw":
+                print(f"round {n}/{runs}, raw vLLM AsyncLLM (in process) …", flush=True)
+                got[arm] = asyncio.run(raw_arm(settings, batches, long_s if long_s > 0 else None))
+            elif arm == "run_batch":
+                print(f"round {n}/{runs}, vLLM run-batch (a process per file) …", flush=True)
+                got[arm] = run_batch_arm(settings, batches, log=lambda m: print(m, flush=True))
+            else:
+                own = settings if arm == "ballast" else flipped
+                print(f"round {n}/{runs}, Ballast{'' if arm == 'ballast' else ', LoRA support flipped'} "
+                      f"(BALLAST_SERVE_FINE_TUNED={str(own.serve_fine_tuned).lower()}; ballast up: REST → Temporal → "
+                      "engine worker → journal) …", flush=True)
+                got[arm] = ballast_arm(own, batches, log=lambda m: print(m, flush=True))
+            for name in batches:
+                r = got[arm][name]
+                extra = f", {r['seconds_with_start']:.2f} s with its start" if "seconds_with_start" in r else ""
+                print(f"  {name}: {r['tokens']} tokens in {r['seconds']:.2f} s ({r['tps']:.0f} tok/s{extra})",
+                      flush=True)
+        rounds.append(got)
 
-    out: dict[str, Any] = dict(bench="batch", rounds=runs, run=uuid.uuid4().hex[:8])
+    # The engine arguments each arm's vLLM got: raw (passed), run-batch (vLLM's parser's
+    # reading of its flags), each Ballast stack (its engine worker's log), last round.
+    last = rounds[-1]
+    engine = {arm: last[arm]["args"] for arm in ARMS}
+    unequal = {arm: args_differ(engine["raw"], engine[arm]) for arm in ARMS if arm != "raw"}
+    out: dict[str, Any] = dict(bench="batch", rounds=runs, run=uuid.uuid4().hex[:8], endpoint=URL,
+                               engine_args=engine, run_batch_argv=last["run_batch"]["argv"],
+                               engine_args_differ_from_raw=unequal,
+                               engine_args_equal=not (unequal["run_batch"] or unequal["ballast"]),
+                               engine_nice=settings.engine_nice)
     for size, target in (("short", 0.90), ("long", 0.95)):
         if size not in batches:
             continue
         s = out[size] = summarise(rounds, size)
         s["target"] = target
+        tps = s["tokens_per_s"]
         print(f"\n{size} batch ({s['requests']} requests, {s['output_tokens']} output tokens), medians of {runs}:")
-        print(f"  raw vLLM  {s['raw_tokens_per_s']:9.1f} tok/s   Ballast {s['ballast_tokens_per_s']:9.1f} tok/s   "
-              f"ratio {s['ratio']:.3f} (target ≥ {target}); per round {s['ratios_per_round']}")
-        print(f"  control-plane CPU per 1,000 output tokens: raw {s['raw_control_cpu_per_1k']:.3f} s, "
-              f"Ballast {s['ballast_control_cpu_per_1k']:.3f} s")
-        print(f"  Ballast CPU s per 1,000 tokens, by process: {s['ballast_cpu_per_1k']}")
+        print(f"  raw vLLM {tps['raw']:.0f} tok/s, run-batch {tps['run_batch']:.0f} "
+              f"({s['run_batch_tokens_per_s_with_start']:.0f} with its start), Ballast {tps['ballast']:.0f}, "
+              f"Ballast LoRA flipped {tps['ballast_lora_flipped']:.0f}")
+        print(f"  Ballast ÷ raw {s['ratio']['ratio']:.3f} {s['ratio']['ci95']} (target ≥ {target}); "
+              f"÷ run-batch {s['ratio_vs_run_batch']['ratio']:.3f} {s['ratio_vs_run_batch']['ci95']} "
+              f"(with its start {s['ratio_vs_run_batch_with_start']['ratio']:.3f}); "
+              f"run-batch ÷ raw {s['run_batch_vs_raw']['ratio']:.3f}")
+        print(f"  LoRA support on ÷ off (Ballast): {s['lora']['on_over_off']['ratio']:.3f} "
+              f"{s['lora']['on_over_off']['ci95']}")
+        print(f"  vLLM CPU s per 1,000 tokens: {s['vllm_cpu_per_1k']}; control plane: {s['control_cpu_per_1k']}")
+    print(f"\nengine args differing from the raw arm's: {unequal}")
     if picture is not None:
-        last = rounds[-1]
         arms = [dict(last["raw"]["short"]["timeline"], name=f"raw vLLM: {last['raw']['short']['tps']:.0f} tok/s"),
                 dict(last["ballast"]["short"]["timeline"],
                      name=f"Ballast: {last['ballast']['short']['tps']:.0f} tok/s")]
-        draw(picture, arms, f"bench batch, short batch ({requests} completions), round {runs}")
+        draw(picture, arms, f"bench batch, short batch ({requests} chat completions), round {runs}")
         print(f"\ntimeline: {picture}")
         out["picture"] = str(picture)
     print(json.dumps(out))
-    return 0
+    return 0 if out["engine_args_equal"] else 1

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
 from engine.models import ModelSpec
 
+if TYPE_CHECKING:
+    from ballast.settings import Settings
+
 GiB = 1 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,54 @@ class Load:
     # preempted one's re-prefill is not counted): placement's measure of its affinity.
     prefix_queries: int = 0
     prefix_hits: int = 0
+
+
+def vllm_args(
+    spec: ModelSpec,
+    *,
+    kv_cache_gib: float = 1.0,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+    max_num_batched_tokens: int | None = None,
+    long_prefill_tokens: int = 0,
+    lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 8,
+) -> dict[str, Any]:
+    """vLLM's engine arguments (`AsyncEngineArgs` keywords, as `vllm serve` names its
+    flags) for an engine serving `spec`: what Engine.start hands vLLM (its docstring says
+    what each knob does)."""
+    args: dict[str, Any] = dict(
+        model=spec.path,
+        served_model_name=spec.name,
+        max_model_len=spec.max_model_len,
+        dtype=_dtype(spec.path),
+        seed=seed,
+        enforce_eager=True,  # no graph capture/compile: halves CPU start-up
+        enable_prefix_caching=True,  # resumed requests re-use their prompt's KV
+        scheduling_policy="priority",  # lower value is served (and kept) first
+        # An explicit KV budget; on CPU gpu_memory_utilization would mean a share
+        # of all host memory.
+        kv_cache_memory_bytes=int(kv_cache_gib * GiB),
+        max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=long_prefill_tokens,
+        disable_log_stats=True,
+        enable_log_requests=False,
+    )
+    if max_num_batched_tokens:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
+    if lora:
+        args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    return args
+
+
+def engine_args(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
+    """The vLLM engine arguments of an engine worker run with `settings`: one source for the
+    product and for every benchmark arm that must compare like with like."""
+    return vllm_args(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
+                     max_num_batched_tokens=settings.max_num_batched_tokens,
+                     long_prefill_tokens=settings.long_prefill_tokens, lora=settings.serve_fine_tuned,
+                     max_loras=settings.max_loras)
 
 
 class Engine:
@@ -92,45 +145,35 @@ class Engine:
         `adapters` (with up to `max_loras` at once, of rank up to `max_lora_rank`) serves
         fine-tuned models beside the base: vLLM's LoRA support, on CPU as on GPU.
         """
+        args = vllm_args(spec, kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs, seed=seed,
+                         max_num_batched_tokens=max_num_batched_tokens, long_prefill_tokens=long_prefill_tokens,
+                         lora=adapters is not None, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        return await cls.from_args(spec, args, nice=nice, adapters=adapters)
+
+    @classmethod
+    async def from_args(cls, spec: ModelSpec, args: dict[str, Any], *, nice: int = 0,
+                        adapters: Adapters | None = None) -> Engine:
+        """Start an engine on vLLM's own engine arguments (`vllm_args`, `engine_args`), as
+        Engine.start does: the one way an engine's vLLM is configured, for the product and
+        for a benchmark's raw-vLLM arm alike. The arguments are logged, one JSON line."""
+        if adapters is not None and not args.get("enable_lora"):
+            raise ValueError("fine-tuned models' adapters need vLLM's LoRA support (enable_lora)")
+        log.info("vLLM engine args: %s", json.dumps(args, sort_keys=True))
         before = _vllm_processes() if nice > 0 else set()
-        scheduler = dict(long_prefill_token_threshold=long_prefill_tokens)
-        if max_num_batched_tokens:
-            scheduler["max_num_batched_tokens"] = max_num_batched_tokens
-        if adapters is not None:
-            scheduler.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        engine = await asyncio.to_thread(cls._start_blocking, spec, kv_cache_gib, max_num_seqs, seed, scheduler)
+        engine = await asyncio.to_thread(cls._start_blocking, spec, args)
         engine.adapters = adapters
         if nice > 0:
             _lower_priority(_vllm_processes() - before, nice)
         return engine
 
     @classmethod
-    def _start_blocking(
-        cls, spec: ModelSpec, kv_cache_gib: float, max_num_seqs: int, seed: int, scheduler: dict
-    ) -> Engine:
+    def _start_blocking(cls, spec: ModelSpec, args: dict[str, Any]) -> Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=spec.path,
-            served_model_name=spec.name,
-            max_model_len=spec.max_model_len,
-            dtype=_dtype(spec.path),
-            seed=seed,
-            enforce_eager=True,  # no graph capture/compile: halves CPU start-up
-            enable_prefix_caching=True,  # resumed requests re-use their prompt's KV
-            scheduling_policy="priority",  # lower value is served (and kept) first
-            # An explicit KV budget; on CPU gpu_memory_utilization would mean a share
-            # of all host memory.
-            kv_cache_memory_bytes=int(kv_cache_gib * GiB),
-            max_num_seqs=max_num_seqs,
-            **scheduler,
-            disable_log_stats=True,
-            enable_log_requests=False,
-        )
         load = Load()
-        return cls(spec, AsyncLLM.from_engine_args(args, stat_loggers=[_load_gauge(load)]), load)
+        return cls(spec, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_load_gauge(load)]), load)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         return prompts.render_chat(self.tokenizer, messages)

@@ -197,3 +197,20 @@ async def test_load_follows_the_scheduler(engine):
     # Idle again: the last step reported nothing running.
     await asyncio.sleep(0.05)
     assert engine.load.running == 0 and engine.load.waiting == 0
+
+
+@pytest.mark.engine
+async def test_vllm_runs_on_the_engine_args(engine, tiny_model):
+    """Engine.start's knobs reach vLLM as `vllm_args` says (the arguments every benchmark
+    arm shares): read back from vLLM's own configuration of the running engine."""
+    from engine.vllm_engine import GiB, vllm_args
+
+    args = vllm_args(tiny_model, kv_cache_gib=0.5, max_num_seqs=64)  # as the fixture starts it
+    config = engine._llm.vllm_config
+    assert args["kv_cache_memory_bytes"] == config.cache_config.kv_cache_memory_bytes == GiB // 2
+    assert args["max_num_seqs"] == config.scheduler_config.max_num_seqs == 64
+    assert config.scheduler_config.long_prefill_token_threshold == args["long_prefill_token_threshold"] == 0
+    assert config.scheduler_config.policy == args["scheduling_policy"] == "priority"
+    assert config.cache_config.enable_prefix_caching is args["enable_prefix_caching"] is True
+    assert config.lora_config is None and "enable_lora" not in args
+    assert str(config.model_config.dtype) == "torch.float32" and args["dtype"] == "float32"
