@@ -1,16 +1,21 @@
 """The compose deployment and the Dockerfile agree with each other and with the code.
 
 No Docker engine is needed: docker-compose.yml is parsed with PyYAML (merge keys and anchors
-resolved), `${VAR:-default}` is read as its default, and every cross-reference is checked:
+resolved), `${VAR:-default}` is read as its default and a required `${VAR:?…}` (the secrets,
+which have no default) as the value a .env file of this test's gives it, and every
+cross-reference is checked:
 service names and ports in the URLs, BALLAST_* variables against `ballast.settings.Settings`,
 commands against the CLI, the GPU reservation and image extras against pyproject.toml, and
-Temporal's persistence and fairness setting. Where a compose CLI exists, it validates the file
-too.
+Temporal's persistence and fairness setting. Roles: only `migrate` sees the owner's password;
+the api and the workers see the service role's URL alone. Where a compose CLI exists, it
+validates the file too.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -34,31 +39,43 @@ BALLAST_COMMANDS = {("migrate",), ("api",), ("worker", "control"), ("worker", "e
 LONG_RUNNING = {("api",), ("worker", "control"), ("worker", "engine")}
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 
+# What an operator's .env would hold: the secrets compose demands (no defaults), each a
+# value of its own, so that where one of them shows up tells whose it is.
+DOTENV = {
+    "POSTGRES_PASSWORD": "owner-" + secrets.token_hex(8),
+    "BALLAST_SERVICE_DATABASE_PASSWORD": "service-" + secrets.token_hex(8),
+    "BALLAST_ENGINE_TOKEN": "engine-" + secrets.token_hex(8),
+}
+SERVICE_ROLE_CONTAINERS = ("api", "control", "engine")
+
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$\$")
 
 
 # --- reading the compose file as compose would, without an environment -----------------------
 
 
-def _interpolate(value):
-    """`${VAR:-default}` and `${VAR-default}` become the default, `${VAR}` becomes '', `$$` is `$`.
+def _interpolate(value, dotenv: dict[str, str] = DOTENV):
+    """`${VAR:-default}` and `${VAR-default}` become the default, `${VAR}` becomes '', `$$` is
+    `$`, and `${VAR:?message}` (a secret) becomes `dotenv`'s value, or fails as compose does.
 
-    The file must work with nothing set in the shell, so defaults are what it means."""
+    Apart from the secrets, the file must work with nothing set, so defaults are what it means."""
     if isinstance(value, str):
 
         def sub(m: re.Match) -> str:
             if m.group(0) == "$$":
                 return "$"
-            op, default = m.group(2), m.group(3)
+            name, op, default = m.group(1), m.group(2), m.group(3)
             if op and op.endswith("?"):
-                raise AssertionError(f"required variable ${{{m.group(1)}}} has no default")
+                if not dotenv.get(name):
+                    raise LookupError(f"${{{name}}} is required: {default}")
+                return dotenv[name]
             return default or ""
 
         return _INTERPOLATION.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _interpolate(v) for k, v in value.items()}
+        return {k: _interpolate(v, dotenv) for k, v in value.items()}
     if isinstance(value, list):
-        return [_interpolate(v) for v in value]
+        return [_interpolate(v, dotenv) for v in value]
     return value
 
 
@@ -208,10 +225,13 @@ def _settings_of(service: dict, monkeypatch) -> Settings:
         return Settings()
 
 
-def test_database_url_points_at_postgres(services):
+def test_database_url_points_at_postgres(services, monkeypatch):
+    """Every Ballast service reaches the journal's database; migrate as its owner, the others
+    as the role migrate creates, with the password migrate sets on it."""
     pg = services["postgres"]
     pg_env = _env(pg)
     pg_ports = _ports(pg)
+    migrate = _settings_of(services["migrate"], monkeypatch)
     for name, service in _ballast_services(services).items():
         env = _env(service)
         url = env.get("BALLAST_DATABASE_URL") or env.get("DATABASE_URL")
@@ -220,20 +240,56 @@ def test_database_url_points_at_postgres(services):
         assert parts.scheme.split("+")[0] in {"postgresql", "postgres"}, url
         assert parts.hostname == "postgres", f"{name}: {url} does not name the postgres service"
         assert (parts.port or 5432) in pg_ports, f"{name}: postgres offers {pg_ports}, not {parts.port}"
-        assert parts.username == pg_env.get("POSTGRES_USER", "postgres")
-        assert parts.password == pg_env["POSTGRES_PASSWORD"]
         assert parts.path.lstrip("/") == pg_env.get("POSTGRES_DB", parts.username)
+        if name == "migrate":
+            assert parts.username == pg_env.get("POSTGRES_USER", "postgres")
+            assert parts.password == pg_env["POSTGRES_PASSWORD"] == DOTENV["POSTGRES_PASSWORD"]
+        else:
+            assert (parts.username, parts.password) == (migrate.service_role,
+                                                        DOTENV["BALLAST_SERVICE_DATABASE_PASSWORD"]), name
 
 
-def test_services_connect_as_the_restricted_role(services, monkeypatch):
-    """migrate runs as the owner; the long-running processes as another role, which
-    Postgres's password auth lets in with the password migrate sets on it."""
-    for name, service in _ballast_services(services).items():
-        settings = _settings_of(service, monkeypatch)
-        owner, svc = urlsplit(settings.database_url), urlsplit(settings.service_db_url)
-        assert svc.username and svc.username != owner.username, name
-        assert svc.password, f"{name}: the postgres service uses password auth"
-        assert (svc.hostname, svc.port, svc.path) == (owner.hostname, owner.port, owner.path), name
+def test_only_migrate_is_handed_the_owners_credentials(services, monkeypatch):
+    """The api and the workers connect as the restricted role and see nothing of the
+    owner's: not its password in any variable, not a URL logged in as it."""
+    owner = _env(services["postgres"])["POSTGRES_USER"]
+    owner_password = _env(services["postgres"])["POSTGRES_PASSWORD"]
+    assert owner_password == DOTENV["POSTGRES_PASSWORD"]  # the secret searched for is the owner's
+    migrate = _settings_of(services["migrate"], monkeypatch)
+    assert urlsplit(migrate.database_url).username == owner
+    assert migrate.service_db_url and urlsplit(migrate.service_db_url).username != owner
+    seen_by = {name for name, s in services.items() if any(owner_password in v for v in _env(s).values())}
+    assert seen_by & set(_ballast_services(services)) == {"migrate"}, seen_by
+    for name in SERVICE_ROLE_CONTAINERS:
+        env = _env(services[name])
+        for key, value in env.items():
+            if "://" in value:
+                assert urlsplit(value).username != owner, f"{name}: {key} logs in as the owner"
+        settings = _settings_of(services[name], monkeypatch)
+        for url in (settings.database_url, settings.service_db_url):
+            parts = urlsplit(url)
+            assert parts.username == migrate.service_role and parts.username != owner, f"{name}: {url}"
+        # The very URL migrate sets the password of: same role, same password.
+        assert settings.service_db_url == migrate.service_db_url, name
+
+
+def test_secrets_have_no_defaults():
+    """Compose refuses to start until each secret is set: no public value to forget to change."""
+    text = COMPOSE_FILE.read_text()
+    for name in DOTENV:
+        uses = [m for m in _INTERPOLATION.finditer(text) if m.group(1) == name]
+        assert uses, f"{name} is not used"
+        assert all(m.group(2) == ":?" for m in uses), f"{name}: {[m.group(0) for m in uses]}"
+        with pytest.raises(LookupError, match=name):
+            _interpolate(_raw(), {k: v for k, v in DOTENV.items() if k != name})
+
+
+def test_postgres_asks_every_role_for_its_password(services):
+    """The image trusts connections over its socket unless initdb is told otherwise."""
+    env = _env(services["postgres"])
+    assert env.get("POSTGRES_HOST_AUTH_METHOD") == "scram-sha-256"
+    assert "--auth=scram-sha-256" in shlex.split(env.get("POSTGRES_INITDB_ARGS", ""))
+    assert not any("trust" in v for s in services.values() for v in _env(s).values())
 
 
 def test_temporal_address_points_at_temporal(services):
@@ -428,15 +484,20 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
-def test_compose_cli_accepts_the_file(tmp_path):
+def test_compose_cli_accepts_the_file_with_its_secrets_and_not_without(tmp_path):
     cli = _compose_cli()
     if cli is None:
         pytest.skip("no docker compose CLI here")
-    proc = subprocess.run(
-        [*cli, "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT), "config", "-q"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-    )
+    empty = tmp_path / "empty.env"  # not a .env of the developer's beside the file
+    empty.write_text("")
+    argv = [*cli, "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT), "--env-file", str(empty), "config", "-q"]
+    bare = {k: v for k, v in os.environ.items() if k not in DOTENV}
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=dict(bare, **DOTENV))
     assert proc.returncode == 0, proc.stderr
+    for name in DOTENV:
+        env = dict(bare, **{k: v for k, v in DOTENV.items() if k != name})
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+        assert proc.returncode != 0 and name in proc.stderr, (name, proc.stderr)
 
 
 def test_only_the_api_is_published_beyond_this_host(services):
