@@ -1,25 +1,39 @@
 """`ballast bench fairness`: two tenants of one tier on one saturated engine, by token.
 
-Two arms, the same load, each on a fresh `ballast up` (API → engine worker → vLLM, its
-own embedded Postgres) with few sequence slots (BALLAST_MAX_NUM_SEQS, 8) so that the
-engine queues: `fcfs` (BALLAST_FAIR_SHARE=fcfs: served by arrival within a tier, as
-before) and `vtc` (the default: the Virtual Token Counter, engine/fairness.py). Two
-tenants of equal weight (1), made in the stack's database, each with its own key; every
-request is a streaming chat completion of the `default` tier with `ignore_eos`, so its
-length is what it asks for.
+Two arms side by side in one run, the same load, each on a fresh `ballast up` (API →
+engine worker → vLLM, its own embedded Postgres) with few sequence slots
+(BALLAST_MAX_NUM_SEQS, 8) so that the engine queues: `fcfs` (BALLAST_FAIR_SHARE=fcfs:
+served by arrival within a tier, as before) and `vtc` (the default: the Virtual Token
+Counter, engine/fairness.py). Two tenants of equal weight (1), made in the stack's
+database, each with its own key; every request is a streaming chat completion of the
+`default` tier with `ignore_eos`, so its length is what it asks for.
+
+Service is measured at the client, never with the scheduler's counters: each streamed
+token's arrival time, per tenant, weighted as VTC counts it (input + 2 × output tokens):
+a request's prompt (its usage's `prompt_tokens`) at its first token, each output token
+at the SSE event that carried it. Where the stream carried more than one token in an
+event (the usage's `completion_tokens` exceed the events), that request's tokens are
+spread evenly over its events, and the share of such requests is reported.
 
 1. backlog: each tenant runs a closed loop of streams (`streams`: enough that each has
    requests waiting at the engine despite the client and API turnaround between a request
    and its successor; the short tenant needs more, finishing ten requests to the long
    one's one); tenant `short` asks for P prompt and M output tokens, tenant `long` for
-   10 P and 10 M. Service is weighted as VTC counts it, input + 2 × output tokens, both
-   as the client received it (the prompt at the first token, the output across the
-   stream's chunks) and as the engine served it (its `served` counters). Per window
-   (`window`, 5 s) Jain's index (Σx)² / (n Σx²) (1: equal; 0.5: one tenant gets
-   everything); the largest difference in service over any interval, and over intervals
-   where both had requests waiting (where VTC's bound is stated), against 2 × the largest
-   request's cost; and the slots the engine gave a tenant out of turn (while the other,
-   served less, had nothing waiting: work-conserving, outside the bound).
+   10 P and 10 M. Per window (`window`, 5 s) Jain's index (Σx)² / (n Σx²) of the service
+   the client received (1: equal; 0.5: one tenant gets everything). VTC's bound (Sheng et
+   al., OSDI'24) is stated for two tenants that are both backlogged: over any interval in
+   which both have requests waiting, their service differs by at most 2 × the largest
+   request's cost (2 × (10 P + 2 × 10 M)). The engine worker's /stats, sampled every
+   50 ms, says only *when* both had requests waiting there (its `waiting`); the service
+   difference over any interval inside such a stretch is computed from the client's token
+   timestamps alone (`backlogged_diff`), and over any interval of the run
+   (`max_service_diff`, no backlog condition). In `fcfs` nothing waits at the engine
+   worker (vLLM holds the queue, per tenant unseen), so there is no such stretch; the
+   client's record says instead how many requests each tenant had outstanding at least
+   (more than the slots: some were not running). Diagnostics, not figures: the same
+   stretches as the scheduler's own `served` counters saw them, the slots it gave out of
+   turn (to a tenant while one served less had nothing waiting: work-conserving, outside
+   the bound), and each request's TTFT as the client, the API and the engine worker saw it.
 2. giant prompts: tenant `short` sends short requests open-loop (Poisson, `rate`/s); its
    TTFT p50/p99 alone, then while tenant `long` keeps the engine backlogged with prompts
    near the context limit; the journal splits each TTFT into the API's and the engine's.
@@ -46,6 +60,7 @@ from sqlalchemy import select
 
 from ballast.settings import Settings
 from bench.stack import ballast_up
+from bench.stats import pct
 from journal import schema, tenants
 from journal.db import connect
 
@@ -59,16 +74,20 @@ class Tenant:
     key: str
     prompt: int  # tokens
     max_tokens: int
-    events: list[tuple[float, float]] = field(default_factory=list)  # (time, weighted tokens)
+    events: list[tuple[float, float]] = field(default_factory=list)  # (arrival at the client, weighted tokens)
     ttft: list[float] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
     requests: int = 0
     dropped: int = 0  # connections closed before a response (counted, not retried)
+    sse_events: int = 0  # token events received (each a chunk with a delta)
+    tokens: int = 0  # completion tokens, as each response's usage counts them
+    merged: int = 0  # responses with fewer token events than tokens (some event carried several)
+    in_flight: int = 0
+    outstanding: list[tuple[float, int]] = field(default_factory=list)  # (time, requests sent, not ended)
 
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+    def sent(self, delta: int) -> None:
+        self.in_flight += delta
+        self.outstanding.append((time.monotonic(), self.in_flight))
 
 
 def jain(xs: list[float]) -> float:
@@ -108,42 +127,66 @@ async def sample_engine(http: httpx.AsyncClient, engine_url: str, engine_headers
         await asyncio.sleep(0.05)
 
 
-def counter_difference(samples: list[tuple[float, dict[str, float]]], start: float, end: float) -> float:
-    """The largest difference in service as the engine counted it, over any interval."""
-    d = [c.get("short", 0.0) - c.get("long", 0.0) for at, c in samples if start <= at <= end]
-    return max(d) - min(d) if d else float("nan")
+def both_waiting(w: dict[str, int]) -> bool:
+    return bool(w.get("short")) and bool(w.get("long"))
 
 
-def backlogged_difference(samples: list[tuple[float, dict[str, float]]], queued: list[tuple[float, dict[str, int]]],
-                          start: float, end: float) -> tuple[float, float]:
-    """VTC's bound is stated for tenants that both have requests waiting: the largest
-    difference in service (the engine's counters) over any interval inside a stretch of
-    samples where both had, and the share of samples where both had."""
-    worst, runs, both = 0.0, 0, 0
-    run: list[float] = []
-    for (at, c), (_, w) in zip(samples, queued, strict=True):
+def backlogged_stretches(queued: list[tuple[float, dict[str, int]]], start: float,
+                         end: float) -> list[tuple[float, float]]:
+    """Where VTC's bound is stated: the stretches of consecutive samples of the engine
+    worker's /stats inside [start, end] in which both tenants had requests waiting there,
+    each as (its first sample's time, its last's). A gap between two samples where one
+    tenant's queue emptied and filled again is not seen (samples every 50 ms)."""
+    out: list[tuple[float, float]] = []
+    first: float | None = None
+    last = 0.0
+    for at, w in queued:
         if not start <= at <= end:
             continue
-        runs += 1
-        if w.get("short") and w.get("long"):
-            both += 1
-            run.append(c.get("short", 0.0) - c.get("long", 0.0))
-            worst = max(worst, max(run) - min(run))
-        else:
-            run = []
-    return worst, (both / runs if runs else float("nan"))
+        if both_waiting(w):
+            first, last = (at if first is None else first), at
+        elif first is not None:
+            out.append((first, last))
+            first = None
+    if first is not None:
+        out.append((first, last))
+    return out
 
 
-def engine_windows(samples: list[tuple[float, dict[str, float]]], start: float, width: float,
-                   n: int) -> list[list[float]]:
-    """Each tenant's service per window as the engine's counters grew (weighted tokens/s)."""
-    def at(t: float) -> dict[str, float]:
-        before = [c for when, c in samples if when <= t]
-        return before[-1] if before else {}
+def both_share(queued: list[tuple[float, dict[str, int]]], start: float, end: float) -> float:
+    """The share of samples inside [start, end] in which both tenants had requests waiting."""
+    inside = [w for at, w in queued if start <= at <= end]
+    return sum(map(both_waiting, inside)) / len(inside) if inside else float("nan")
 
-    edges = [at(start + k * width) for k in range(n + 1)]
-    return [[(edges[k + 1].get(name, 0.0) - edges[k].get(name, 0.0)) / width for name in ("short", "long")]
-            for k in range(n)]
+
+def counter_difference(samples: list[tuple[float, dict[str, float]]], start: float, end: float) -> float:
+    """The largest difference in service over any interval inside [start, end], as the
+    scheduler's own counters saw it (a diagnostic beside the client's figure)."""
+    d = [c.get("short", 0.0) - c.get("long", 0.0) for at, c in samples if start <= at <= end]
+    return max(d) - min(d) if d else 0.0
+
+
+def outstanding_min(t: Tenant, start: float, end: float) -> int:
+    """The fewest requests `t` had sent and not seen end at any moment in [start, end]."""
+    before = [n for at, n in t.outstanding if at <= start]
+    inside = [n for at, n in t.outstanding if start < at <= end]
+    return min(before[-1:] + inside, default=0)
+
+
+def token_event(chunk: dict) -> bool:
+    """An SSE chunk that carries generated tokens: a delta that is not the opening role
+    chunk, before the finish. Its text may be empty (a byte-level token that is part of a
+    character): it still carries a token."""
+    choices = chunk.get("choices") or [{}]
+    return "delta" in choices[0] and "role" not in choices[0]["delta"] and choices[0].get("finish_reason") is None
+
+
+def service_events(arrivals: list[float], prompt_tokens: int, completion_tokens: int) -> list[tuple[float, float]]:
+    """One response's service as VTC weighs it, at the times the client received it: the
+    prompt at the first token, each output token at the event that carried it (spread
+    evenly over the events where some event carried more than one)."""
+    per = W_OUT * completion_tokens / len(arrivals)
+    return [(arrivals[0], W_IN * prompt_tokens)] + [(at, per) for at in arrivals]
 
 
 class Load:
@@ -158,12 +201,15 @@ class Load:
         return "".join(self.rng.choices(string.ascii_lowercase, k=n))
 
     async def one(self, t: Tenant, prompt_tokens: int | None = None, max_tokens: int | None = None) -> None:
+        t.sent(1)
         try:
             await self._one(t, prompt_tokens, max_tokens)
         except (httpx.ReadError, httpx.RemoteProtocolError):
             # A pooled keep-alive connection the server closed as the request went out (the
             # client's race with uvicorn's keep-alive timeout, more likely with many streams).
             t.dropped += 1
+        finally:
+            t.sent(-1)
 
     async def _one(self, t: Tenant, prompt_tokens: int | None, max_tokens: int | None) -> None:
         body = dict(model=self.model, stream=True, stream_options=dict(include_usage=True), ignore_eos=True,
@@ -183,16 +229,17 @@ class Load:
                 rid = rid or chunk.get("id")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                if token_event(chunk):
                     chunks.append(time.monotonic())
         if not chunks or usage is None:
             return
         t.requests += 1
         t.ttft.append(1000 * (chunks[0] - t0))
         t.ids.append(rid or "")
-        t.events.append((chunks[0], W_IN * usage["prompt_tokens"]))
-        per = W_OUT * usage["completion_tokens"] / len(chunks)
-        t.events.extend((c, per) for c in chunks)
+        t.events.extend(service_events(chunks, usage["prompt_tokens"], usage["completion_tokens"]))
+        t.sse_events += len(chunks)
+        t.tokens += usage["completion_tokens"]
+        t.merged += len(chunks) < usage["completion_tokens"]
 
     async def closed_loop(self, t: Tenant, concurrency: int, stop: asyncio.Event) -> None:
         async def loop() -> None:
@@ -250,10 +297,10 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
     """1. Both tenants backlogged, one's requests 10× the other's. Each keeps a closed loop
     of streams: enough that it has requests waiting at the engine despite the client and
     API turnaround between a request and its successor (the short tenant needs more: it
-    finishes ten requests for the long one's one). Service per window from the client
-    (what it received) and from the engine (its `served` counters, sampled every 50 ms);
-    the service difference over any interval, and over intervals where both had requests
-    waiting (where VTC's bound is stated)."""
+    finishes ten requests for the long one's one). Service per window and the service
+    difference from the client's token timestamps: over any interval, and over any interval
+    inside a stretch where both had requests waiting at the engine worker (where VTC's
+    bound is stated; the engine's /stats, sampled every 50 ms, marks the stretches)."""
     short = Tenant("short", sc.keys["short"], prompt, out_tokens)
     long_ = Tenant("long", sc.keys["long"], 10 * prompt, 10 * out_tokens)
     stop = asyncio.Event()
@@ -271,17 +318,19 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
     await running  # the last requests finish; only [start, end) is counted
     ws = windows([short, long_], start, end, window)
     jains = [jain(w) for w in ws]
-    engine_jains = [jain(w) for w in engine_windows(served, start, window, len(ws))]
-    backlogged_diff, both_waiting = backlogged_difference(served, queued, start, end)
-    both_per_window = [backlogged_difference(served, queued, start + k * window, start + (k + 1) * window)[1]
-                       for k in range(len(ws))]
+    both_per_window = [both_share(queued, start + k * window, start + (k + 1) * window) for k in range(len(ws))]
     # windows in which both tenants had requests waiting at the engine in ≥ 90 % of samples
     backlogged = [k for k, share in enumerate(both_per_window) if share >= 0.9]
     largest = max(W_IN * long_.prompt + W_OUT * long_.max_tokens, W_IN * short.prompt + W_OUT * short.max_tokens)
+    bound = 2 * largest
+    stretches = backlogged_stretches(queued, start, end)
+    client_diffs = [max_service_difference(short, long_, a, b) for a, b in stretches]
+    worst = max(range(len(stretches)), key=client_diffs.__getitem__, default=None)
     # Where a request's time goes before the engine: the client's TTFT, the API's (from its
     # receipt) and the engine worker's (from its receipt; its fair-share wait included).
     split = await asyncio.to_thread(journaled_ttfts, sc.db_url, short.ids + long_.ids)
     every = short.ttft + long_.ttft
+    both = both_share(queued, start, end)
     b = dict(
         ttft_p50_p99=dict(client=[round(pct(every, 50)), round(pct(every, 99))],
                           api=[round(pct(split["api"], 50)), round(pct(split["api"], 99))],
@@ -289,8 +338,6 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
         windows=[[round(x) for x in w] for w in ws], jain=[round(j, 3) for j in jains],
         jain_min=round(min(jains), 3) if jains else None,
         jain_median=round(statistics.median(jains), 3) if jains else None,
-        engine_jain=[round(j, 3) for j in engine_jains],
-        engine_jain_min=round(min(engine_jains), 3) if engine_jains else None,
         both_waiting_per_window=[round(x, 2) for x in both_per_window],
         jain_min_backlogged=round(min(jains[k] for k in backlogged), 3) if backlogged else None,
         backlogged_windows=len(backlogged),
@@ -298,26 +345,43 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
                           long=round(sum(w[1] for w in ws) / max(1, len(ws)))),
         requests=dict(short=short.requests, long=long_.requests),
         dropped=dict(short=short.dropped, long=long_.dropped),
+        # the client's figures: any interval of the run, and any interval while both waited
         max_service_diff=round(max_service_difference(short, long_, start, end)),
-        engine_diff=round(counter_difference(served, start, end)),
-        backlogged_diff=round(backlogged_diff), both_waiting=round(both_waiting, 3),
-        bound=2 * largest,
-        # slots the engine gave a tenant while the other, served less, had nothing waiting
-        out_of_turn={n: (lambda xs: xs[-1].get(n, 0) - xs[0].get(n, 0) if xs else 0)(
-            [o for at, o in turns if start <= at <= end]) for n in ("short", "long")},
+        backlogged_diff=round(max(client_diffs)) if stretches else None,
+        bound=bound,
+        stretches=len(stretches), stretches_over_bound=sum(d > bound for d in client_diffs),
+        stretch_s=dict(p50=round(pct([b - a for a, b in stretches], 50), 2),
+                       max=round(max((b - a for a, b in stretches), default=0.0), 2)),
+        worst_stretch=None if worst is None else dict(
+            at_s=round(stretches[worst][0] - start, 2), length_s=round(stretches[worst][1] - stretches[worst][0], 2),
+            client_diff=round(client_diffs[worst]),
+            scheduler_diff=round(counter_difference(served, *stretches[worst]))),
+        both_waiting=round(both, 3) if both == both else None,
         waiting_share={n: round(sum(1 for at, w in queued if start <= at <= end and w.get(n))
                                 / max(1, sum(1 for at, _ in queued if start <= at <= end)), 2)
                        for n in ("short", "long")},
+        outstanding_min=dict(short=outstanding_min(short, start, end), long=outstanding_min(long_, start, end)),
+        # how the stream carried tokens: one per SSE event, or some merged
+        tokens_per_event=round((short.tokens + long_.tokens) / max(1, short.sse_events + long_.sse_events), 3),
+        merged_responses=dict(short=short.merged, long=long_.merged),
+        # diagnostics from the scheduler's own counters, beside the client's figures
+        scheduler=dict(
+            backlogged_diff=round(max((counter_difference(served, a, b) for a, b in stretches), default=0.0)),
+            max_diff=round(counter_difference(served, start, end)),
+            # slots the engine gave a tenant while the other, served less, had nothing waiting
+            out_of_turn={n: (lambda xs: xs[-1].get(n, 0) - xs[0].get(n, 0) if xs else 0)(
+                [o for at, o in turns if start <= at <= end]) for n in ("short", "long")}),
     )
-    sc.log(f"  backlog: Jain per window {b['jain']} as the client received it, {b['engine_jain']} as the engine "
-           f"served it; weighted tok/s {b['tokens_per_s']}; largest service difference {b['max_service_diff']} "
-           f"(client), {b['engine_diff']} (engine), {b['backlogged_diff']} while both had requests waiting "
-           f"(bound {b['bound']}); share of samples with requests waiting: {b['waiting_share']}, "
-           f"both {b['both_waiting']} (per window {b['both_waiting_per_window']}: Jain's least over the "
-           f"{b['backlogged_windows']} windows where both were ≥ 90 % of the time {b['jain_min_backlogged']}); "
-           f"slots given out of turn (the other tenant, served less, had nothing "
-           f"waiting) {b['out_of_turn']}; TTFT p50/p99 ms as the client, the API and the engine worker saw it "
-           f"{b['ttft_p50_p99']}")
+    sc.log(f"  backlog: Jain per window {b['jain']} (client); weighted tok/s {b['tokens_per_s']}; largest service "
+           f"difference at the client {b['max_service_diff']} over any interval, {b['backlogged_diff']} over any "
+           f"interval while both had requests waiting at the engine (bound {b['bound']}; {b['stretches']} stretches "
+           f"of both waiting, {b['stretches_over_bound']} over the bound; the worst {b['worst_stretch']}); share of "
+           f"samples with requests waiting: {b['waiting_share']}, both {b['both_waiting']} (per window "
+           f"{b['both_waiting_per_window']}: Jain's least over the {b['backlogged_windows']} windows where both were "
+           f"≥ 90 % of the time {b['jain_min_backlogged']}); requests outstanding at least {b['outstanding_min']}; "
+           f"tokens per SSE event {b['tokens_per_event']} (responses with merged events {b['merged_responses']}); "
+           f"the scheduler's counters: {b['scheduler']}; TTFT p50/p99 ms as the client, the API and the engine "
+           f"worker saw it {b['ttft_p50_p99']}")
     return b
 
 
@@ -407,9 +471,10 @@ def main(settings: Settings, seconds: float = 20.0, window: float = 5.0, max_num
                 str(st.api.base_url), keys, engine_url, st.engine_headers, st.db_url, settings.model_name, log, parts,
                 seconds=seconds, window=window, streams=streams, rate=rate, prompt=prompt, out_tokens=out_tokens,
                 giant=giant, giant_streams=2 * max_num_seqs))
-    keep = ("jain_min", "jain_median", "engine_jain_min", "max_service_diff", "engine_diff", "backlogged_diff",
-            "both_waiting", "both_waiting_per_window", "jain_min_backlogged", "backlogged_windows", "bound",
-            "waiting_share", "out_of_turn", "tokens_per_s", "requests", "dropped", "ttft_p50_p99")
+    keep = ("jain_min", "jain_median", "max_service_diff", "backlogged_diff", "bound", "stretches",
+            "stretches_over_bound", "stretch_s", "worst_stretch", "both_waiting", "both_waiting_per_window",
+            "jain_min_backlogged", "backlogged_windows", "waiting_share", "outstanding_min", "tokens_per_event",
+            "merged_responses", "scheduler", "tokens_per_s", "requests", "dropped", "ttft_p50_p99")
     out = dict(bench="fairness", weights="input + 2 x output tokens", max_num_seqs=max_num_seqs, streams=streams,
                seconds=seconds, window_s=window,
                requests=dict(short=[prompt, out_tokens], long=[10 * prompt, 10 * out_tokens], giant=[giant, 16]),
