@@ -31,8 +31,10 @@ class Settings(BaseSettings):
     # Two roles: migrations run as database_url's user, the owner; the API and workers
     # connect as service_role, which may append to and read the journal but never rewrite
     # it or change the schema (migration 0004 creates and grants it). Their URL is
-    # service_database_url, else database_url logged in as service_role (with
-    # service_database_password, which migrations also set on the role; none: trust auth).
+    # service_database_url, else database_url logged in as service_role with
+    # service_database_password, which the migration that creates the role sets on it
+    # (`ballast up` on its embedded server, which asks every role for a password, makes
+    # one unless this is set, and hands the API and workers that URL, never the owner's).
     service_role: str = SERVICE_ROLE
     service_database_url: str | None = None
     service_database_password: str | None = None
