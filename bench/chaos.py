@@ -19,15 +19,28 @@ has the process back (it says so), /healthz answers 200 and the journal shows th
 working (engine: batch tokens; Postgres: any write; Temporal: a request's outcome
 journaled through its workflow). (The store's runs from the space freed
 to the batch completed.) At the end the load stops, every batch ends, and then must hold:
-every invariant of journal/invariants.py, at rest; each batch's output and error files
-hold each of its items exactly once; every chat the client saw is journaled; no response
-was a 500 or hung.
+every invariant of journal/invariants.py, at rest; every chat the client saw is
+journaled; no response was a 500 or hung.
+
+The batches and chats are judged from the client's side, by what it sent and what came
+back through the API, never by the product's own tables:
+- each input file's lines, as the client wrote them, are kept; every batch the API lists
+  from one of them must complete with each of that file's custom_ids exactly once in its
+  output and error files (none extra), and request_counts equal to those files;
+- every greedy item's text must equal vLLM's own output for the very line the client sent:
+  after the run, the lines go through vLLM's batch runner (`vllm run-batch`) in a process
+  of its own, on the same model and engine settings;
+- a stream counts as a good chat only when it ends with a finish_reason and `[DONE]` and no
+  error event; one that ends otherwise (an error event, cut, dropped) is "interrupted"
+  when its life overlaps an injected fault (from the fault until its recovery) and
+  "failed", a failure of the run, when it does not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import random
@@ -35,12 +48,13 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -62,6 +76,7 @@ BATCH_PROGRESS = ("item_chunk", "item_completed")
 ANY_WRITE = ("item_chunk", "item_completed", "item_preempted", "request_served", "request_finished", "engine_joined")
 WORKFLOW_WRITE = ("request_finished",)
 STORE_MIB = 64
+ORACLE_TIMEOUT_S = 900
 
 
 @dataclass
@@ -95,6 +110,11 @@ class Injection:
     recovered_s: float | None = None
     note: str = ""
     steps: dict[str, float] = field(default_factory=dict)  # seconds from the fault to each step of recovery
+    until: float | None = None  # wall clock when it was recovered from
+
+    def window(self) -> tuple[float, float]:
+        """When it was in effect: from the fault until its recovery (open while not recovered)."""
+        return self.at, self.until if self.until is not None else float("inf")
 
 
 @dataclass
@@ -103,9 +123,102 @@ class Call:
 
     phase: str
     what: str  # chat | upload | batch | poll
-    outcome: str  # ok | unavailable (503 + Retry-After) | refused (other 4xx) | error (5xx) | down | broken | hung
+    # ok | unavailable (503 + Retry-After) | refused (other 4xx) | error (5xx) | down | hung; a chat's
+    # stream that did not complete: cut until judged, then interrupted (by a fault) or failed.
+    outcome: str
     status: int | None = None
     request_id: str | None = None
+    span: tuple[float, float] = (0.0, 0.0)  # a chat's wall clock, from its request to its stream's end
+    ending: str = ""  # a chat's stream: see Stream.ending; "no answer" where the connection failed first
+    error: str = ""  # its error event's code (or type)
+
+
+@dataclass
+class Stream:
+    """A chat's stream as the client reads it, one SSE line at a time."""
+
+    request_id: str | None = None
+    events: int = 0  # data events, [DONE] not counted
+    finish_reason: str | None = None
+    error: dict | None = None  # the error event's body
+    done: bool = False  # `data: [DONE]` read
+    dropped: bool = False  # the connection failed under it
+
+    def feed(self, line: str) -> bool:
+        """Take one line; True when it was a data event."""
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return False
+        self.events += 1
+        event = json.loads(data)
+        if "error" in event:
+            self.error = event["error"] if isinstance(event["error"], dict) else dict(message=str(event["error"]))
+            return True
+        self.request_id = self.request_id or event.get("id")
+        for choice in event.get("choices") or ():
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return True
+
+    @property
+    def ending(self) -> str:
+        """complete (a finish_reason, then [DONE], no error) | error event | dropped (the
+        connection failed) | cut (it ended without a finish_reason or [DONE])."""
+        if self.error is not None:
+            return "error event"
+        if self.dropped:
+            return "dropped"
+        return "complete" if self.done and self.finish_reason else "cut"
+
+
+def read_stream(lines: Iterable[str]) -> Stream:
+    stream = Stream()
+    for line in lines:
+        stream.feed(line)
+    return stream
+
+
+def judge_stream(ending: str, span: tuple[float, float], faults: Iterable[tuple[float, float]]) -> str:
+    """A chat's outcome: ok when its stream completed; otherwise interrupted when a fault was
+    in effect at some moment of its life, failed when none was."""
+    if ending == "complete":
+        return "ok"
+    start, end = span
+    return "interrupted" if any(a <= end and start <= b for a, b in faults) else "failed"
+
+
+@dataclass
+class Accounting:
+    """The client's own record of what it submitted, against what came back through the API."""
+
+    files_uploaded: int = 0  # input files the API gave the client an id for
+    batches_answered: int = 0  # batches whose creation the client got an answer for
+    batches_listed: int = 0  # batches the API lists from the client's files
+    batches_unanswered: int = 0  # of those, made while the client's create call got no answer
+    batches_missing: int = 0  # answered, yet not listed
+    batches_foreign: int = 0  # listed from a file the client never uploaded
+    batches_completed: int = 0
+    batches_counts_equal: int = 0  # request_counts equal to the lines sent and those that came back
+    items_submitted: int = 0  # lines of the listed batches' input files, as the client wrote them
+    items_once: int = 0  # submitted custom_ids found exactly once in output + error
+    items_lost: int = 0  # submitted and found in neither
+    items_duplicated: int = 0  # copies beyond the first
+    items_extra: int = 0  # lines with a custom_id their batch's file never held
+    items_output: int = 0  # lines of the output files (status 200)
+    items_error: int = 0  # lines of the error files
+
+
+@dataclass
+class Greedy:
+    """Greedy items' texts against vLLM's own for the same lines."""
+
+    how: str = "not checked"
+    checked: int = 0
+    equal: int = 0
+    differ: int = 0
+    oracle_missing: int = 0  # lines vLLM gave no text for
 
 
 @dataclass
@@ -117,7 +230,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # what the files and the client saw
     store: str = ""  # how the store was filled, or why it could not be
-    batch_items: int = 0
+    client: Accounting = field(default_factory=Accounting)
+    greedy: Greedy = field(default_factory=Greedy)
     chats_journaled: int = 0
 
     @property
@@ -133,9 +247,16 @@ class Report:
             if (n := sum(i.fault == fault for i in self.injections)) < getattr(self.plan, fault):
                 out.append(f"{fault}: {n} of {getattr(self.plan, fault)} faults injected")
         bad = Counter((c.phase, c.what, c.outcome) for c in self.calls
-                      if c.outcome in ("error", "hung") or (c.outcome == "down" and c.phase != "api"))
+                      if c.outcome in ("error", "hung", "failed", "cut") or (c.outcome == "down" and c.phase != "api"))
         out += [f"{n} × {what} {outcome} during {phase}" for (phase, what, outcome), n in sorted(bad.items())]
         return out
+
+    def judge_chats(self) -> None:
+        """Each chat whose stream did not complete: interrupted or failed, by the faults' windows."""
+        windows = [i.window() for i in self.injections]
+        for c in self.calls:
+            if c.what == "chat" and c.outcome == "cut":
+                c.outcome = judge_stream(c.ending, c.span, windows)
 
     def summary(self) -> dict:
         out: dict = {}
@@ -147,7 +268,12 @@ class Report:
                               recovery_p50_s=_pct(rec, 50), recovery_p99_s=_pct(rec, 99),
                               recovery_max_s=rec[-1] if rec else None, calls=dict(sorted(calls.items())))
         out["batches"] = dict(Counter(self.batches.values()))
-        out["batch_items"] = self.batch_items
+        out["client"] = asdict(self.client)
+        out["greedy"] = asdict(self.greedy)
+        chats = [c for c in self.calls if c.what == "chat"]
+        out["chats"] = dict(sorted(Counter(c.outcome for c in chats).items()))
+        out["chat_endings"] = dict(sorted(Counter(f"{c.outcome}: {c.ending}" + (f" ({c.error})" if c.error else "")
+                                                  for c in chats if c.outcome != "ok").items()))
         out["chats_journaled"] = self.chats_journaled
         out["server_errors"] = sum(c.outcome in ("error", "hung") for c in self.calls)
         out["invariants"] = {f.check.name: f.violations for f in self.findings}
@@ -171,10 +297,13 @@ class Chaos:
         self.phase = "start"
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.submitted: dict[str, list[str]] = {}  # batch id: its custom ids
-        self.prompts: dict[str, str] = {}  # custom id: prompt
+        # The client's own record: each input file it stored (file id: its lines, as sent),
+        # and each batch whose creation it got an answer for (batch id: its input file id).
+        self.uploads: dict[str, list[dict]] = {}
+        self.made: dict[str, str] = {}
+        self.tags = itertools.count()  # every upload's custom_ids are its own
         self.seen_ids: list[str] = []  # every chat id the client was told
-        self.outputs: dict[str, str] = {}  # custom id: the text its batch's output file gives
+        self.outputs: dict[tuple[str, str], str] = {}  # (batch id, custom id): the text its output file gives
         self.up_log = data_dir / "up.log"
 
     # -- load ---------------------------------------------------------------------------
@@ -214,44 +343,44 @@ class Chaos:
 
     def pump(self) -> None:
         """Two batches in flight, always: a new one as soon as one ends."""
-        attempt = 0
         with self._client() as api:
             while not self.stop.is_set():
                 running = [b for b, s in self.report.batches.items() if s not in FINAL]
                 for bid in running:
                     self.report.batches[bid] = self._status(api, bid)
-                if len(running) < 2:
-                    # Each attempt's items have ids of their own: a batch made whose answer
-                    # was lost runs all the same, beside the one the next attempt makes.
-                    self._submit(api, attempt)
-                    attempt += 1
+                if len(running) < 2 and (fid := self._upload(api, "b")) is not None:
+                    self._create(api, fid)
                 self.stop.wait(0.5)
 
-    def _submit(self, api: httpx.Client, attempt: int) -> None:
-        if (up := self._upload(api, f"b{attempt}")) is not None:
-            self._create(api, *up)
+    def _upload(self, api: httpx.Client, prefix: str) -> str | None:
+        """A batch input file of `plan.items` chats; its id, its lines kept as sent.
 
-    def _upload(self, api: httpx.Client, tag: str) -> tuple[str, list[str]] | None:
-        """A batch input file of `plan.items` chats: (its id, their custom ids)."""
-        ids = [f"{tag}-{i}" for i in range(self.plan.items)]
+        Each upload's items have ids of their own: a batch made whose answer was lost runs
+        all the same, beside the one the next attempt makes."""
+        tag = f"{prefix}{next(self.tags)}"
         lines = []
-        for cid in ids:
-            self.prompts[cid] = f"chaos {cid}: tell me about the {self.rng.choice(['sea', 'hills', 'rain', 'stars'])}"
-            body = dict(model=self.model, messages=[dict(role="user", content=self.prompts[cid])],
+        for i in range(self.plan.items):
+            prompt = f"chaos {tag}-{i}: tell me about the {self.rng.choice(['sea', 'hills', 'rain', 'stars'])}"
+            body = dict(model=self.model, messages=[dict(role="user", content=prompt)],
                         max_tokens=self.plan.max_tokens, temperature=0, ignore_eos=True)
-            lines.append(json.dumps(dict(custom_id=cid, method="POST", url="/v1/chat/completions", body=body)))
-        up = self._http("upload", lambda a: a.post("/v1/files", files={"file": ("in.jsonl", "\n".join(lines) + "\n")},
+            lines.append(dict(custom_id=f"{tag}-{i}", method="POST", url="/v1/chat/completions", body=body))
+        text = "".join(json.dumps(ln) + "\n" for ln in lines)
+        up = self._http("upload", lambda a: a.post("/v1/files", files={"file": ("in.jsonl", text)},
                                                    data={"purpose": "batch"}), api)
-        return None if up is None else (up.json()["id"], ids)
+        if up is None:
+            return None
+        with self.lock:
+            self.uploads[up.json()["id"]] = lines
+        return up.json()["id"]
 
-    def _create(self, api: httpx.Client, fid: str, ids: list[str]) -> str | None:
+    def _create(self, api: httpx.Client, fid: str) -> str | None:
         made = self._http("batch", lambda a: a.post("/v1/batches", json=dict(
             input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")), api)
         if made is None:
-            return None  # a batch made whose answer was lost is still checked: the end reads every batch
+            return None  # a batch made whose answer was lost is still checked: the end lists every batch
         bid = made.json()["id"]
         with self.lock:
-            self.submitted[bid] = ids
+            self.made[bid] = fid
             self.report.batches[bid] = made.json()["status"]
         return bid
 
@@ -263,32 +392,33 @@ class Chaos:
                 self._chat(api, max_tokens=16)
 
     def _chat(self, api: httpx.Client, max_tokens: int, on_chunk: Callable[[int], None] | None = None) -> None:
+        """One streamed chat. Its outcome: ok only when the stream completed; one that did
+        not is judged at the end (settle), against the faults' windows."""
         body = dict(model=self.model, messages=[dict(role="user", content="are you there?")], max_tokens=max_tokens,
                     stream=True)
-        rid, chunks, done = None, 0, False
+        stream, status, hung, started = Stream(), None, False, time.time()
         try:
             with api.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     r.read()
                     self._call("chat", r)
                     return
+                status = 200
                 for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        rid = rid or json.loads(line[6:]).get("id")
-                        chunks += 1
-                        if on_chunk:
-                            on_chunk(chunks)
+                    if stream.feed(line) and on_chunk:
+                        on_chunk(stream.events)
         except httpx.TimeoutException:
-            self._record(Call(self.phase, "chat", "hung", request_id=rid))
+            hung = True
         except httpx.TransportError:
-            self._record(Call(self.phase, "chat", "broken" if rid else "down", request_id=rid))
-        else:
-            self._record(Call(self.phase, "chat", "ok" if done else "broken", 200, rid))
-        if rid:
+            stream.dropped = True
+        ending = "no answer" if stream.dropped and status is None else stream.ending
+        outcome = "hung" if hung else "ok" if ending == "complete" else "cut"
+        err = stream.error or {}
+        self._record(Call(self.phase, "chat", outcome, status, stream.request_id, (started, time.time()), ending,
+                          str(err.get("code") or err.get("type") or "")))
+        if stream.request_id:
             with self.lock:
-                self.seen_ids.append(rid)
+                self.seen_ids.append(stream.request_id)
 
     # -- faults -------------------------------------------------------------------------
 
@@ -331,6 +461,7 @@ class Chaos:
                 time.sleep(0.1)
             inj.steps[name] = round(time.time() - inj.at, 2)
         inj.recovered_s = inj.steps[steps[-1][0]]
+        inj.until = time.time()
 
     def _kill(self, fault: str, match: str, how: str, group: bool = True) -> Injection:
         pid = self._pid(match)
@@ -388,7 +519,7 @@ class Chaos:
             # Its input is stored first; then the store fills; then the batch is made, so
             # it cannot finalize before the store is full.
             deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-            while (up := self._upload(api, f"s{n}")) is None and time.monotonic() < deadline:
+            while (up := self._upload(api, "s")) is None and time.monotonic() < deadline:
                 time.sleep(1)
             if up is None:
                 raise RuntimeError("no input file could be stored for the store fault")
@@ -396,7 +527,7 @@ class Chaos:
             inj = Injection("store", time.time(), "filesystem full (ENOSPC)")
             _fill(filler)
             self.report.injections.append(inj)
-            while (bid := self._create(api, *up)) is None and time.monotonic() < deadline:
+            while (bid := self._create(api, up)) is None and time.monotonic() < deadline:
                 time.sleep(1)
             if bid is None:
                 raise RuntimeError("the batch for the store fault could not be made")
@@ -414,7 +545,8 @@ class Chaos:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-            inj.recovered_s = round(time.time() - freed, 2) if status == "completed" else None
+            if status == "completed":
+                inj.recovered_s, inj.until = round(time.time() - freed, 2), time.time()
             inj.note = f"batch {bid}: {held} while full, then {status}"
 
     def _status(self, api: httpx.Client, bid: str) -> str:
@@ -425,46 +557,111 @@ class Chaos:
 
     def settle(self, at_rest_timeout: float) -> None:
         """Every batch ended; the invariants at rest (waited for: a request no API reported
-        is journaled after BALLAST_UNREPORTED_AFTER_S); files and chats checked."""
+        is journaled after BALLAST_UNREPORTED_AFTER_S); the batches judged by the client's
+        record, each chat the client saw looked up in the journal, the chats judged."""
         self.phase = "end"
         with self._client() as api:
-            deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-            for bid in list(self.report.batches):
-                while (status := self._status(api, bid)) not in FINAL and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                self.report.batches[bid] = status
+            batches = self._ended(api, time.monotonic() + RECOVERY_TIMEOUT_S)
             deadline = time.monotonic() + at_rest_timeout
             findings = audit(self.stack.db_url)
             while not all(f.ok for f in findings) and time.monotonic() < deadline:
                 time.sleep(2)
                 findings = audit(self.stack.db_url)
             self.report.findings = findings
-            self._check_files(api)
+            self._check_files(api, batches)
         self._check_chats()
+        self.report.judge_chats()
 
-    def _check_files(self, api: httpx.Client) -> None:
-        with psycopg.connect(libpq_url(self.stack.db_url)) as c:
-            rows = c.execute("SELECT id, status, output_file_id, error_file_id FROM batches").fetchall()
-            for bid, status, *files in rows:
-                expected = Counter(cid for (cid,) in c.execute(
-                    "SELECT custom_id FROM batch_items WHERE batch_id = %s", (bid,)))
-                self.report.batch_items += sum(expected.values())
-                if status != "completed":
-                    self.report.problems.append(f"batch {bid} ended {status}")
-                    continue
-                got: Counter[str] = Counter()
-                for fid in filter(None, files):
-                    r = api.get(f"/v1/files/{fid}/content")
-                    if r.status_code != 200:
-                        self.report.problems.append(f"batch {bid}: file {fid} unreadable ({r.status_code})")
-                        continue
-                    for line in map(json.loads, r.text.splitlines()):
-                        got[line["custom_id"]] += 1
-                        if (resp := line["response"]) and resp["status_code"] == 200:
-                            self.outputs[line["custom_id"]] = resp["body"]["choices"][0]["message"]["content"]
-                if got != expected:
-                    lost, twice = expected - got, got - expected
-                    self.report.problems.append(f"batch {bid}: lost {sorted(lost)[:5]}, duplicated {sorted(twice)[:5]}")
+    def _list(self, api: httpx.Client) -> list[dict] | None:
+        """Every batch, as the API lists them; None where it did not answer."""
+        out: list[dict] = []
+        params: dict[str, str | int] = dict(limit=100)
+        while True:
+            if (r := self._http("list", lambda a: a.get("/v1/batches", params=params), api)) is None:
+                return None
+            page = r.json()
+            out += page["data"]
+            if not page["has_more"]:
+                return out
+            params["after"] = page["last_id"]
+
+    def _ended(self, api: httpx.Client, deadline: float) -> dict[str, dict]:
+        """Every batch the API lists (by id), once those made from the client's files have
+        ended (or the deadline passed). The list, not the client's ids: a batch made while
+        the create call's answer was lost is judged too."""
+        while True:
+            listed = self._list(api)
+            if listed is not None and (time.monotonic() > deadline or all(
+                    b["status"] in FINAL for b in listed if b["input_file_id"] in self.uploads)):
+                return {b["id"]: b for b in listed}
+            if listed is None and time.monotonic() > deadline:
+                self.report.problems.append("the API did not list the batches")
+                return {}
+            time.sleep(0.5)
+
+    def _check_files(self, api: httpx.Client, batches: dict[str, dict]) -> None:
+        """Each batch from one of the client's files against the lines the client sent in it."""
+        acc = self.report.client
+        acc.files_uploaded, acc.batches_answered = len(self.uploads), len(self.made)
+        for bid in sorted(set(self.made) - set(batches)):
+            acc.batches_missing += 1
+            self.report.problems.append(f"batch {bid}: the API made it, yet does not list it")
+        for bid, b in sorted(batches.items()):
+            if (lines := self.uploads.get(b["input_file_id"])) is None:
+                acc.batches_foreign += 1
+                self.report.problems.append(f"batch {bid} runs file {b['input_file_id']}, which the client never sent")
+                continue
+            self.report.batches[bid] = b["status"]
+            acc.batches_listed += 1
+            acc.batches_unanswered += bid not in self.made
+            self._check_batch(api, b, [ln["custom_id"] for ln in lines])
+
+    def _check_batch(self, api: httpx.Client, b: dict, sent: list[str]) -> None:
+        """Every custom_id sent exactly once in the output and error files, none other, and
+        request_counts equal to what was sent and what came back."""
+        acc, bid = self.report.client, b["id"]
+        acc.items_submitted += len(sent)
+        if b["status"] != "completed":
+            acc.items_lost += len(sent)
+            self.report.problems.append(f"batch {bid} ended {b['status']}")
+            return
+        acc.batches_completed += 1
+        got: Counter[str] = Counter()
+        lines = dict(output=0, error=0)
+        for kind in lines:
+            if not (fid := b.get(f"{kind}_file_id")):
+                continue
+            if (r := self._download(api, fid)) is None:
+                self.report.problems.append(f"batch {bid}: its {kind} file {fid} could not be read")
+                continue
+            for line in map(json.loads, r.text.splitlines()):
+                got[line["custom_id"]] += 1
+                lines[kind] += 1
+                if kind == "output" and (resp := line.get("response")) and resp["status_code"] == 200:
+                    self.outputs[(bid, line["custom_id"])] = resp["body"]["choices"][0]["message"]["content"]
+        acc.items_output += lines["output"]
+        acc.items_error += lines["error"]
+        want = set(sent)
+        lost = [cid for cid in sent if not got[cid]]
+        twice = [cid for cid in sent if got[cid] > 1]
+        extra = [cid for cid in got if cid not in want]
+        acc.items_once += sum(got[cid] == 1 for cid in want)
+        acc.items_lost += len(lost)
+        acc.items_duplicated += sum(got[cid] - 1 for cid in twice)
+        acc.items_extra += sum(got[cid] for cid in extra)
+        if lost or twice or extra:
+            self.report.problems.append(f"batch {bid}: lost {lost[:5]}, more than once {twice[:5]}, "
+                                        f"never sent {extra[:5]}")
+        counts = b.get("request_counts") or {}
+        said = (counts.get("total"), counts.get("completed"), counts.get("failed"))
+        if said == (len(sent), lines["output"], lines["error"]):
+            acc.batches_counts_equal += 1
+        else:
+            self.report.problems.append(f"batch {bid}: request_counts {said} for {len(sent)} lines sent, "
+                                        f"{lines['output']} output and {lines['error']} error lines")
+
+    def _download(self, api: httpx.Client, fid: str) -> httpx.Response | None:
+        return self._http("download", lambda a: a.get(f"/v1/files/{fid}/content"), api)
 
     def _check_chats(self) -> None:
         with psycopg.connect(libpq_url(self.stack.db_url)) as c:
@@ -474,6 +671,91 @@ class Chaos:
         self.report.chats_journaled = len(found)
         if missing := [k for k in keys if k not in found]:
             self.report.problems.append(f"{len(missing)} chats the client saw are not journaled: {missing[:5]}")
+
+    def check_greedy(self, settings: Settings, workdir: Path) -> None:
+        """Each greedy item's text against vLLM's own output for the very line the client sent."""
+        g = self.report.greedy
+        sent = {ln["custom_id"]: ln for lines in self.uploads.values() for ln in lines}
+        mine = [(key, text) for key, text in sorted(self.outputs.items())
+                if key[1] in sent and sent[key[1]]["body"].get("temperature") == 0]
+        ids = sorted({cid for (_, cid), _ in mine})
+        if not ids:
+            g.how = "no greedy item came back"
+            return
+        try:
+            texts = vllm_texts(settings, [sent[cid] for cid in ids], workdir)
+        except OracleFailed as err:
+            g.how = "vLLM's batch runner failed"
+            self.report.problems.append(f"vLLM's batch runner, the greedy oracle, failed: {err}")
+            return
+        g.how = f"vllm run-batch on the {len(ids)} greedy lines the client sent, same model and engine settings"
+        wrong = []
+        for (bid, cid), text in mine:
+            g.checked += 1
+            if (want := texts.get(cid)) is None:
+                g.oracle_missing += 1
+                wrong.append(f"{bid}/{cid}: vLLM gave no text")
+            elif want == text:
+                g.equal += 1
+            else:
+                g.differ += 1
+                wrong.append(f"{bid}/{cid}: {text[:40]!r} vs vLLM's {want[:40]!r}")
+        if wrong:
+            self.report.problems.append(f"{len(wrong)} of {g.checked} greedy items are not vLLM's own output, "
+                                        f"e.g. {wrong[:3]}")
+
+
+class OracleFailed(RuntimeError):
+    pass
+
+
+def oracle_flags(settings: Settings) -> list[str]:
+    """vLLM's own flags for the model and the engine settings the engine worker starts
+    vLLM with (ballast/workers.py, engine/vllm_engine.py)."""
+    from engine.models import resolve_model
+    from engine.vllm_engine import _dtype
+
+    spec = resolve_model(settings)
+    flags = ["--model", spec.path, "--served-model-name", spec.name, "--max-model-len", str(spec.max_model_len),
+             "--dtype", _dtype(spec.path), "--seed", "0", "--enforce-eager", "--enable-prefix-caching",
+             "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * (1 << 30))),
+             "--max-num-seqs", str(settings.max_num_seqs),
+             "--long-prefill-token-threshold", str(settings.long_prefill_tokens), "--disable-log-stats"]
+    if settings.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
+    if settings.serve_fine_tuned:
+        flags += ["--enable-lora", "--max-loras", str(settings.max_loras), "--max-lora-rank", "8"]
+    return flags
+
+
+def vllm_texts(settings: Settings, lines: list[dict], workdir: Path) -> dict[str, str]:
+    """vLLM's own answers to chat `lines` (custom_id: message text, where it answered 200):
+    its batch runner (what `vllm run-batch` runs) in a process of its own."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    src, dst, log_path = workdir / "in.jsonl", workdir / "out.jsonl", workdir / "vllm.log"
+    src.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.run_batch", "-i", str(src), "-o", str(dst),
+           *oracle_flags(settings)]
+    with open(log_path, "wb") as log:
+        # Its own session, so that vLLM's engine process goes with it.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, VLLM_NO_USAGE_STATS="1"))
+    try:
+        rc = proc.wait(ORACLE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if rc != 0:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise OracleFailed(f"{'no end in ' + str(ORACLE_TIMEOUT_S) + ' s' if rc is None else f'exit {rc}'}: {tail}")
+    texts = {}
+    for line in map(json.loads, dst.read_text().splitlines()):
+        if (resp := line.get("response") or {}).get("status_code") == 200:
+            texts[line["custom_id"]] = resp["body"]["choices"][0]["message"]["content"]
+    return texts
 
 
 def _fill(path: Path) -> None:
@@ -513,15 +795,30 @@ def tmpfs(mib: int) -> Iterator[tuple[Path | None, str]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def run(settings: Settings, plan: Plan, log=print, at_rest_timeout: float | None = None, **extra_env: str) -> Chaos:
-    """The whole run; the Chaos, its report filled."""
+def engine_env(settings: Settings) -> dict[str, str]:
+    """The engine settings of `settings` as the stack's environment: the engine worker runs
+    with the very settings the greedy oracle is given."""
+    env = dict(BALLAST_MAX_MODEL_LEN=str(settings.max_model_len), BALLAST_KV_CACHE_GIB=str(settings.kv_cache_gib),
+               BALLAST_MAX_NUM_SEQS=str(settings.max_num_seqs),
+               BALLAST_LONG_PREFILL_TOKENS=str(settings.long_prefill_tokens),
+               BALLAST_SERVE_FINE_TUNED=str(settings.serve_fine_tuned).lower(),
+               BALLAST_MAX_LORAS=str(settings.max_loras))
+    if settings.max_num_batched_tokens:
+        env["BALLAST_MAX_NUM_BATCHED_TOKENS"] = str(settings.max_num_batched_tokens)
+    return env
+
+
+def run(settings: Settings, plan: Plan, log=print, at_rest_timeout: float | None = None, oracle: bool = True,
+        **extra_env: str) -> Chaos:
+    """The whole run; the Chaos, its report filled. With `oracle`, after the stack has
+    stopped, the greedy items' texts are checked against vLLM's own."""
     from engine.models import resolve_model
 
     model = resolve_model(settings).name
     with tmpfs(STORE_MIB) as (store, how), contextlib.ExitStack() as cleanup:
         data = Path(tempfile.mkdtemp(prefix="ballast-chaos-"))  # short: Postgres's socket path
         cleanup.callback(shutil.rmtree, data, ignore_errors=True)
-        env = dict(extra_env)
+        env = dict(extra_env, **engine_env(settings))
         if store is not None:
             env["BALLAST_OBJECT_STORE"] = store.as_uri()
         log(f"• starting `ballast up` in {data}; object store: {how}")
@@ -547,6 +844,9 @@ def run(settings: Settings, plan: Plan, log=print, at_rest_timeout: float | None
                     t.join(120)
             log("• load stopped; waiting for every batch to end and the journal to come to rest")
             chaos.settle(at_rest_timeout if at_rest_timeout is not None else settings.unreported_after_s + 120)
+        if oracle:
+            log("• vLLM's own greedy outputs for the lines the client sent (its batch runner, same engine settings)")
+            chaos.check_greedy(settings, data / "oracle")
         return chaos
 
 
