@@ -11,10 +11,21 @@ What makes a resumed run bitwise equal to an uninterrupted one:
 - the data order is a function of (seed, epoch) alone, so the data cursor is the step
   number: step s trains batch s % steps_per_epoch of epoch s // steps_per_epoch;
 - the adapter's initial weights come from its own generator seeded by `seed`;
+- what a step draws at random (dropout, where the model has any) comes from the trainer's
+  own generator, seeded by `seed`, never from another trainer's;
 - a checkpoint holds the adapter, the optimizer's state (AdamW moments and step counts),
-  torch's RNG state and the losses so far, and is loaded into a fresh model and optimizer;
+  that generator's state and the losses so far, and is loaded into a fresh model and
+  optimizer;
 - every step runs single-threaded in float32, so no reduction order depends on how many
   cores the worker that resumes it has.
+
+An engine worker trains several jobs' chunks at once, each step in a thread of one process,
+where torch's default generator and its thread count are the process's. So a trainer lends
+its generator to torch only for its forward pass (dropout takes no generator argument),
+under a lock, and puts back what was there; and the thread count stays 1 from the first
+trainer in to the last one out. A job's result is then the same alone or beside others.
+(Code in the process that draws from torch's default generator during a trainer's forward
+pass, other than a trainer, would still disturb it: the engine worker has none.)
 
 A checkpoint is bytes with a SHA-256 over them: `restore` refuses bytes that do not
 match the checksum the journal recorded, so a torn or corrupted file is never trained on.
@@ -26,6 +37,7 @@ import hashlib
 import io
 import json
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,14 +100,47 @@ def checksum(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Trainers stepping now, and the thread count before the first of them began: one that
+# put its own "before" back while another stepped would let that one's reductions split
+# across cores (and the last one out would leave the process at 1).
+_threads = threading.Lock()
+_inside = 0
+_threads_before = 1
+
+
 @contextmanager
 def single_threaded() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    global _inside, _threads_before
+    with _threads:
+        if _inside == 0:
+            _threads_before = torch.get_num_threads()
+        _inside += 1
+        torch.set_num_threads(1)  # in this thread too, where a build keeps counts per thread
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        with _threads:
+            _inside -= 1
+            if _inside == 0:
+                torch.set_num_threads(_threads_before)
+
+
+# Held while a trainer's generator stands in for torch's default one.
+_default_generator = threading.Lock()
+
+
+@contextmanager
+def drawing_from(generator: torch.Generator) -> Iterator[None]:
+    """torch's default CPU generator continues `generator`'s stream for the block, which
+    advances it; the default's own state is put back after."""
+    with _default_generator:
+        outside = torch.get_rng_state()
+        torch.set_rng_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(outside)
 
 
 def load_base(model_path: str) -> torch.nn.Module:
@@ -120,7 +165,9 @@ class Trainer:
             raise ValueError("no training examples")
         self.examples, self.hyper, self.pad_id, self.model_path = list(examples), hyper, pad_id, model_path
         self.model = base if base is not None else load_base(model_path)
-        torch.manual_seed(hyper.seed)  # after loading: a trainer on a reused base starts the same
+        # Dropout's stream (see drawing_from); the same seed as the adapter's initial weights,
+        # which draw from a generator of their own.
+        self.generator = torch.Generator().manual_seed(hyper.seed)
         init = torch.Generator().manual_seed(hyper.seed)
         self.adapted: dict[str, LoRALinear] = {}  # PEFT's module path → the wrapped layer
         for name, module in list(self.model.named_modules()):
@@ -220,8 +267,10 @@ class Trainer:
         """One optimizer step; its loss and its mean token accuracy (greedy prediction =
         the trained token), as OpenAI's metrics report them."""
         ids, attention, labels = self._tensors(batch)
-        # The model shifts labels itself: position i predicts token i + 1.
-        out = self.model(input_ids=ids, attention_mask=attention, labels=labels)
+        # The model shifts labels itself: position i predicts token i + 1. Only the forward
+        # pass draws (dropout's masks, which the backward pass reuses).
+        with drawing_from(self.generator):
+            out = self.model(input_ids=ids, attention_mask=attention, labels=labels)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         self.optimizer.step()
@@ -236,7 +285,7 @@ class Trainer:
     def checkpoint(self) -> Checkpoint:
         buf = io.BytesIO()
         torch.save(dict(step=self.step, adapter=self.weights(), optimizer=self.optimizer.state_dict(),
-                        rng=torch.get_rng_state(), losses=self.losses, accuracies=self.accuracies), buf)
+                        rng=self.generator.get_state(), losses=self.losses, accuracies=self.accuracies), buf)
         data = buf.getvalue()
         return Checkpoint(self.step, data, checksum(data), list(self.losses), list(self.accuracies))
 
@@ -251,7 +300,9 @@ class Trainer:
                 path, which = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
                 getattr(self.adapted[path], which).copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        # The stream's state as torch.get_rng_state() gives it: checkpoints written when
+        # trainers drew from the default generator itself load as they are.
+        self.generator.set_state(state["rng"])
         self.step, self.losses = int(state["step"]), [float(x) for x in state["losses"]]
         self.accuracies = [float(x) for x in state.get("accuracies", [])]
 

@@ -8,7 +8,10 @@ here, the oracle)."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import random
+import threading
 
 import pytest
 import torch
@@ -197,3 +200,194 @@ def test_validation_scores_a_held_out_file_without_perturbing_training(tiny_mode
                     correct += int(logits[i - 1].argmax()) == e.ids[i]
                     count += 1
     assert count > 0 and loss == pytest.approx(total / count, rel=1e-4) and accuracy == correct / count
+
+
+# -- two jobs' chunks on one engine worker at once ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dropout_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model with attention dropout on, so that a training step draws from torch's
+    RNG: without dropout a step draws nothing, and two trainers sharing one generator
+    could not show it."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("dropout") / "model"
+    shutil.copytree(tiny_model.path, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attention_dropout"] = 0.2
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+# Two jobs with their own seeds, batch sizes and data; each cut into chunks (preempted
+# after that many steps and resumed from the checkpoint in a fresh trainer).
+JOBS = dict(a=(Hyper(n_epochs=2, batch_size=3, seed=7), slice(0, 10), (3, 1, 2, 100)),
+            b=(Hyper(n_epochs=3, batch_size=2, seed=11), slice(2, 9), (2, 4, 1, 3, 100)))
+
+
+class Worker:
+    """What the engine worker's train_chunk activity does with a chunk (activities/finetune.py),
+    on one event loop: a base model from the worker's idle ones (loaded if none), a trainer
+    built in a thread, the checkpoint restored on the loop, each step in a thread
+    (asyncio.to_thread), a validation score and a checkpoint at the end, the base given
+    back. Records how many steps ran at once and each forward's torch thread count."""
+
+    def __init__(self, path: str, pad_id: int, held_out: list[Example]):
+        self.path, self.pad_id, self.held_out = path, pad_id, held_out
+        self.bases: list[torch.nn.Module] = []
+        self.running = self.most_at_once = 0
+        self.threads: list[int] = []
+
+    async def base(self) -> torch.nn.Module:
+        if self.bases:
+            return self.bases.pop()
+        from engine.training import load_base
+
+        base = await asyncio.to_thread(load_base, self.path)
+        base.register_forward_pre_hook(lambda *_: self.threads.append(torch.get_num_threads()))
+        return base
+
+    def step(self, t: Trainer) -> None:
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            t.run(1)
+        finally:
+            self.running -= 1
+
+    async def job(self, examples: list[Example], hyper: Hyper, chunks: tuple[int, ...]):
+        ckpt, scores = None, []
+        for steps in chunks:
+            t = await asyncio.to_thread(Trainer, self.path, examples, hyper, self.pad_id, await self.base())
+            try:
+                if ckpt is not None:
+                    t.restore(ckpt.data, ckpt.sha256)
+                for _ in range(steps):
+                    if t.done:
+                        break
+                    await asyncio.to_thread(self.step, t)
+                scores.append(await asyncio.to_thread(t.evaluate, self.held_out))
+                ckpt = t.checkpoint()
+            finally:
+                self.bases.append(t.release())
+        assert t.done
+        return ckpt, scores
+
+
+def test_two_jobs_training_at_once_on_one_worker_end_bitwise_as_each_alone(dropout_model, tokenizer, examples):
+    """Two fine-tuning jobs' chunks run at once on one worker, their steps in threads of
+    one process and interleaved, each preempted and resumed several times on whichever
+    base model is idle: each job's final checkpoint (adapter, optimizer state, RNG, losses,
+    accuracies) holds what the same job's holds trained alone in one go, value for value, and
+    every step ran single-threaded. (Trainers that drew from torch's process-wide generator
+    fail this: each job's dropout masks came from the other's draws.)"""
+    from engine.training import load_base
+
+    held_out = examples[8:]
+    alone = {}
+    for name, (hyper, part, _) in JOBS.items():
+        t = Trainer(dropout_model, examples[part], hyper, tokenizer.eos_token_id, base=load_base(dropout_model))
+        t.run(1000)
+        alone[name] = (t.checkpoint(), t.weights())
+    # Dropout draws: the same job without it trains differently (so a shared generator
+    # would show), and the two jobs' curves are not one another's.
+    plain = Trainer(dropout_model, examples[JOBS["a"][1]], JOBS["a"][0], tokenizer.eos_token_id,
+                    base=load_base(dropout_model))
+    plain.model.config.attention_dropout = 0.0
+    for layer in plain.model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    plain.run(1000)
+    assert plain.losses != alone["a"][0].losses
+
+    worker = Worker(dropout_model, tokenizer.eos_token_id, held_out)
+
+    async def both():
+        return await asyncio.gather(*(worker.job(examples[part], hyper, chunks)
+                                      for hyper, part, chunks in JOBS.values()))
+
+    results = dict(zip(JOBS, asyncio.run(both()), strict=True))
+    assert worker.most_at_once == 2  # the two jobs' steps did overlap
+    assert worker.threads and set(worker.threads) == {1}
+    for name, (ckpt, _) in results.items():
+        want, weights = alone[name]
+        assert ckpt.step == want.step
+        assert ckpt.losses == want.losses and ckpt.accuracies == want.accuracies, name
+        got = torch.load(io.BytesIO(ckpt.data), weights_only=True)
+        assert all(torch.equal(got["adapter"][k], weights[k]) for k in weights), name
+        # All of it, the RNG's and the optimizer's state included (value for value: pickle
+        # may lay out equal floats differently after a restore, so not byte for byte).
+        assert same(got, torch.load(io.BytesIO(want.data), weights_only=True)), name
+
+
+def same(x: object, y: object) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, list | tuple):
+        return type(x) is type(y) and len(x) == len(y) and all(map(same, x, y))
+    return x == y
+
+
+def test_draws_from_torchs_generator_between_steps_leave_a_run_as_it_was(dropout_model, tokenizer, examples):
+    """A trainer's dropout has its own stream: other code drawing from torch's default
+    generator between its steps (or seeding it) changes nothing."""
+    whole = trainer_on(dropout_model, tokenizer, examples)
+    whole.run(1000)
+    disturbed = trainer_on(dropout_model, tokenizer, examples)
+    while not disturbed.done:
+        torch.rand(7)
+        disturbed.run(1)
+        torch.manual_seed(disturbed.step)
+    assert disturbed.losses == whole.losses
+    a, b = whole.weights(), disturbed.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def trainer_on(path: str, tokenizer, examples) -> Trainer:
+    return Trainer(path, examples, Hyper(n_epochs=2, batch_size=3, seed=7), tokenizer.eos_token_id)
+
+
+def test_the_thread_count_stays_one_while_any_trainer_steps():
+    """A trainer that ends while another steps leaves torch's thread count at 1, and the
+    last one out puts back what it was before the first came in. (With torch's OpenMP
+    backend a thread's count is its own once it has used torch, but a thread's first use
+    takes the count last set in any thread: trainers that each put back their own saw
+    the second one in put back 1, and every thread the worker starts later ran on one core.
+    With its native backend the count is the process's.)"""
+    from engine.training import single_threaded
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, int] = {}
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with single_threaded():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with single_threaded():
+            second_in.set()
+            first_out.wait(10)
+            seen["after the first left"] = torch.get_num_threads()
+
+    try:
+        threads = [threading.Thread(target=f) for f in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert first_out.is_set() and seen == {"after the first left": 1}
+        assert torch.get_num_threads() == 2
+        later = threading.Thread(target=lambda: seen.update(later=torch.get_num_threads()))
+        later.start()
+        later.join(10)
+        assert seen["later"] == 2
+    finally:
+        torch.set_num_threads(before)
