@@ -118,8 +118,11 @@ async def test_a_stale_attempt_is_refused_once_a_newer_one_holds_the_lease(db, e
         rows = (await conn.execute(text(
             "SELECT type, payload->>'runner', fence FROM events WHERE stream = :s ORDER BY version"),
             dict(s=stream))).all()
+        current = (await conn.execute(text("SELECT token FROM leases WHERE stream = :s"), dict(s=stream))).scalar()
     results = [r for r in rows if r.type in ("item_completed", "item_failed")]
-    assert len(results) == 1 and results[0].fence == 2
+    assert len(results) == 1 and results[0].fence == current  # the retry's, whose lease is the stream's now
+    first_fences = {r.fence for r in rows if r.type == "item_chunk" and r[1].endswith(":1")}
+    assert first_fences and max(first_fences) < current
     runners = [r[1] for r in rows if r.type == "item_chunk"]
     # Attempt 1's chunks all precede attempt 2's; none of attempt 1 came after the takeover.
     assert runners and runners == sorted(runners, key=lambda r: r.endswith(":2"))
