@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     tenants_cli.add_parser(sub)
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness", "placement",
-                                        "grouping", "training"])
+                                        "grouping", "training", "fold"])
     b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
     b.add_argument("--seconds", type=float, default=None,
                    help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=None,
                    help="batch: rounds, alternating raw vLLM and Ballast (3); grouping: batches per arm (2); "
-                        "training: jobs per arm (3)")
+                        "training: jobs per arm (3); fold: ticks per ledger size (200)")
     b.add_argument("--arms", default=None,
                    help="surge: which arms, comma-separated (all: alone,ballast,priority,partition)")
     c = sub.add_parser("chaos", help="faults injected into a fresh `ballast up` under load; the journal's "
@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.fairness import main as bench_fairness
 
             return bench_fairness(settings, seconds=args.seconds or 20.0)
+        if args.name == "fold":
+            from bench.fold import main as bench_fold
+
+            return bench_fold(settings, ticks=args.runs or 200)
         if args.name == "admission":
             from bench.admission import main as bench_admission
 
