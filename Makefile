@@ -34,6 +34,7 @@ bench: install
 	$(VENV)/bin/ballast bench placement
 	$(VENV)/bin/ballast bench grouping
 	$(VENV)/bin/ballast bench training
+	$(VENV)/bin/ballast bench fold
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache
