@@ -256,7 +256,9 @@ def rows_per_request(stack: Stack, ids: list[str], before: dict, background: tup
     for t in sorted(set(run) | set(idle)):
         got, bg = run.get(t, (0, 0, 0)), idle.get(t, (0, 0, 0))
         per = [(g - b * seconds / idle_s) / n for g, b in zip(got, bg, strict=True)]
-        tables[t.removeprefix("public.")] = {"ins": round(per[0], 3), "upd": round(per[1], 3), "del": round(per[2], 3),
+        # Where a table is written only in the background, what is left is noise around 0 (+ 0.0: not -0.0).
+        ins, upd, dele = (round(x, 3) + 0.0 for x in per)
+        tables[t.removeprefix("public.")] = {"ins": ins, "upd": upd, "del": dele,
                                              "background_per_s": round(sum(bg) / idle_s, 2)}
     total = sum(w["ins"] + w["upd"] + w["del"] for w in tables.values())
     return dict(requests=n, seconds=round(seconds, 1), total=round(total, 2), tables=tables,
