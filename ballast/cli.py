@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("chaos", help="faults injected into a fresh `ballast up` under load; the journal's "
                                      "invariants checked in SQL at the end")
     c.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
-    sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL: each check's "
-                                  "rows examined; exits 1 on a violation, or when nothing at all was examined")
+    v = sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL: each check's "
+                                      "rows examined; exits 1 on a violation, or when nothing at all was examined")
+    v.add_argument("--tokenizer", default=None, help="a model directory (or hub id): also re-tokenize each completed "
+                                                     "batch item's prompt with transformers against its settle")
+    v.add_argument("--model", default=None, help="with --tokenizer: only the items of this served model name (and "
+                                                 "its fine-tuned models)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         from journal.invariants import audit, passed, report
 
         _need(settings, "database_url")
-        findings = audit(settings.require("database_url"))
+        findings = audit(settings.require("database_url"), tokenizer=args.tokenizer, model=args.model)
         print(report(findings))
         return 0 if passed(findings) else 1
     if args.cmd == "bench":

@@ -240,10 +240,34 @@ CHECKS = (
 )
 
 
-def audit(db_url: str, *, at_rest: bool = True, examples: int = 5) -> list[Finding]:
+# With a tokenizer (`ballast verify --tokenizer DIR`): each completed batch item's settled
+# prompt tokens against its request re-tokenized by transformers from the journaled body.
+# Only the prompt: a completion's text does not re-tokenize to the ids generated in
+# general (EOS is not in the text, a stop string is cut from it, a BPE model's re-encoding
+# of generated text need not be the ids it sampled); its count is checked against the
+# journaled ids instead (item_tokens_match_chunks).
+RETOKENIZED = Check(
+    "item_prompts_retokenized",
+    "a completed batch item settles as many prompt tokens as its request's messages (rendered with the "
+    "tokenizer's chat template) or prompt hold, re-tokenized by transformers",
+    """
+    SELECT l.subject, l.model, l.input_tokens, b.endpoint, i.body
+      FROM ledger l
+      JOIN events r ON r.stream = l.subject AND r.type = 'item_completed'
+      JOIN batch_items i ON l.subject = 'item:' || i.batch_id || ':' || i.idx
+      JOIN batches b ON b.id = i.batch_id
+     WHERE l.kind = 'settle'
+    """,
+    "", "items re-tokenized")
+
+
+def audit(db_url: str, *, at_rest: bool = True, examples: int = 5, tokenizer: str | None = None,
+          model: str | None = None) -> list[Finding]:
     """Every check (only those that hold at every moment unless `at_rest`), run as the
     URL's role in one read-only snapshot. A check that cannot run (the role may not read
-    a table) is a finding with its error, not an exception: the others still run."""
+    a table) is a finding with its error, not an exception: the others still run. With
+    `tokenizer` (a model directory or hub id), also `RETOKENIZED`, over the items of
+    `model` and its fine-tuned models (every item's, without)."""
     out = []
     with psycopg.connect(libpq_url(db_url)) as conn:
         conn.read_only = True
@@ -253,7 +277,60 @@ def audit(db_url: str, *, at_rest: bool = True, examples: int = 5) -> list[Findi
                 if check.at_rest and not at_rest:
                     continue
                 out.append(_run(conn, check, examples))
+            if tokenizer is not None:
+                out.append(_retokenized(conn, tokenizer, model, examples))
     return out
+
+
+def _retokenized(conn: psycopg.Connection, tokenizer: str, model: str | None, examples: int) -> Finding:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    bad: list[tuple[Any, ...]] = []
+    seen = 0
+    try:
+        with conn.transaction(), conn.cursor(name="retokenized") as cur:  # streamed: a journal may be large
+            cur.execute(RETOKENIZED.sql)
+            for subject, item_model, settled, endpoint, body in cur:
+                if model is not None and item_model != model and not item_model.startswith(f"ft:{model}:"):
+                    continue
+                n = _prompt_tokens(tok, endpoint, body)
+                if n is None:
+                    continue  # a body it cannot render by OpenAI's rules alone: not examined
+                seen += 1
+                if n != settled:
+                    bad.append((subject, settled, n))
+    except psycopg.Error as err:
+        return Finding(RETOKENIZED, 0, error=f"{type(err).__name__}: {str(err).splitlines()[0]}")
+    return Finding(RETOKENIZED, len(bad), bad[:examples], seen)
+
+
+def _prompt_tokens(tok: Any, endpoint: str, body: dict[str, Any]) -> int | None:
+    """The request's prompt tokens, as OpenAI's API defines the prompt and the model's own
+    tokenizer encodes it: chat messages through its chat template (text parts joined),
+    a completion's prompt with the tokenizer's special tokens, or the ids it gave."""
+    if endpoint.endswith("/chat/completions"):
+        messages = []
+        for m in body.get("messages") or []:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if not isinstance(content, str):
+                return None
+            messages.append(dict(role=m.get("role"), content=content))
+        if not messages:
+            return None
+        try:
+            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses these messages: not examined
+            return None
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(tok(prompt)["input_ids"])
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return None
 
 
 def _run(conn: psycopg.Connection, check: Check, examples: int) -> Finding:

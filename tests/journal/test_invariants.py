@@ -62,15 +62,17 @@ class Journal:
                           "idempotency_key) VALUES ('t', 'm', %s, %s, %s, %s, %s, %s)",
                           (tier, subject, kind, i, o, f"{kind}:{subject}"))
 
-    def batch(self, status: str, items: int, output: str | None = None, body: dict | None = None) -> str:
+    def batch(self, status: str, items: int, output: str | None = None, body: dict | None = None,
+              endpoint: str = "/v1/chat/completions", bodies: list[dict] | None = None) -> str:
+        """`items` items, each of `body` (or of its own in `bodies`)."""
         bid = uid("batch_")
         self.conn.execute("INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, status, "
-                          "output_file_id, created_at, seq) VALUES (%s, 't', '/v1/chat/completions', 'f', '24h', %s, "
-                          "%s, 0, 0)", (bid, status, output))
+                          "output_file_id, created_at, seq) VALUES (%s, 't', %s, 'f', '24h', %s, %s, 0, 0)",
+                          (bid, endpoint, status, output))
         for idx in range(items):
             self.conn.execute("INSERT INTO batch_items (batch_id, idx, line, custom_id, body, status) "
-                              "VALUES (%s, %s, %s, %s, %s, 'pending')", (bid, idx, idx + 1, f"c{idx}",
-                                                                          json.dumps(body or {})))
+                              "VALUES (%s, %s, %s, %s, %s, 'pending')",
+                              (bid, idx, idx + 1, f"c{idx}", json.dumps(bodies[idx] if bodies else body or {})))
         return bid
 
     def file(self) -> str:
@@ -264,6 +266,29 @@ def test_a_training_settle_beyond_the_epochs_trained_or_the_tokens_reported_is_n
                          ("succeeded", "ftjob-over", None, 210, 200, 200, None),
                          ("checkpoint", "ftjob-early", 2, 101, 0, 100, 0),
                          ("succeeded", "ftjob-told", None, 200, 300, 300, None)}
+
+
+def test_with_a_tokenizer_an_item_settled_otherwise_than_its_prompt_re_tokenized_is_named(journal, journal_url,
+                                                                                          tiny_model):
+    # The tiny model's tokenizer is byte-level: a prompt is BOS and a token per UTF-8
+    # byte; a chat is BOS, then per message its role marker, its bytes and a newline, then
+    # the assistant's marker (engine/tiny.py's template). Counted by hand here.
+    prompts = [("Once", 1 + 4), ("Zürich", 1 + 7), ([1, 2, 3], 3)]
+    done = journal.batch("completed", 3, output=journal.file(), endpoint="/v1/completions",
+                         bodies=[dict(model="m", prompt=p) for p, _ in prompts])
+    for idx, (_, n) in enumerate(prompts):
+        journal.item(done, idx, [(0, 2)], usage=(n, 2))
+    hi = dict(model="m", messages=[dict(role="user", content="Hi")])
+    parts = dict(model="m", messages=[dict(role="user", content=[dict(type="text", text="H"),
+                                                                 dict(type="text", text="i")])])
+    chats = journal.batch("completed", 3, output=journal.file(), bodies=[hi, parts, hi])
+    journal.item(chats, 0, [(0, 2)], usage=(1 + 1 + 2 + 1 + 1, 2))
+    journal.item(chats, 1, [(0, 2)], usage=(6, 2))
+    journal.item(chats, 2, [(0, 2)], usage=(7, 2))  # one more than the request holds
+    (found,) = [f for f in audit(journal_url, tokenizer=tiny_model.path) if f.check.name == "item_prompts_retokenized"]
+    assert found.examples == [(f"item:{chats}:2", 7, 6)] and found.violations == 1
+    assert found.examined == 6  # the other tests' items have no prompt to render
+    assert "item_prompts_retokenized" not in {f.check.name for f in audit(journal_url)}  # only with a tokenizer
 
 
 def test_at_rest_a_running_batch_an_unjournaled_request_and_an_open_reservation_are_named(journal, journal_url):
