@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 
@@ -197,7 +198,8 @@ def pg_dir():
 def test_embedded_postgres_persists_and_orphans_nothing(pg_dir: Path) -> None:
     pg = EmbeddedPostgres(pg_dir).start()
     try:
-        assert pg.url.startswith("postgresql+psycopg://postgres@127.0.0.1:")
+        u = make_url(pg.url)  # the superuser, by its password: the server trusts no one
+        assert (u.drivername, u.username, u.host) == ("postgresql+psycopg", "postgres", "127.0.0.1") and u.password
         with psycopg.connect(libpq_url(pg.url), autocommit=True) as conn:
             [version] = conn.execute("SELECT version()").fetchall()[0]
             assert version.startswith("PostgreSQL 18"), version

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import uuid
 from pathlib import Path
 
@@ -50,10 +51,10 @@ async def books(owner_db):
 async def auditor(db_url, owner_db):
     """A login that is a member of the auditor role, behind a pool of ONE connection, so
     consecutive transactions share it as a pooler's would."""
-    login = f"audit_{uuid.uuid4().hex[:10]}"
+    login, password = f"audit_{uuid.uuid4().hex[:10]}", secrets.token_hex(16)
     async with owner_db.begin() as c:
-        await c.execute(text(f"CREATE ROLE {login} LOGIN IN ROLE {AUDITOR}"))
-    engine = create_async_engine(sync_url(as_role(db_url, login)), pool_size=1, max_overflow=0)
+        await c.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE {AUDITOR}"))
+    engine = create_async_engine(sync_url(as_role(db_url, login, password)), pool_size=1, max_overflow=0)
     try:
         yield engine
     finally:

@@ -6,6 +6,7 @@ from the whole ledger at the same clock."""
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from dataclasses import dataclass, field
@@ -312,7 +313,7 @@ async def own_db(pg_server_url):
     session's database, folded by its own, must not see."""
     name = f"ballast_test_fold_{uuid.uuid4().hex[:8]}"
     owner = pg.create_database(pg_server_url, name)
-    service = as_role(owner, SERVICE_ROLE)
+    service = as_role(owner, SERVICE_ROLE, os.environ.get("BALLAST_SERVICE_DATABASE_PASSWORD"))
     upgrade(owner, service_url=service)
     engine = connect(service, pool_size=2)
     try:

@@ -1,6 +1,7 @@
 """The services' role appends to and reads the journal, and can do nothing else to it:
 no rewrite, no schema change, no switching off the triggers. Migrations run as the owner."""
 
+import os
 import uuid
 
 import psycopg
@@ -66,7 +67,7 @@ def test_the_owner_migrates_down_and_up_again(pg_server_url):
     name = f"ballast_test_roles_{uuid.uuid4().hex[:8]}"
     owner = pg.create_database(pg_server_url, name)
     try:
-        service = as_role(owner, SERVICE_ROLE)
+        service = as_role(owner, SERVICE_ROLE, os.environ.get("BALLAST_SERVICE_DATABASE_PASSWORD"))
         upgrade(owner, service_url=service)
         command.downgrade(alembic_config(owner, service), "0003")
         with psycopg.connect(libpq_url(service)) as conn, pytest.raises(psycopg.errors.UndefinedTable):
