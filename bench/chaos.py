@@ -391,18 +391,20 @@ class Chaos:
             while not self.stop.wait(self.rng.uniform(0.5, 2.0)):
                 self._chat(api, max_tokens=16)
 
-    def _chat(self, api: httpx.Client, max_tokens: int, on_chunk: Callable[[int], None] | None = None) -> None:
-        """One streamed chat. Its outcome: ok only when the stream completed; one that did
-        not is judged at the end (settle), against the faults' windows."""
+    def _chat(self, api: httpx.Client, max_tokens: int, on_chunk: Callable[[int], None] | None = None,
+              **extra) -> Call | None:
+        """One streamed chat; its Call (None where the API answered no stream). Its outcome:
+        ok only when the stream completed; one that did not is judged at the end (settle),
+        against the faults' windows."""
         body = dict(model=self.model, messages=[dict(role="user", content="are you there?")], max_tokens=max_tokens,
-                    stream=True)
+                    stream=True, **extra)
         stream, status, hung, started = Stream(), None, False, time.time()
         try:
             with api.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     r.read()
                     self._call("chat", r)
-                    return
+                    return None
                 status = 200
                 for line in r.iter_lines():
                     if stream.feed(line) and on_chunk:
@@ -414,11 +416,13 @@ class Chaos:
         ending = "no answer" if stream.dropped and status is None else stream.ending
         outcome = "hung" if hung else "ok" if ending == "complete" else "cut"
         err = stream.error or {}
-        self._record(Call(self.phase, "chat", outcome, status, stream.request_id, (started, time.time()), ending,
-                          str(err.get("code") or err.get("type") or "")))
+        call = Call(self.phase, "chat", outcome, status, stream.request_id, (started, time.time()), ending,
+                    str(err.get("code") or err.get("type") or ""))
+        self._record(call)
         if stream.request_id:
             with self.lock:
                 self.seen_ids.append(stream.request_id)
+        return call
 
     # -- faults -------------------------------------------------------------------------
 
@@ -504,9 +508,12 @@ class Chaos:
                 killed.append(self._kill("api", "ballast.cli api", "SIGKILL mid-stream"))
 
         with self._client() as api:
-            self._chat(api, max_tokens=400, on_chunk=kill_at)
+            # ignore_eos: a long answer, so that the kill lands while it streams (an early
+            # EOS would have the whole answer sent, and read as whole, before the kill).
+            chat = self._chat(api, max_tokens=400, on_chunk=kill_at, ignore_eos=True)
         if not killed:
             raise RuntimeError("the chat to kill the API under never streamed 3 chunks")
+        killed[0].note = f"the chat streaming: {chat.ending if chat else 'no stream'}"
         self._recover(killed[0], "api is serving again", before)
 
     def store(self, n: int) -> None:
