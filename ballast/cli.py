@@ -47,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     b.add_argument("name", choices=["batch", "surge", "overhead", "admission", "fairness", "placement",
                                         "grouping", "training", "fold"])
-    b.add_argument("--requests", type=int, default=256, help="batch: how many requests")
+    b.add_argument("--requests", type=int, default=None,
+                   help="batch: how many requests (256); overhead: streamed chats per pacing and arm (500)")
     b.add_argument("--seconds", type=float, default=None,
                    help="surge: seconds of interactive load per arm (90); fairness: seconds of backlog per arm (20); "
                         "placement: seconds of each trace per arm (40); "
                         "batch: how long the long batch runs on raw vLLM (65; 0: the short batch only)")
     b.add_argument("--runs", type=int, default=None,
-                   help="batch: rounds, alternating raw vLLM and Ballast (3); grouping: batches per arm (2); "
+                   help="batch: rounds, alternating raw vLLM and Ballast (3); surge: rounds of the arrival plan "
+                        "per arm, pooled (4); grouping: batches per arm (2); "
                         "training: jobs per arm (3); fold: ticks per ledger size (200)")
     b.add_argument("--arms", default=None,
                    help="surge: which arms, comma-separated (all: alone,ballast,priority,partition)")
@@ -136,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "batch":
             from bench.batch import main as bench_batch
 
-            return bench_batch(settings, requests=args.requests, runs=args.runs or 3,
+            return bench_batch(settings, requests=args.requests or 256, runs=args.runs or 3,
                                long_s=65.0 if args.seconds is None else args.seconds)
         if args.name == "surge":
             from bench.surge import main as bench_surge
 
             return bench_surge(settings, duration_s=args.seconds or 90.0,
-                               arms=args.arms.split(",") if args.arms else None)
+                               arms=args.arms.split(",") if args.arms else None, rounds=args.runs or 4)
         if args.name == "training":
             from bench.training import main as bench_training
 
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             return bench_admission(settings)
         from bench.overhead import main as bench_overhead
 
-        return bench_overhead(settings)
+        return bench_overhead(settings, requests=args.requests or 500)
     return 2
 
 
