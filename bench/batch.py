@@ -403,7 +403,8 @@ def _ratio(arm: list[float], base: list[float]) -> dict:
     return ratio_ci(arm, base, stat=p50).as_dict()
 
 
-def summarise(rounds: list[dict[str, dict]], size: str) -> dict:
+def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast") -> dict:
+    """One batch size over the rounds; `lora_on`: which Ballast arm had LoRA support."""
     runs = {arm: [r[arm][size] for r in rounds if size in r.get(arm, {})] for arm in ARMS}
     tps = {arm: [x["tps"] for x in xs] for arm, xs in runs.items()}
     raw, rb, bal, flipped = runs["raw"], runs["run_batch"], runs["ballast"], runs["ballast_lora_flipped"]
@@ -432,12 +433,11 @@ def summarise(rounds: list[dict[str, dict]], size: str) -> dict:
         control_cpu_per_1k={arm: cpu_1k(xs, control_plane) for arm, xs in runs.items()},
         cpu_per_1k={arm: per_1k(xs[-1]["cpu"], xs[-1]["tokens"]) for arm, xs in runs.items()},
         # LoRA's cost: the same stack with LoRA support against without it.
-        lora=_lora_line(bal, flipped),
+        lora=_lora_line(*((bal, flipped) if lora_on == "ballast" else (flipped, bal))),
     )
 
 
-def _lora_line(bal: list[dict], flipped: list[dict]) -> dict:
-    on, off = (bal, flipped) if "enable_lora" in bal[0].get("args", {}) else (flipped, bal)
+def _lora_line(on: list[dict], off: list[dict]) -> dict:
     return dict(on_tokens_per_s=round(p50([x["tps"] for x in on]), 1),
                 off_tokens_per_s=round(p50([x["tps"] for x in off]), 1),
                 on_over_off=_ratio([x["tps"] for x in on], [x["tps"] for x in off]))
@@ -487,10 +487,12 @@ def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float =
                                engine_args_differ_from_raw=unequal,
                                engine_args_equal=not (unequal["run_batch"] or unequal["ballast"]),
                                engine_nice=settings.engine_nice)
+    # Which Ballast stack served with LoRA support: as its engine worker logged it.
+    lora_on = "ballast" if engine["ballast"].get("enable_lora") else "ballast_lora_flipped"
     for size, target in (("short", 0.90), ("long", 0.95)):
         if size not in batches:
             continue
-        s = out[size] = summarise(rounds, size)
+        s = out[size] = summarise(rounds, size, lora_on)
         s["target"] = target
         tps = s["tokens_per_s"]
         print(f"\n{size} batch ({s['requests']} requests, {s['output_tokens']} output tokens), medians of {runs}:")

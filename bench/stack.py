@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from sqlalchemy.engine import URL
 
 from ballast import procs
+from ballast.pg import PASSWORD_FILE, PG_USER
 from ballast.settings import Settings
 
 
@@ -43,10 +45,13 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
         procs.wait_until(lambda: _healthy(api), 300, "ballast up to be healthy", child=up, interval=0.5)
         # The key `ballast up` made for tenant `default` on this fresh data dir.
         api.headers["Authorization"] = "Bearer " + (data_dir / "api-key").read_text().strip()
-        pg_port = (data_dir / "pg.port").read_text().strip()
+        pg_port = int((data_dir / "pg.port").read_text().strip())
+        # Its superuser logs in with the password the embedded server keeps beside its cluster.
+        password = (data_dir / PASSWORD_FILE).read_text().strip()
+        db_url = URL.create("postgresql", PG_USER, password, "127.0.0.1", pg_port, "postgres")
         # BALLAST_ENGINE_TOKEN where given; else the one `ballast up` made in the data dir.
         token = env.get("BALLAST_ENGINE_TOKEN", "").strip() or (data_dir / "engine-token").read_text().strip()
-        yield Stack(api, f"127.0.0.1:{temporal_port}", f"postgresql://postgres@127.0.0.1:{pg_port}/postgres",
+        yield Stack(api, f"127.0.0.1:{temporal_port}", db_url.render_as_string(hide_password=False),
                     {"Authorization": f"Bearer {token}"}, up.pid)
     finally:
         api.close()

@@ -119,3 +119,28 @@ def test_the_batch_file_is_chat_completions_run_batch_takes():
         assert parsed.url == "/v1/chat/completions"
         assert parsed.body.max_tokens == req["max_tokens"] and parsed.body.ignore_eos is True
         assert parsed.body.messages[0]["content"] == req["messages"][0]["content"]
+
+
+def _round(tps: dict[str, float]) -> dict:
+    arm = lambda t, **kw: dict(tps=t, tokens=1000, seconds=1000 / t, requests=10, cpu={"vLLM worker": 1.0}, **kw)  # noqa: E731
+    return {name: {"short": arm(t, **(dict(tps_with_start=t / 10, seconds_with_start=10000 / t, start_s=30.0)
+                                       if name == "run_batch" else {}))}
+            for name, t in tps.items()}
+
+
+@pytest.mark.parametrize("lora_on", ["ballast", "ballast_lora_flipped"])
+def test_summary_ratios_by_hand(lora_on):
+    rounds = [_round(dict(raw=100, run_batch=110, ballast=80, ballast_lora_flipped=88)),
+              _round(dict(raw=120, run_batch=100, ballast=90, ballast_lora_flipped=99)),
+              _round(dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5))]
+    s = batch.summarise(rounds, "short", lora_on)
+    assert s["tokens_per_s"] == dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5)  # medians
+    assert s["ratio"]["ratio"] == round(85 / 110, 3)
+    assert s["ratio_vs_run_batch"]["ratio"] == round(85 / 105, 3)
+    assert s["ratio_vs_run_batch_with_start"]["ratio"] == round(85 / 10.5, 3)
+    assert s["ratios_per_round"]["ballast"] == [0.8, 0.75, round(85 / 110, 3)]
+    on, off = (85, 93.5) if lora_on == "ballast" else (93.5, 85)
+    assert (s["lora"]["on_tokens_per_s"], s["lora"]["off_tokens_per_s"]) == (on, off)
+    assert s["lora"]["on_over_off"]["ratio"] == round(on / off, 3)
+    lo, hi = s["ratio"]["ci95"]
+    assert lo <= s["ratio"]["ratio"] <= hi
