@@ -320,11 +320,11 @@ def test_a_role_that_row_level_security_hides_everything_from_does_not_pass(jour
                                                                               capsys):
     # The auditor role sees only the tenant set for its transaction; verify sets none.
     assert examined(audit(journal_url)) > 0  # the owner sees what it checks
-    login = uid("audit_")
+    login, password = uid("audit_"), uuid.uuid4().hex
     with psycopg.connect(libpq_url(journal_url), autocommit=True) as owner:
-        owner.execute(f"CREATE ROLE {login} LOGIN IN ROLE ballast_auditor")
+        owner.execute(f"CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ballast_auditor")
     try:
-        url = as_role(journal_url, login)
+        url = as_role(journal_url, login, password)
         found = audit(url, at_rest=False)
         assert not passed(found)
         assert all(f.state != "ok" for f in found), report(found)
