@@ -1,7 +1,9 @@
 """`ballast up` on embedded defaults: ready, serves a batch and a chat with the key it made (in
 data_dir/api-key, shown in its banner; the chat streams from the engine worker, which demands
 the engine token `ballast up` made in data_dir/engine-token), stops every child on SIGTERM or
-Ctrl-C, and a second `ballast up` finds the first one's jobs, keys and engine token."""
+Ctrl-C, and a second `ballast up` finds the first one's jobs, keys and engine token. No process
+it starts is handed the Postgres superuser's URL or password: the API and the workers get the
+services' role's URL, as /proc shows their environment and command lines."""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import time
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from ballast import procs
+from journal.db import SERVICE_ROLE, libpq_url
 
 pytestmark = pytest.mark.e2e
 
@@ -77,6 +82,60 @@ def keys(data_dir: Path) -> tuple[str, str, str]:
     return out[0], out[1], out[2]
 
 
+def db_secrets(data_dir: Path) -> tuple[str, str]:
+    """The superuser's password and the services' role's, kept 0600 in the data dir; each
+    checked to be the real one: the server lets its role in with it."""
+    url = (data_dir / "postgres-url").read_text().strip()
+    out = []
+    for name, role in (("postgres-password", "postgres"), ("service-db-password", SERVICE_ROLE)):
+        path = data_dir / name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+        password = path.read_text().strip()
+        login = make_url(url).set(username=role, password=password).render_as_string(hide_password=False)
+        with psycopg.connect(libpq_url(login), connect_timeout=10) as conn:
+            assert conn.execute("SELECT current_user").fetchone() == (role,)
+        out.append(password)
+    assert stat.S_IMODE((data_dir / "postgres-url").stat().st_mode) == 0o600
+    assert make_url(url).password == out[0]
+    return out[0], out[1]
+
+
+def _proc(pid: int, what: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None  # gone meanwhile
+
+
+def check_roles_of_every_process(child: procs.Child, data_dir: Path) -> None:
+    """Nothing `ballast up` started (vLLM's processes, Postgres and Temporal included) has
+    the superuser's password in its environment or argv; the API and the workers connect
+    as the services' role, with its password."""
+    superuser_password, service_password = db_secrets(data_dir)
+    seen: dict[int, tuple[bytes, bytes]] = {}
+    for pid in descendants(child.pid):
+        cmdline, environ = _proc(pid, "cmdline"), _proc(pid, "environ")
+        if cmdline is not None and environ is not None:
+            seen[pid] = (cmdline, environ)
+    secret = superuser_password.encode()
+    leaks = [cmd.replace(b"\0", b" ")[:120] for cmd, env in seen.values() if secret in cmd or secret in env]
+    assert not leaks, f"processes with the superuser's password: {leaks}"
+    services = {}
+    for cmd, env in seen.values():
+        argv = cmd.rstrip(b"\0").split(b"\0")
+        if b"ballast.cli" in argv and (argv[argv.index(b"ballast.cli") + 1:] or [b""])[0] in (b"api", b"worker"):
+            variables = dict(v.split(b"=", 1) for v in env.split(b"\0") if b"=" in v)
+            services[b" ".join(argv[argv.index(b"ballast.cli") + 1:]).decode()] = variables
+    assert sorted(services) == ["api", "worker control", "worker engine"], sorted(services)
+    for name, variables in services.items():
+        for key in (b"BALLAST_DATABASE_URL", b"BALLAST_SERVICE_DATABASE_URL"):
+            u = make_url(variables[key].decode())
+            assert (u.username, u.password) == (SERVICE_ROLE, service_password), f"{name}: {key!r} as {u.username}"
+        assert b"DATABASE_URL" not in variables and b"PGPASSWORD" not in variables, name
+    assert len(seen) > len(services) + 2, seen.keys()  # postgres, temporal and vLLM's were looked at too
+
+
 def stop_and_check_no_orphans(child: procs.Child, sig: int) -> None:
     tree = descendants(child.pid)
     assert len(tree) >= 4, tree  # postgres, temporal, engine, control, api (+ their own children)
@@ -115,10 +174,13 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
     first = start_up(env, tmp_path / "up-1.log")
     try:
         wait_healthy(api, first)
+        check_roles_of_every_process(first, data_dir)
+        passwords = db_secrets(data_dir)
         key, admin_key, engine_token = keys(data_dir)
         shown = banner(tmp_path / "up-1.log", first)
         assert f"export OPENAI_API_KEY={key}" in shown and admin_key in shown  # new: both shown
         assert str(data_dir / "engine-token") in shown and engine_token not in shown  # where, never what
+        assert passwords[0] not in shown and passwords[1] not in shown  # the banner masks the URL
         assert api.get("/v1/batches").status_code == 401  # no key
         api.headers["Authorization"] = f"Bearer {key}"
         assert (data_dir / "postgres-url").exists()  # for `ballast tenants` meanwhile
@@ -150,6 +212,8 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
     try:
         wait_healthy(api, second)
         assert keys(data_dir) == (key, admin_key, engine_token)  # the same keys and engine token
+        assert db_secrets(data_dir) == passwords  # made per installation, kept
+        check_roles_of_every_process(second, data_dir)
         shown = banner(tmp_path / "up-2.log", second)
         assert f"export OPENAI_API_KEY={key}" in shown and admin_key not in shown  # the admin's: where, not what
         again = api.get(f"/v1/batches/{bid}").json()
