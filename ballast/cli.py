@@ -12,11 +12,14 @@ from pydantic import ValidationError
 from ballast import tenants_cli
 from ballast.settings import Settings
 
+# What to set for each setting a command needs: the services need only their own role's URL.
+_ENV = dict(service_db_url="BALLAST_SERVICE_DATABASE_URL (or BALLAST_DATABASE_URL)")
+
 
 def _need(settings: Settings, *names: str) -> None:
     missing = [n for n in names if not getattr(settings, n)]
     if missing:
-        env = ", ".join("BALLAST_" + n.upper() for n in missing)
+        env = ", ".join(_ENV.get(n, "BALLAST_" + n.upper()) for n in missing)
         sys.exit(f"ballast: set {env} (or run `ballast up`, which starts embedded services)")
 
 
@@ -88,10 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             settings = settings.model_copy(update=dict(engines=args.engines))
         return up(settings)
     if args.cmd == "migrate":
+        from ballast.pg import set_password
         from journal.migrate import upgrade
 
         _need(settings, "database_url")
-        upgrade(settings.require("database_url"), service_url=settings.service_db_url)  # as the owner
+        owner = settings.require("database_url")
+        upgrade(owner, service_url=settings.service_db_url)  # as the owner
+        if settings.service_database_password:
+            # The migration that creates the role sets its password once; a password changed
+            # since (or a role made without one) is applied on every migrate.
+            set_password(owner, settings.service_role, settings.service_database_password)
         return 0
     if args.cmd == "tenants":
         return tenants_cli.main(args, settings)
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from api.app import create_app
 
-        _need(settings, "database_url", "temporal_address")
+        _need(settings, "service_db_url", "temporal_address")
         _need_engine_token(settings)
         from ballast.procs import listen_nodelay
 
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "worker":
         from ballast import workers
 
-        _need(settings, "database_url", "temporal_address")
+        _need(settings, "service_db_url", "temporal_address")
         if args.kind == "engine":
             _need_engine_token(settings)
         asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))

@@ -57,7 +57,7 @@ def migrated_database(server_url: str, prefix: str) -> Iterator[str]:
     """A new database on the server, migrated to head; its owner URL. Dropped afterwards."""
     name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     url = pg.create_database(server_url, name)
-    upgrade(url, service_url=_service_url(url))
+    upgrade(url, service_url=service_url_for(url))
     try:
         yield url
     finally:
@@ -71,7 +71,7 @@ def db_url(pg_server_url):
         yield url
 
 
-def _service_url(owner_url: str) -> str:
+def service_url_for(owner_url: str) -> str:
     # Derived as the services derive theirs, so BALLAST_SERVICE_* settings apply alike.
     derived = Settings().model_copy(update=dict(database_url=owner_url, service_database_url=None))
     return derived.require("service_db_url")
@@ -80,7 +80,7 @@ def _service_url(owner_url: str) -> str:
 @pytest.fixture(scope="session")
 def service_db_url(db_url):
     """The test database, as the services' role (may only append to and read the journal)."""
-    return _service_url(db_url)
+    return service_url_for(db_url)
 
 
 @pytest.fixture(scope="session")

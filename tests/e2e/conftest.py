@@ -36,6 +36,7 @@ from ballast.affinity import descendants
 from journal import tenants
 from journal.db import connect
 from journal.migrate import upgrade
+from tests.conftest import service_url_for
 
 UPLOAD_LIMIT = 256 * 1024
 WAIT_S = 240  # how long a wait on an observed state may take before the test fails: a hang guard, not a speed bet
@@ -171,11 +172,14 @@ class Stack:
 
 
 def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag: str, **settings: str) -> Stack:
-    """Engine worker, control worker and API on `db_url`, with task queues of their own;
-    `settings` are BALLAST_* variables on top."""
+    """Engine worker, control worker and API on `db_url` (its owner's URL, which only the
+    test itself uses: the services get the services' role's alone), with task queues of
+    their own; `settings` are BALLAST_* variables on top."""
+    service = service_url_for(db_url)
     env = dict(
         os.environ,
-        BALLAST_DATABASE_URL=db_url,
+        BALLAST_DATABASE_URL=service,
+        BALLAST_SERVICE_DATABASE_URL=service,
         BALLAST_TEMPORAL_ADDRESS=temporal_address,
         BALLAST_DATA_DIR=str(root),
         BALLAST_MODEL=tiny_model.path,
@@ -218,7 +222,7 @@ def own_stack(tmp_path_factory, pg_server_url: str, temporal_address: str, tiny_
     name = f"ballast_test_{tag}_{os.getpid()}"
     url = pg.create_database(pg_server_url, name)
     try:
-        upgrade(url)
+        upgrade(url, service_url=service_url_for(url))
         s = start_stack(tmp_path_factory.mktemp(tag), url, temporal_address, tiny_model, f"{tag}-{os.getpid()}",
                         **settings)
         try:
