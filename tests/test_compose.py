@@ -44,6 +44,7 @@ ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 DOTENV = {
     "POSTGRES_PASSWORD": "owner-" + secrets.token_hex(8),
     "BALLAST_SERVICE_DATABASE_PASSWORD": "service-" + secrets.token_hex(8),
+    "TEMPORAL_DB_PASSWORD": "temporal-" + secrets.token_hex(8),
     "BALLAST_ENGINE_TOKEN": "engine-" + secrets.token_hex(8),
 }
 SERVICE_ROLE_CONTAINERS = ("api", "control", "engine")
@@ -259,7 +260,7 @@ def test_only_migrate_is_handed_the_owners_credentials(services, monkeypatch):
     assert urlsplit(migrate.database_url).username == owner
     assert migrate.service_db_url and urlsplit(migrate.service_db_url).username != owner
     seen_by = {name for name, s in services.items() if any(owner_password in v for v in _env(s).values())}
-    assert seen_by & set(_ballast_services(services)) == {"migrate"}, seen_by
+    assert seen_by == {"postgres", "migrate"}, seen_by  # Temporal's services included: they have a role of their own
     for name in SERVICE_ROLE_CONTAINERS:
         env = _env(services[name])
         for key, value in env.items():
@@ -438,8 +439,12 @@ def test_temporal_persists_to_postgres(services):
     assert env["DB"].startswith("postgres"), env["DB"]
     assert env["POSTGRES_SEEDS"] == "postgres"
     assert int(env.get("DB_PORT", 5432)) in _ports(services["postgres"])
-    assert env["POSTGRES_USER"] == _env(services["postgres"])["POSTGRES_USER"]
-    assert env["POSTGRES_PWD"] == _env(services["postgres"])["POSTGRES_PASSWORD"]
+    # As its own role, whose password the postgres service's init script sets.
+    pg_env = _env(services["postgres"])
+    assert env["POSTGRES_USER"] == pg_env["TEMPORAL_DB_USER"] != pg_env["POSTGRES_USER"]
+    assert env["POSTGRES_PWD"] == pg_env["TEMPORAL_DB_PASSWORD"] == DOTENV["TEMPORAL_DB_PASSWORD"]
+    assert any(target == "/docker-entrypoint-initdb.d" and (ROOT / source.removeprefix("./")).is_dir()
+               for source, target in _mounts(services["postgres"])), _mounts(services["postgres"])
     # Something creates Temporal's schema before the server starts (or the image does it).
     if "auto-setup" not in temporal["image"]:
         schema_jobs = [d for d, c in _depends(temporal).items() if c == "service_completed_successfully"]

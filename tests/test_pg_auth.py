@@ -141,3 +141,40 @@ def test_a_cluster_made_with_trust_gets_a_password_before_it_listens(installatio
             assert methods == {"scram-sha-256"}
         finally:
             server.stop()
+
+
+def test_compose_initdb_script_gives_temporal_a_role_of_its_own(installation):
+    """deploy/postgres/10-temporal-role.sh, run as the postgres image runs its init scripts
+    (bash, psql as the owner), on a real server: Temporal's login owns its two databases,
+    holds no power, logs in by its password only, and cannot read the journal. Twice: the
+    second run changes nothing but the password."""
+    server, owner, _ = installation
+    u = make_url(server.url)
+    script = Path(__file__).resolve().parent.parent / "deploy" / "postgres" / "10-temporal-role.sh"
+    bin_dir = str(pg._bin("psql").parent)
+
+    def run(password: str) -> None:
+        env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], PGHOST="127.0.0.1",
+                   PGPORT=str(u.port), PGPASSWORD=u.password or "", POSTGRES_USER=pg.PG_USER, POSTGRES_DB="postgres",
+                   TEMPORAL_DB_PASSWORD=password)
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    run("first-" + secrets.token_hex(8))
+    run(password := "second-" + secrets.token_hex(8))
+    with psycopg.connect(libpq_url(server.url)) as conn:
+        attrs = conn.execute("SELECT rolcanlogin, rolsuper, rolcreatedb, rolcreaterole, rolbypassrls FROM pg_roles "
+                             "WHERE rolname = 'temporal'").fetchone()
+        assert attrs == (True, False, False, False, False)
+        owned = conn.execute("SELECT datname FROM pg_database WHERE datdba = 'temporal'::regrole "
+                             "ORDER BY datname").fetchall()
+        assert owned == [("temporal",), ("temporal_visibility",)]
+    temporal = as_role(make_url(server.url).set(database="temporal").render_as_string(hide_password=False),
+                       "temporal", password)
+    with pytest.raises(psycopg.OperationalError, match="password"):
+        _login(temporal, "first-wrong")
+    with psycopg.connect(libpq_url(temporal), autocommit=True) as conn:  # its schema job creates tables
+        conn.execute("CREATE TABLE schema_version (v int)")
+    journal = as_role(owner, "temporal", password)
+    with psycopg.connect(libpq_url(journal)) as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute("SELECT count(*) FROM events")

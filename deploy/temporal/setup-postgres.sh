@@ -1,7 +1,9 @@
 #!/bin/sh
-# Creates (or upgrades) Temporal's two databases in the shared Postgres: run once per
-# deployment by the `temporal-schema` service before the server starts. Every step is
-# idempotent, so it is safe on every `docker compose up` and after a Temporal upgrade.
+# Sets up (or upgrades) the schema of Temporal's two databases in the shared Postgres: run
+# by the `temporal-schema` service before the server starts, as Temporal's own role, which
+# owns the databases (deploy/postgres/10-temporal-role.sh made both at initdb; `create` here
+# covers a server where the role may create databases). Every step is idempotent, so it is
+# safe on every `docker compose up` and after a Temporal upgrade.
 set -eu
 
 : "${POSTGRES_SEEDS:?}" "${POSTGRES_USER:?}" "${SQL_PASSWORD:?}"
