@@ -97,7 +97,9 @@ def test_ballast_migrate_sets_the_services_password_it_is_given_every_time(pg_se
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         with psycopg.connect(libpq_url(owner)) as conn:
-            return conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,)).fetchone()[0]
+            row = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = %s", (role,)).fetchone()
+            assert row is not None, f"no role {role}"
+            return row[0]
 
     try:
         first = migrate("first-" + uuid.uuid4().hex)
