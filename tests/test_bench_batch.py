@@ -106,6 +106,10 @@ def test_cpu_between_takes_the_samples_around_the_interval():
                (3.0, {"vLLM worker": 6.0, "vLLM frontend": 1.0})]
     assert batch.cpu_between(samples, 1.2, 2.5) == {"vLLM worker": 5.0, "vLLM frontend": 1.0}
     assert batch.cpu_between(samples, 2.0, 2.0) == {"vLLM worker": 0.0, "vLLM frontend": 0.0}
+    # vLLM's processes gone by the sample after the end (run-batch stops its engine at once):
+    # they count with what they had used.
+    exited = [*samples[:3], (2.6, {"vLLM worker": 4.0, "vLLM frontend": 0.8}), (3.0, {"vLLM frontend": 1.0})]
+    assert batch.cpu_between(exited, 1.2, 2.9) == {"vLLM worker": 3.0, "vLLM frontend": 1.0}
 
 
 def test_the_batch_file_is_chat_completions_run_batch_takes():
