@@ -470,7 +470,8 @@ class Chaos:
     def _kill(self, fault: str, match: str, how: str, group: bool = True) -> Injection:
         pid = self._pid(match)
         inj = Injection(fault, time.time(), how)
-        sig = signal.SIGKILL if how == "SIGKILL" else signal.SIGINT
+        # "SIGKILL mid-stream" is a SIGKILL too: a SIGINT would let the API finish its streams.
+        sig = signal.SIGKILL if how.startswith("SIGKILL") else signal.SIGINT
         if group:
             os.killpg(pid, sig)
         else:
@@ -508,8 +509,7 @@ class Chaos:
                 killed.append(self._kill("api", "ballast.cli api", "SIGKILL mid-stream"))
 
         with self._client() as api:
-            # ignore_eos: a long answer, so that the kill lands while it streams (an early
-            # EOS would have the whole answer sent, and read as whole, before the kill).
+            # ignore_eos: a long answer, so that the kill lands while it streams.
             chat = self._chat(api, max_tokens=400, on_chunk=kill_at, ignore_eos=True)
         if not killed:
             raise RuntimeError("the chat to kill the API under never streamed 3 chunks")
