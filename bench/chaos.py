@@ -64,7 +64,7 @@ from ballast import procs
 from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
 from journal.db import libpq_url
-from journal.invariants import Finding, audit, report
+from journal.invariants import Finding, audit, examined, passed, report
 
 FAULTS = ("engine", "postgres", "temporal", "api", "store")
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -240,7 +240,11 @@ class Report:
 
     def failures(self) -> list[str]:
         out = list(self.problems)
-        out += [f"invariant {f.check.name}: {f.violations} violations" for f in self.findings if not f.ok]
+        out += [f"invariant {f.check.name}: {f.violations} violations" + (f" (could not run: {f.error})" if f.error
+                                                                             else "")
+                for f in self.findings if not f.ok]
+        if not examined(self.findings):  # an audit that saw nothing (or none ran) proves nothing
+            out.append("invariants: no rows examined at all")
         out += [f"{i.fault} at {i.at:.1f} ({i.how}) not recovered: {i.note}" for i in self.injections
                 if i.recovered_s is None]
         for fault in FAULTS:
@@ -571,7 +575,7 @@ class Chaos:
             batches = self._ended(api, time.monotonic() + RECOVERY_TIMEOUT_S)
             deadline = time.monotonic() + at_rest_timeout
             findings = audit(self.stack.db_url)
-            while not all(f.ok for f in findings) and time.monotonic() < deadline:
+            while not passed(findings) and time.monotonic() < deadline:
                 time.sleep(2)
                 findings = audit(self.stack.db_url)
             self.report.findings = findings

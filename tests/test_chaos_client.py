@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from bench.chaos import Call, Injection, Plan, Report, judge_stream, read_stream
+from journal.invariants import CHECKS, Finding
 
 
 def sse(*events: dict | str) -> list[str]:
@@ -83,6 +84,8 @@ def test_the_report_counts_error_ended_chats_apart_from_good_ones_and_fails_on_f
     assert s["chats"] == dict(ok=1, interrupted=2, failed=1)
     assert s["chat_endings"] == {"failed: error event (engine_unavailable)": 1,
                                  "interrupted: dropped": 1, "interrupted: error event (engine_unavailable)": 1}
+    assert r.failures() == ["invariants: no rows examined at all", "1 × chat failed during engine"]
+    r.findings = [Finding(CHECKS[0], violations=0, examined=12)]  # the audit saw rows and found nothing wrong
     assert r.failures() == ["1 × chat failed during engine"]
 
 
