@@ -294,11 +294,13 @@ def cpu_between(samples: list[tuple[float, dict[str, float]]], start: float, end
     """CPU seconds by role between two times, from a CpuSampler's cumulative samples: the
     last sample at or before `start` to the first at or after `end`. A sample holds only
     live processes, so a role whose processes exited meanwhile (run-batch's engine stops as
-    soon as its output is written) counts with the most it had reached."""
-    before = next((c for t, c in reversed(samples) if t <= start), {})
+    soon as its output is written) counts with the most it had reached in between (not
+    before `start`: a process renamed itself then, and its earlier role's sum dropped)."""
+    first = next((i for i in range(len(samples) - 1, -1, -1) if samples[i][0] <= start), 0)
+    before = samples[first][1] if samples and samples[first][0] <= start else {}
     upto = next((i for i, (t, _) in enumerate(samples) if t >= end), len(samples) - 1)
     after: dict[str, float] = {}
-    for _, c in samples[: upto + 1]:
+    for _, c in samples[first: upto + 1]:
         for k, v in c.items():
             after[k] = max(after.get(k, 0.0), v)
     return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items(), key=lambda kv: -kv[1])}

@@ -110,6 +110,9 @@ def test_cpu_between_takes_the_samples_around_the_interval():
     # they count with what they had used.
     exited = [*samples[:3], (2.6, {"vLLM worker": 4.0, "vLLM frontend": 0.8}), (3.0, {"vLLM frontend": 1.0})]
     assert batch.cpu_between(exited, 1.2, 2.9) == {"vLLM worker": 3.0, "vLLM frontend": 1.0}
+    # vLLM's engine process starts as "python" (other) and renames itself before `start`.
+    renamed = [(0.0, {}), (1.0, {"other": 8.0}), (2.0, {"vLLM engine core": 0.5}), (3.0, {"vLLM engine core": 2.5})]
+    assert batch.cpu_between(renamed, 2.5, 3.0) == {"vLLM engine core": 2.0}
 
 
 def test_the_batch_file_is_chat_completions_run_batch_takes():
