@@ -57,7 +57,9 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
+from ballast import pg
 from ballast.settings import Settings
 from bench.stack import ballast_up
 from bench.stats import pct
@@ -88,6 +90,16 @@ class Tenant:
     def sent(self, delta: int) -> None:
         self.in_flight += delta
         self.outstanding.append((time.monotonic(), self.in_flight))
+
+
+def owner_url(stack_db_url: str, data_dir: Path) -> str:
+    """The stack's Postgres as its owner: the embedded server asks every role for its
+    password (the superuser's is kept in the data dir, ballast/pg.py)."""
+    url = make_url(stack_db_url)
+    kept = data_dir / pg.PASSWORD_FILE
+    if url.password is None and kept.exists():
+        url = url.set(password=kept.read_text().strip())
+    return url.render_as_string(hide_password=False)
 
 
 def jain(xs: list[float]) -> float:
@@ -466,9 +478,10 @@ def main(settings: Settings, seconds: float = 20.0, window: float = 5.0, max_num
         log(f"arm {arm}:")
         with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d, \
                 ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(max_num_seqs), BALLAST_FAIR_SHARE=arm) as st:
-            keys, engine_url = asyncio.run(make_tenants(st.db_url, ["short", "long"]))
+            db_url = owner_url(st.db_url, Path(d))
+            keys, engine_url = asyncio.run(make_tenants(db_url, ["short", "long"]))
             figures[arm] = asyncio.run(run_arm(
-                str(st.api.base_url), keys, engine_url, st.engine_headers, st.db_url, settings.model_name, log, parts,
+                str(st.api.base_url), keys, engine_url, st.engine_headers, db_url, settings.model_name, log, parts,
                 seconds=seconds, window=window, streams=streams, rate=rate, prompt=prompt, out_tokens=out_tokens,
                 giant=giant, giant_streams=2 * max_num_seqs))
     keep = ("jain_min", "jain_median", "max_service_diff", "backlogged_diff", "bound", "stretches",
