@@ -135,7 +135,7 @@ async def engine_worker(settings: Settings) -> None:
     from engine.server import EmbeddedServer, create_app
     from engine.slots import EngineSlots
     from engine.trace import Trace
-    from engine.vllm_engine import Engine
+    from engine.vllm_engine import Engine, engine_args
     from journal.checkpointer import Checkpointer
     from journal.served import served_event
 
@@ -145,11 +145,9 @@ async def engine_worker(settings: Settings) -> None:
     # Fine-tuned models (LoRA adapters from the object store) beside the base model.
     adapters = (Adapters(ObjectStore(settings.object_store_url), settings.data_dir / "adapters")
                 if settings.serve_fine_tuned else None)
-    engine: Engine | GatedEngine = await Engine.start(spec, kv_cache_gib=settings.kv_cache_gib,
-                                                      max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice,
-                                                      max_num_batched_tokens=settings.max_num_batched_tokens,
-                                                      long_prefill_tokens=settings.long_prefill_tokens,
-                                                      adapters=adapters, max_loras=settings.max_loras)
+    # The settings' vLLM arguments, from the one mapping every benchmark's raw arm uses too.
+    engine: Engine | GatedEngine = await Engine.from_args(spec, engine_args(spec, settings),
+                                                          nice=settings.engine_nice, adapters=adapters)
     if settings.engine_gate is not None:  # a test seam: batch generations hold at the file's budgets
         from engine.gate import GatedEngine
 

@@ -52,10 +52,10 @@ def prompts(n: int) -> list[str]:
 
 async def direct(settings: Settings, gap_s: float, n: int) -> list[float]:
     from engine.models import resolve_model
-    from engine.vllm_engine import Engine
+    from engine.vllm_engine import Engine, engine_args
 
-    engine = await Engine.start(resolve_model(settings), kv_cache_gib=settings.kv_cache_gib,
-                                max_num_seqs=settings.max_num_seqs, nice=settings.engine_nice)
+    spec = resolve_model(settings)  # vLLM as the engine worker configures it: like with like
+    engine = await Engine.from_args(spec, engine_args(spec, settings), nice=settings.engine_nice)
     try:
         ttft = []
         for i, p in enumerate(["warm up", *prompts(n)]):

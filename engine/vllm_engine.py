@@ -277,16 +277,27 @@ def _load_gauge(load: Load):
 
 
 def _vllm_processes() -> set[int]:
-    """vLLM's own processes on this machine (they name themselves VLLM::…); Linux only."""
-    found = set()
+    """vLLM's processes under this one (they name themselves VLLM::…); Linux only. Only
+    our own descendants: another engine's on the same machine is not ours to renice."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
         if entry.name.isdigit():
             try:
-                with open(f"/proc/{entry.name}/comm") as f:
-                    if f.read().startswith("VLLM::"):
-                        found.add(int(entry.name))
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
             except OSError:
                 continue  # gone already
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(rest[1]), []).append(int(entry.name))
+            names[int(entry.name)] = name
+    found, todo = set(), list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        if names.get(pid, "").startswith("VLLM::"):
+            found.add(pid)
+        todo += children.get(pid, [])
     return found
 
 

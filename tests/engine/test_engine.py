@@ -214,3 +214,32 @@ async def test_vllm_runs_on_the_engine_args(engine, tiny_model):
     assert config.cache_config.enable_prefix_caching is args["enable_prefix_caching"] is True
     assert config.lora_config is None and "enable_lora" not in args
     assert str(config.model_config.dtype) == "torch.float32" and args["dtype"] == "float32"
+
+
+def test_only_our_own_vllm_processes_are_found_for_renicing():
+    """Another engine's vLLM on the same machine is not ours: only descendants count."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from engine.vllm_engine import _vllm_processes
+
+    name_self = "open('/proc/self/comm', 'w').write('VLLM::Test'); import time; time.sleep(30)"
+    ours = subprocess.Popen([sys.executable, "-c", name_self])
+    # A process that is not ours: started by a child that exits, so init adopts it.
+    spawn = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+             "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    stranger = subprocess.run([sys.executable, "-c", spawn, name_self], capture_output=True, text=True, check=True)
+    other = int(stranger.stdout)
+    try:
+        deadline = time.monotonic() + 10
+        while not {ours.pid} <= _vllm_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = _vllm_processes()
+        with open(f"/proc/{other}/comm") as f:
+            assert f.read().startswith("VLLM::")  # it is there, named as vLLM names its own
+        assert ours.pid in found and other not in found
+    finally:
+        ours.kill()
+        os.kill(other, 9)
