@@ -233,12 +233,15 @@ def test_only_our_own_vllm_processes_are_found_for_renicing():
     stranger = subprocess.run([sys.executable, "-c", spawn, name_self], capture_output=True, text=True, check=True)
     other = int(stranger.stdout)
     try:
-        deadline = time.monotonic() + 10
-        while not {ours.pid} <= _vllm_processes() and time.monotonic() < deadline:
+        def named(pid: int) -> bool:
+            with open(f"/proc/{pid}/comm") as f:
+                return f.read().startswith("VLLM::")
+
+        deadline = time.monotonic() + 20
+        while not (named(ours.pid) and named(other)) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert named(other)  # it is there, named as vLLM names its own
         found = _vllm_processes()
-        with open(f"/proc/{other}/comm") as f:
-            assert f.read().startswith("VLLM::")  # it is there, named as vLLM names its own
         assert ours.pid in found and other not in found
     finally:
         ours.kill()

@@ -206,6 +206,7 @@ async def test_a_reservation_committed_after_a_later_one_is_folded(db):
     sees it committed."""
     t = uid("t")
     first, second = ledger.request_subject(uid("r")), ledger.request_subject(uid("r"))
+    await alive(db, "h-late")
     conn = await db.connect()
     tx = await conn.begin()
     await ledger.insert(conn, [Entry(ledger.RESERVE, first, t, "m", "default", 10, 20, "h-late")])
@@ -230,6 +231,13 @@ async def test_a_reservation_committed_after_a_later_one_is_folded(db):
     assert await tick() == (2, 11, 22, 2)
 
 
+async def alive(db, holder: str) -> None:
+    """Seen just now, so no reconciler on this database (a test stack's, left up while the
+    session runs) expires the holder's reservations under the test."""
+    async with db.begin() as c:
+        await ledger.seen(c, holder)
+
+
 async def day_row(db, tenant: str) -> tuple:
     async with db.connect() as c:
         return tuple((await c.execute(text(
@@ -241,6 +249,7 @@ async def test_what_the_folding_transaction_writes_after_the_fold_is_folded_next
     """Its own id is in no snapshot's in-progress list, and once a later transaction has
     ended it is below the snapshot's xmax: the fold adds it to the in-progress ids."""
     t = uid("t")
+    await alive(db, "h-after")
     async with db.begin() as c:
         await ledger.insert(c, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), t, "m", "default", 1, 1,
                                       "h-after")])  # its transaction id is drawn here
@@ -273,6 +282,7 @@ async def test_a_reservation_committed_while_a_fold_runs_is_folded_next(db):
     """Committed after the tick read the ledger (so not in this fold) but before the fold
     ended: the snapshot taken before the tick read still has it in progress."""
     t = uid("t")
+    await alive(db, "h-during")
     conn = await db.connect()
     tx = await conn.begin()
     try:
