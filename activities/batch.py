@@ -29,14 +29,16 @@ from journal import engines as je
 from journal import finetunes as fj
 from journal import ledger
 from journal.leases import acquire
-from journal.objects import ObjectStore
 from policy.admission import ANY_MODEL, Refuse, admit_batch, describe_batch, estimate
 from policy.grouping import assign, own_queue
 from policy.lifecycle import finalize_plan
 from policy.placement import region_queue
 from protocol import batch as batch_file
+from protocol import keys
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
+from protocol.tiers import Tier
+from storage.objects import ObjectStore
 from workflows.inputs import (
     FailBatchInput,
     FailItemInput,
@@ -133,8 +135,8 @@ class BatchActivities:
             decision = admit_batch(input_tokens + output_tokens, scopes)
             if isinstance(decision, Refuse):
                 raise OverQuota(describe_batch(decision, tenant, model))
-        await ledger.insert(conn, [ledger.Entry(ledger.RESERVE, ledger.batch_subject(batch_id), tenant, model,
-                                                ledger.BATCH_TIER, input_tokens, output_tokens)])
+        await ledger.insert(conn, [ledger.Entry(ledger.RESERVE, keys.batch(batch_id), tenant, model,
+                                                Tier.BATCH, input_tokens, output_tokens)])
 
     @activity.defn
     async def fail_batch(self, inp: FailBatchInput) -> None:
@@ -142,7 +144,7 @@ class BatchActivities:
         error = dict(code=inp.code, message=storable(inp.message), param=None, line=None)
         async with self.db.begin() as conn:
             await jb.move_status(conn, inp.batch_id, "failed", time.time(), errors=dict(object="list", data=[error]))
-            await ledger.refund(conn, ledger.batch_subject(inp.batch_id))
+            await ledger.refund(conn, keys.batch(inp.batch_id))
 
     @activity.defn
     async def pending_items(self, inp: PendingInput) -> list[int] | Page:
@@ -167,7 +169,7 @@ class BatchActivities:
         # The last word on the item: take its lease first, so that no generation attempt
         # still running somewhere can write after this.
         async with self.db.begin() as conn:
-            fence = await acquire(conn, jb.item_stream(inp.batch_id, inp.idx), "fail_item")
+            fence = await acquire(conn, keys.item(inp.batch_id, inp.idx), "fail_item")
         async with self.db.begin() as conn:
             batch = await jb.get_batch(conn, inp.batch_id)
             assert batch is not None, f"batch {inp.batch_id} vanished"
@@ -192,7 +194,7 @@ class BatchActivities:
                 raise RuntimeError(f"batch {inp.batch_id} is {batch['status']}: it cannot be finalized as {final}")
         out_id, err_id = (jb.stable_id("file-", inp.batch_id, kind) for kind in ("output", "error"))
         counts = {"output": 0, "error": 0}
-        with self.store.writer(f"files/{out_id}") as out, self.store.writer(f"files/{err_id}") as err:
+        with self.store.writer(keys.file(out_id)) as out, self.store.writer(keys.file(err_id)) as err:
             async with self.db.connect() as conn:
                 async for item, ev in jb.results(conn, inp.batch_id):
                     kind, line = self._result_line(inp.batch_id, final, item, ev)
@@ -203,7 +205,7 @@ class BatchActivities:
         async with self.db.begin() as conn:
             for kind, file_id in (("output", out_id), ("error", err_id)):
                 if counts[kind]:
-                    key = f"files/{file_id}"
+                    key = keys.file(file_id)
                     await jb.create_file(conn, dict(id=file_id, tenant=batch["tenant"], purpose="batch_output",
                                                     filename=f"{inp.batch_id}_{kind}.jsonl",
                                                     bytes=self.store.size(key), object_key=key, created_at=now))
@@ -212,7 +214,7 @@ class BatchActivities:
             # finalizing batch, and cancelling only leads here), so this move holds.
             if not await jb.move_status(conn, inp.batch_id, final, inp.at, **fields):
                 raise RuntimeError(f"batch {inp.batch_id} left {interim} before it could end {final}")
-            await ledger.refund(conn, ledger.batch_subject(inp.batch_id))  # its enqueued tokens are free again
+            await ledger.refund(conn, keys.batch(inp.batch_id))  # its enqueued tokens are free again
         return final
 
     def _result_line(self, batch_id: str, final: str, item: dict[str, Any], ev) -> tuple[str, bytes]:

@@ -29,15 +29,16 @@ from journal import finetunes as fj
 from journal import ledger
 from journal.events import append
 from journal.leases import acquire
-from journal.objects import ObjectStore
-from policy.preemption import TIERS
+from protocol import keys
 from protocol.finetune import MIN_EXAMPLES, Row, problems, rows
+from protocol.tiers import RANK, Tier
+from storage.objects import ObjectStore
 from workflows.inputs import FineTuneRef, FineTuneStatusInput, TrainChunkInput, TrainChunkResult, ValidateTrainingResult
 
 if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
     from torch.nn import Module
 
-    from engine.training import Example, Trainer
+    from training.trainer import Example, Trainer
 
 
 class FineTuneActivities:
@@ -102,7 +103,7 @@ class FineTuneActivities:
     async def _results(self, job: dict[str, Any], ckpts: list[dict[str, Any]]) -> dict[str, Any]:
         """The metrics CSV (a file of purpose fine-tune-results), the model's name, the tokens trained."""
         file_id = jb.stable_id("file-", job["id"], "metrics")
-        key = f"files/{file_id}"
+        key = keys.file(file_id)
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         w.writerow(["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"])
@@ -128,13 +129,13 @@ class FineTuneActivities:
 
     @activity.defn
     async def train_chunk(self, inp: TrainChunkInput) -> TrainChunkResult:
-        from engine.training import Hyper, Trainer, load_base
+        from training.trainer import Hyper, Trainer, load_base
 
         began = time.perf_counter()
         info = activity.info()
         runner = f"{(info.workflow_run_id or '')[-8:]}:{info.activity_id}:{info.attempt}"
         async with self.db.begin() as conn:
-            fence = await acquire(conn, fj.stream(inp.job_id), runner)
+            fence = await acquire(conn, keys.ftjob(inp.job_id), runner)
             now = (await conn.execute(select(func.now()))).scalar_one().timestamp()  # the journal's clock
         async with self.db.connect() as conn:
             job = await fj.get_job(conn, inp.job_id)
@@ -170,7 +171,7 @@ class FineTuneActivities:
         async def abort() -> None:  # the engine preempts the chunk: stop after this step
             stopped.set()
 
-        hold = self.slots.batch(f"ft:{inp.job_id}", TIERS["batch"], abort) if self.slots else _no_slot()
+        hold = self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort) if self.slots else _no_slot()
         async with hold:
             clock.start()
             cancelled = await self._steps(trainer, inp, clock, stopped)
@@ -217,7 +218,7 @@ class FineTuneActivities:
     async def _resume(self, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]]) -> set[int]:
         """From the newest checkpoint that reads back intact; older ones where it does not.
         Returns the steps of those that did not (a chunk that reaches one rewrites it)."""
-        from engine.training import CorruptCheckpoint
+        from training.trainer import CorruptCheckpoint
 
         unusable: set[int] = set()
         for ck in reversed(ckpts):
@@ -245,7 +246,7 @@ class FineTuneActivities:
             return
         scores = await asyncio.to_thread(trainer.evaluate, valid) if valid else None
         ck = trainer.checkpoint()
-        key = fj.checkpoint_key(job["id"], ck.step)
+        key = keys.checkpoint(job["id"], ck.step)
         await asyncio.to_thread(self._write, key, ck.data)
         before = max((c["step"] for c in ckpts if c["step"] < ck.step), default=0)
         event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
@@ -262,8 +263,8 @@ class FineTuneActivities:
         # The tokens these steps trained, settled in the quota ledger with the checkpoint
         # that records them: SQL audits training as it audits inference.
         trained = sum(len(e.ids) for step in range(before, ck.step) for e in trainer.batch(step))
-        settle = ledger.Entry(ledger.SETTLE, fj.ledger_subject(job["id"], ck.step), job["tenant"], job["model"],
-                              fj.TRAINING_TIER, trained, 0)
+        settle = ledger.Entry(ledger.SETTLE, keys.ftjob_step(job["id"], ck.step), job["tenant"], job["model"],
+                              Tier.TRAINING, trained, 0)
         async with self.db.begin() as conn:
             await append(conn, [event, fj.job_event(job["id"], job["tenant"], f"step:{ck.step}", message, **metrics)])
             await ledger.insert(conn, [settle])
@@ -275,7 +276,7 @@ class FineTuneActivities:
         return cached if cached is not None else await asyncio.to_thread(self._examples, object_key)
 
     def _examples(self, object_key: str) -> list[Example]:
-        from engine.training import encode_chat, encode_prompt_completion
+        from training.trainer import encode_chat, encode_prompt_completion
 
         tok = self._tok()
         out = []
@@ -322,7 +323,7 @@ class FineTuneActivities:
         with tempfile.TemporaryDirectory() as d:
             trainer.save_adapter(d)
             for path in sorted(Path(d).iterdir()):
-                self._write(f"{fj.adapter_prefix(job_id)}/{path.name}", path.read_bytes())
+                self._write(f"{keys.adapter(job_id)}/{path.name}", path.read_bytes())
 
 
 def _f(x: float | None) -> str:

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -37,15 +38,15 @@ from journal import batches as jb
 from journal.checkpointer import Checkpointer
 from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
-from policy.preemption import TIERS
-from protocol import responses
+from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
+from protocol.tiers import RANK, Tier
 from workflows.inputs import GenerateInput, GenerateResult
 
 log = logging.getLogger(__name__)
 
-BATCH_PRIORITY = TIERS["batch"]  # vLLM serves lower values first: batch waits behind chat
+BATCH_PRIORITY = RANK[Tier.BATCH]  # vLLM serves lower values first: batch waits behind chat
 ITEM_TRIES = 3  # an item the engine keeps failing is failed alone after this many tries
 PREEMPTED = "preempted"  # _on_engine's word for "yielded, every token journaled"
 
@@ -70,8 +71,8 @@ class GenerationActivities:
         # Leases first, then what is journaled: whatever an older attempt wrote before we
         # took the lease is read below, and nothing it writes after can land.
         async with self.db.begin() as conn:
-            taken = await acquire_many(conn, [jb.item_stream(group.batch_id, idx) for idx in group.idxs], runner)
-        fences = {idx: taken[jb.item_stream(group.batch_id, idx)] for idx in group.idxs}
+            taken = await acquire_many(conn, [keys.item(group.batch_id, idx) for idx in group.idxs], runner)
+        fences = {idx: taken[keys.item(group.batch_id, idx)] for idx in group.idxs}
         async with self.db.connect() as conn:
             batch, items = await jb.load_for_generation(conn, group.batch_id, group.idxs)
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
@@ -150,11 +151,8 @@ class GenerationActivities:
             try:
                 with self.checkpointer.track(at):  # its tokens go to the journal every commit
                     async for step in self.engine.generate(
-                        request_id, prompt + tokens, max_tokens=params.max_tokens - len(tokens),
-                        temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-                        stop=list(params.stop) or None, ignore_eos=params.ignore_eos, priority=BATCH_PRIORITY,
-                        item=at.stream, resumed_from=at.saved,  # who and from where: for engine/gate.py
-                        adapter=params.adapter,
+                        request_id, prompt + tokens, replace(params, max_tokens=params.max_tokens - len(tokens)),
+                        priority=BATCH_PRIORITY, item=at.stream, resumed_from=at.saved,  # for engine/gate.py
                     ):
                         tokens += step.token_ids
                         reason = step.finish_reason
@@ -207,7 +205,7 @@ class Attempt:
                  progress: dict[int, int] | None = None):
         self.batch, self.item, self.runner, self.fence = batch, item, runner, fence
         self.idx: int = item["idx"]
-        self.stream = jb.item_stream(batch["id"], self.idx)
+        self.stream = keys.item(batch["id"], self.idx)
         self.tries = 1
         self.runs = 0  # stretches on the engine (one more after each preemption)
         self.tokens: list[int] = []  # every token the item has, journaled or not

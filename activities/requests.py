@@ -20,6 +20,7 @@ from temporalio import activity
 
 from journal import ledger, served
 from journal.events import IdempotencyConflict, NewEvent, append_one
+from protocol import keys
 from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
@@ -41,7 +42,7 @@ class RequestActivities:
 async def journal_outcome(conn: AsyncConnection, r: InteractiveInput, outcome: RequestOutcome) -> None:
     payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
     payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
-    stream = f"request:{r.request_id}"
+    stream = keys.request(r.request_id)
     await append_one(conn, NewEvent(stream, "request_finished", payload, f"{stream}:finished", r.tenant))
     used, reservation = ledger_rows(r, outcome)
     await ledger.settle(conn, used, reservation)
@@ -74,7 +75,7 @@ def from_engine(record: dict[str, Any]) -> tuple[InteractiveInput, RequestOutcom
 
 def ledger_rows(r: InteractiveInput, outcome: RequestOutcome) -> tuple[ledger.Entry, ledger.Entry | None]:
     """(the settle row, the reservation row if the request was admitted through one)."""
-    subject = ledger.request_subject(r.request_id)
+    subject = keys.request(r.request_id)
     used = ledger.Entry(ledger.SETTLE, subject, r.tenant, r.model, r.tier, r.prompt_tokens,
                         outcome.completion_tokens, r.holder)
     reservation = None

@@ -35,7 +35,7 @@ from typing import Literal
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ballast.settings import Settings
+from config import Settings
 from journal import ledger
 from journal.ledger import REFUND, RESERVE, Counts, Entry
 from policy.admission import (
@@ -52,6 +52,7 @@ from policy.admission import (
     staleness_s,
     window_start,
 )
+from protocol import keys
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class Admission:
                              self.headroom, fleet_busy)
             if isinstance(decision, Refuse):
                 return decision
-        ticket = Ticket(self, ledger.request_subject(request_id), tenant, model, tier, input_tokens, output_tokens,
+        ticket = Ticket(self, keys.request(request_id), tenant, model, tier, input_tokens, output_tokens,
                         max_tokens, now)
         c = self._counts(tenant, model, ticket.minute, ticket.day)
         c.requests += 1
@@ -287,7 +288,7 @@ class Admission:
                                  self.headroom, fleet_busy)
                 if isinstance(decision, Refuse):
                     return decision
-            ticket = Ticket(self, ledger.request_subject(request_id), tenant, model, tier, input_tokens,
+            ticket = Ticket(self, keys.request(request_id), tenant, model, tier, input_tokens,
                             output_tokens, max_tokens, now)
             await ledger.insert(conn, [ticket.entry()])
         ticket.flushed = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -14,17 +15,19 @@ from api.admission import Admission
 from api.auth import Authenticate, KeyCache
 from api.deps import REQUIRE_KEY, Services
 from api.engines import EngineDirectory
-from ballast.procs import notify_ready
-from ballast.settings import Settings
+from config import Settings
 from journal.db import connect
-from journal.objects import ObjectStore
 from protocol import schema
+from storage.objects import ObjectStore
 
 # Multipart framing on top of the file itself.
 UPLOAD_SLACK = 64 * 1024
 
 
-def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
+def create_app(settings: Settings, temporal: Client | None = None, *,
+               on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+    """`on_ready` runs once the app serves: how a supervised process says so."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         db = connect(settings.require("service_db_url"))
@@ -43,7 +46,7 @@ def create_app(settings: Settings, temporal: Client | None = None) -> FastAPI:
         directory.me = app.state.services.placer.me
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
-        notify_ready()
+        on_ready()
         try:
             yield
         finally:

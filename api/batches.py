@@ -18,6 +18,7 @@ from journal import batches as jb
 from journal import tenants
 from policy.lifecycle import cancellable
 from policy.placement import batch_regions, region_queue
+from protocol import keys
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
 from workflows.batch import BatchWorkflow
@@ -36,8 +37,6 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 
 
-def workflow_id(batch_id: str) -> str:
-    return f"batch:{batch_id}"
 
 
 async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
@@ -101,7 +100,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
                        fairness_weight=float(owner["weight"] if owner else 1), spill_queues=queues[1:],
                        spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s),
-            id=workflow_id(row["id"]),
+            id=keys.batch(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
@@ -154,7 +153,7 @@ async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
     # The journal says `cancelling` first, so the signal only hurries the workflow along:
     # without it the batch still ends `cancelled` when the workflow finalizes.
     try:
-        await svc.temporal.get_workflow_handle(workflow_id(batch_id)).signal(BatchWorkflow.cancel)
+        await svc.temporal.get_workflow_handle(keys.batch(batch_id)).signal(BatchWorkflow.cancel)
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:  # closed, or never started: nothing to hurry
             log.info("cancel %s: no running workflow (%s)", batch_id, err.message)

@@ -16,9 +16,9 @@ from api.auth import KeyCache, authenticate
 from api.engines import EngineDirectory
 from api.errors import APIError
 from api.placer import Placer
-from ballast.settings import Settings
-from journal.objects import ObjectStore
+from config import Settings
 from journal.tenants import Principal
+from storage.objects import ObjectStore
 
 
 @dataclass

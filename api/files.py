@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from api.deps import ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, require_id
 from journal import batches as jb
+from protocol import keys
 from protocol.schema import errors
 
 log = logging.getLogger("ballast.api")
@@ -53,7 +54,7 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
                        param="purpose", code="invalid_value")
     filename = check_text(file.filename or "upload.jsonl", "file", "The file name")
     file_id = "file-" + uuid.uuid4().hex[:24]
-    key = f"files/{file_id}"
+    key = keys.file(file_id)
     size = 0
     # Copy under a temporary name; only a complete upload within the limit becomes an object.
     try:

@@ -28,6 +28,7 @@ from journal import batches as jb
 from journal import finetunes as fj
 from journal import ledger, tenants
 from policy.admission import ANY_MODEL, Refuse, admit_fine_tune, describe_fine_tune
+from protocol import keys
 from protocol.schema import errors
 from workflows.finetune import FineTuneWorkflow
 from workflows.inputs import FineTuneInput
@@ -70,8 +71,6 @@ async def _admit(conn: AsyncConnection, tenant: str, model: str) -> None:
                        headers={"Retry-After": str(decision.retry_after_s)})
 
 
-def workflow_id(job_id: str) -> str:
-    return f"ftjob:{job_id}"
 
 
 def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -149,7 +148,7 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
             FineTuneInput(row["id"], s.engine_queue, s.fine_tune_chunk_steps, s.heartbeat_timeout_s, tenant=tenant,
                           fairness_weight=float(owner["weight"] if owner else 1),
                           checkpoint_overhead=s.fine_tune_checkpoint_overhead, chunk_max_s=s.fine_tune_chunk_max_s),
-            id=workflow_id(row["id"]), task_queue=s.control_queue,
+            id=keys.ftjob(row["id"]), task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
     except Exception as err:  # the job must not sit in `validating_files` forever
         log.exception("could not start fine-tuning job %s", row["id"])
@@ -208,7 +207,7 @@ async def _signal(svc: Services, tenant: str, job_id: str, name: str, allowed: t
         raise APIError(400, f"Cannot {name} a fine-tuning job with status {row['status']}.",
                        param="fine_tuning_job_id", code="invalid_state")
     try:
-        await svc.temporal.get_workflow_handle(workflow_id(job_id)).signal(name)
+        await svc.temporal.get_workflow_handle(keys.ftjob(job_id)).signal(name)
     except RPCError as err:
         if err.status != RPCStatusCode.NOT_FOUND:
             raise APIError(503, f"The job could not be reached to {name} it; try again shortly.",

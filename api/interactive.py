@@ -38,10 +38,10 @@ from journal import finetunes as fj
 from journal.tenants import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
-from policy.preemption import TIERS
-from protocol import responses, schema
+from protocol import keys, responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
+from protocol.tiers import RANK, Tier
 from workflows.inputs import InteractiveInput, RequestOutcome, RequestStatus
 from workflows.interactive import InteractiveWorkflow
 
@@ -97,7 +97,7 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
 
 async def _fine_tuned(svc: Services, tenant: str, model: Any) -> frozenset[str]:
     """{model} where it is one of the tenant's fine-tuned models (one query, for those only)."""
-    if not isinstance(model, str) or not model.startswith(f"ft:{svc.settings.model_name}:"):
+    if not isinstance(model, str) or not model.startswith(keys.fine_tuned_prefix(svc.settings.model_name)):
         return frozenset()
     async with svc.db.connect() as conn:
         return frozenset([model]) if await fj.owns_model(conn, tenant, model) else frozenset()
@@ -131,7 +131,7 @@ async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str,
         return None
     s = svc.settings
     input_tokens, _ = estimate(req, s.max_model_len, counted)
-    busy = req.service_tier == "flex" and await _fleet_busy(svc)
+    busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc)
     got = await svc.admission.reserve(rid, tenant, s.model_name, req.service_tier, input_tokens, req.max_tokens,
                                       fleet_busy=busy, counted=counted is not None)
     if isinstance(got, Refuse):
@@ -230,7 +230,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
-    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=TIERS[req.service_tier], tenant=tenant,
+    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=RANK[req.service_tier], tenant=tenant,
                tier=req.service_tier, weight=weight, api=svc.placer.me)
     engine, upstream = await _connect(svc, job, req, regions, prompt)
     lines = upstream.aiter_lines()
@@ -357,7 +357,7 @@ async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutco
     reconciler journals the request from the engine worker's record (journal/served.py)."""
     try:
         await svc.temporal.start_workflow(
-            InteractiveWorkflow.run, dataclasses.replace(record, outcome=outcome), id=f"request:{record.request_id}",
+            InteractiveWorkflow.run, dataclasses.replace(record, outcome=outcome), id=keys.request(record.request_id),
             task_queue=svc.settings.interactive_queue, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
         )
     except Exception:

@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
 from journal import finetunes as fj
+from protocol import keys
 from protocol.schema import errors
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ async def list_models(svc: ServicesDep, tenant: TenantDep):
 
 @router.get("/{model:path}", operation_id="retrieveModel", responses=errors(404))
 async def retrieve_model(model: str, svc: ServicesDep, tenant: TenantDep):
-    mine = await fine_tuned(svc, tenant) if model.startswith("ft:") else []
+    mine = await fine_tuned(svc, tenant) if keys.is_fine_tuned(model) else []
     for m in await served(svc) + mine:
         if m["id"] == model:
             return m

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ballast.settings import Settings
+from config import Settings
 from engine import prompts
 from policy.placement import EngineView, Request, Weights, rank
 from policy.prefix import MAX_BLOCKS, PrefixIndex, block_hashes, root

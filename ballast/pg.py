@@ -28,7 +28,7 @@ from psycopg import sql
 from sqlalchemy.engine import URL, make_url
 
 from ballast import procs
-from journal.db import libpq_url
+from config.database import libpq_url
 
 # The superuser initdb creates, and the owner migrations run as. Its password is in
 # data_dir/PASSWORD_FILE; the services' role (created by the migrations) has its own.

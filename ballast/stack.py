@@ -40,12 +40,13 @@ from sqlalchemy.engine import make_url
 
 from ballast import affinity, procs
 from ballast.pg import EmbeddedPostgres, kept_secret, set_password, write_secret
-from ballast.settings import Settings
 from ballast.supervise import Supervisor
 from ballast.temporal_server import TemporalDevServer
 from ballast.tenants_cli import URL_FILE
+from config import Settings
+from config.database import as_role
 from journal import tenants
-from journal.db import as_role, connect
+from journal.db import connect
 from journal.migrate import upgrade
 from policy.restarts import RestartPolicy
 

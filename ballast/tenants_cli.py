@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ballast.settings import Settings
+from config import Settings
 from journal import tenants as jt
 from journal.db import connect
 

@@ -23,13 +23,14 @@ from activities.fleet import FleetActivities
 from activities.quota import QuotaActivities
 from activities.requests import RequestActivities
 from ballast import procs
-from ballast.settings import Settings
+from config import Settings
 from journal.db import connect
-from journal.objects import ObjectStore
 from policy.grouping import own_queue
 from policy.placement import region_queue
 from policy.preemption import SurgePolicy, min_slots
 from protocol.requests import Limits
+from protocol.tiers import Tier
+from storage.objects import ObjectStore
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
@@ -256,7 +257,7 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
                 cap, draining = await je.announce(
                     conn, engine_id, url, model, settings.engine_queue,
                     dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
-                         flex=fair.in_tier("flex"), flex_floor=fair.floors.get("flex", 0),
+                         flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                          block_size=engine.block_size, region=settings.region))
             await slots.direct(cap)
             if draining:

@@ -19,12 +19,12 @@ the local view's staleness costs in overshoot across real API processes.
    half the served rate, open loop: the control plane has room) and `saturated` (the
    closed loop; a refused client backs off 100–200 ms). Each runs until a minute window has
    filled at least 3 × S before its end and 3 × S more have passed (S = 2 × flush +
-   3 × refresh, README), and the next starts once every request of the last is journaled
+   3 × refresh, docs/quotas-and-audit.md), and the next starts once every request of the last is journaled
    and settled and the fold is fresh.
    The oracle is outside the processes: SQL over the ledger (reserve rows per UTC minute,
    per admitting process) and the client's own record (every accepted request's id, every
    429 with when it was sent and answered). Figures per phase: the largest overshoot of L
-   in a window against README's bound (P − 1) × min(L, what one process admitted within S,
+   in a window against the documented bound (P − 1) × min(L, what one process admitted within S,
    from the ledger); the client's accepted ids against the ledger's reserve rows; 429s
    answered while the ledger shows the window still had room at the answer (refused below
    quota: target 0; a 429 whose request straddled a minute boundary is not judged); and
@@ -65,12 +65,13 @@ import psycopg
 
 from api.admission import Admission, Ticket
 from ballast import pg, procs
-from ballast.settings import Settings
 from bench.fairness import owner_url
 from bench.stack import ballast_up
 from bench.stats import pct
+from config import Settings
+from config.database import as_role, libpq_url
 from journal import tenants
-from journal.db import as_role, connect, libpq_url
+from journal.db import connect
 from journal.migrate import upgrade
 
 LOCAL_DECISIONS = 20_000
@@ -484,7 +485,7 @@ def judge(limit: int, processes: int, stale_s: float, replies: list[Reply],
         by_holder[holder].append(at)
     peak = max((most_within(ts, stale_s) for ts in by_holder.values()), default=0)
     worst = max((n - limit for n in per_minute.values()), default=0)
-    bound = (processes - 1) * min(limit, peak)  # README's bound, by hand
+    bound = (processes - 1) * min(limit, peak)  # the documented bound, by hand
     statuses = Counter(r.status for r in replies)
     return dict(
         windows=len(per_minute), per_window=list(per_minute.values()),

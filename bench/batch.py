@@ -54,10 +54,11 @@ from typing import Any
 import httpx
 
 from ballast import affinity, procs
-from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
 from bench.stats import p50, ratio_ci
 from bench.timeline import VLLM_ROLES, CpuSampler, draw
+from config import Settings
+from engine.requests import Sampling
 
 SEED = 7
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,.ABCDEFGHIJ0123456789"
@@ -158,7 +159,7 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
         async def one(i: int, r: dict, items: list) -> int:
             n, start = 0, time.time()
             async for step in engine.generate(f"raw-{i}", engine.render_chat(r["messages"]),
-                                              max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True):
+                                              Sampling(r["max_tokens"], temperature=0.0, ignore_eos=True)):
                 n += len(step.token_ids)
             items.append((start, time.time()))
             return n

@@ -61,9 +61,9 @@ import httpx
 import psycopg
 
 from ballast import procs
-from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
-from journal.db import libpq_url
+from config import Settings
+from config.database import libpq_url
 from journal.invariants import Finding, audit, examined, passed, report
 
 FAULTS = ("engine", "postgres", "temporal", "api", "store")

@@ -60,9 +60,9 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from ballast import pg
-from ballast.settings import Settings
 from bench.stack import ballast_up
 from bench.stats import pct
+from config import Settings
 from journal import schema, tenants
 from journal.db import connect
 

@@ -41,12 +41,15 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ballast import pg
-from ballast.settings import Settings
 from bench.stats import p50, p99, ratio_ci
+from config import Settings
+from config.database import libpq_url
 from journal import ledger
-from journal.db import connect, libpq_url
+from journal.db import connect
 from journal.ledger import Entry
 from journal.migrate import upgrade
+from protocol import keys
+from protocol.tiers import Tier
 
 SIZES = (50_000, 200_000)
 TICKS = 200  # per size, both arms
@@ -71,7 +74,7 @@ class Ledger:
 
     def request(self, at: datetime | None) -> Entry:
         r = self.rng
-        return Entry(ledger.RESERVE, ledger.request_subject(uuid.uuid4().hex), f"tenant-{r.randrange(TENANTS)}",
+        return Entry(ledger.RESERVE, keys.request(uuid.uuid4().hex), f"tenant-{r.randrange(TENANTS)}",
                      f"model-{r.randrange(MODELS)}", r.choice(("default", "priority", "flex")),
                      r.randint(20, 2_000), r.randint(16, 1_024), r.choice(self.holders), at)
 
@@ -88,9 +91,9 @@ class Ledger:
         while len(out) < rows:
             at = now - timedelta(seconds=self.rng.uniform(5, 86_400))
             if self.rng.random() < 1 / BATCH_EVERY:
-                out.append(Entry(ledger.RESERVE, ledger.batch_subject(uuid.uuid4().hex),
+                out.append(Entry(ledger.RESERVE, keys.batch(uuid.uuid4().hex),
                                  f"tenant-{self.rng.randrange(TENANTS)}", f"model-{self.rng.randrange(MODELS)}",
-                                 ledger.BATCH_TIER, self.rng.randint(10_000, 500_000), 0, None, at))
+                                 Tier.BATCH, self.rng.randint(10_000, 500_000), 0, None, at))
                 continue
             e = self.request(at)
             out.append(e)

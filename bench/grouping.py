@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.settings import Settings
 from bench.placement import KV_CACHE_TOKENS, SEED, SYSTEMS, _engines, _text, kv_bytes_per_token
 from bench.stack import Stack, ballast_up
+from config import Settings
 
 ITEMS_PER_SYSTEM = 40  # 2.5 groups of the default 16
 MAX_TOKENS = 4

@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
 from bench.stats import diff_ci, p50, p99, pct, ratio_ci
+from config import Settings
+from engine.requests import Sampling
 
 REQUESTS = 500  # per pacing and arm: p99 is then the 5th-slowest
 MAX_TOKENS = 16
@@ -62,7 +63,7 @@ async def direct(settings: Settings, gap_s: float, n: int) -> list[float]:
             await asyncio.sleep(gap_s)
             t0 = time.perf_counter()
             ids = engine.render_chat([dict(role="user", content=p)])
-            async for step in engine.generate(f"d-{i}", ids, max_tokens=MAX_TOKENS, temperature=0.0, detokenize=True):
+            async for step in engine.generate(f"d-{i}", ids, Sampling(MAX_TOKENS, temperature=0.0), detokenize=True):
                 if step.text:  # the first text, as the client of the other arm sees it (the byte-level
                     ttft.append(time.perf_counter() - t0)  # model's first token is often only part of a character)
                     break

@@ -45,10 +45,10 @@ from typing import Any
 import httpx
 import psycopg
 
-from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
 from bench.stats import pct
-from journal.db import libpq_url
+from config import Settings
+from config.database import libpq_url
 
 SEED = 5
 MAX_TOKENS = 16

@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 
 from ballast import procs
 from ballast.pg import PASSWORD_FILE, PG_USER
-from ballast.settings import Settings
+from config import Settings
 
 
 @dataclass

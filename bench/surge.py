@@ -51,10 +51,10 @@ from typing import Any
 
 import httpx
 
-from ballast.settings import Settings
 from bench.batch import ALPHABET
 from bench.stack import Stack, ballast_up
 from bench.stats import mean, p50, p99, pct, ratio_ci
+from config import Settings
 
 SEED = 11
 ROUNDS = 4  # plays of the arrivals per arm, pooled

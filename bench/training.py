@@ -45,9 +45,9 @@ from typing import Any
 import httpx
 import psycopg
 
-from ballast.settings import Settings
 from bench.stack import Stack, ballast_up
 from bench.stats import pct as _pct
+from config import Settings
 
 SEED = 29
 EXAMPLES = 200

@@ -15,8 +15,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from journal.finetunes import adapter_prefix
-from journal.objects import ObjectStore
+from protocol import keys
+from storage.objects import ObjectStore
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -52,13 +52,13 @@ class Adapters:
         return LoRARequest(model, lora_id(model), str(path))
 
     def _fetch(self, job_id: str, path: Path) -> None:
-        keys = [f"{adapter_prefix(job_id)}/{name}" for name in FILES]
-        if not all(self.store.exists(k) for k in keys):
+        objects = [f"{keys.adapter(job_id)}/{name}" for name in FILES]
+        if not all(self.store.exists(k) for k in objects):
             raise AdapterMissing(f"no trained adapter for fine-tuning job {job_id}")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{job_id}-", dir=self.cache_dir))
         try:
-            for name, key in zip(FILES, keys, strict=True):
+            for name, key in zip(FILES, objects, strict=True):
                 with self.store.open(key) as src, open(tmp / name, "wb") as dst:
                     shutil.copyfileobj(src, dst)
             os.replace(tmp, path)  # whole or not at all: a reader never sees half an adapter

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from policy import fairness as vtc
-from policy.preemption import TIERS
+from protocol.tiers import RANK
 
 Mode = Literal["vtc", "fcfs"]
-_TIER_OF = {v: k for k, v in TIERS.items()}
+_TIER_OF = {v: k for k, v in RANK.items()}
 
 
 @dataclass
@@ -125,7 +125,7 @@ class FairShare:
                    fallback_priority: int) -> AsyncIterator[Turn]:
         """Wait (vtc, engine full) for this request's turn; hold it for the block.
         `tier` None (a job from an older API): the tier the API's priority names."""
-        tier = tier if tier in TIERS else _TIER_OF.get(fallback_priority, "default")
+        tier = tier if tier in RANK else _TIER_OF.get(fallback_priority, "default")
         weight = weight if weight > 0 else 1.0
         if self.mode == "fcfs":  # counted (for /stats), never held
             self.charge(tenant, weight, input_tokens=prompt_tokens)

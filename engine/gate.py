@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.requests import Sampling
 from engine.vllm_engine import Step
-from policy.preemption import TIERS
+from protocol.tiers import RANK, Tier
 
 log = logging.getLogger(__name__)
 
-BATCH_PRIORITY = TIERS["batch"]
+BATCH_PRIORITY = RANK[Tier.BATCH]
 _REMEMBERED_ABORTS = 4096  # aborts of requests not yet started (see `abort`)
 
 
@@ -77,12 +78,12 @@ class GatedEngine:
 
     # -- the engine's interface ----------------------------------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], *, priority: int = 0,
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, *, priority: int = 0,
                  item: str | None = None, resumed_from: int = 0, **kw: Any) -> AsyncIterator[Step]:
         kw.update(priority=priority, item=item, resumed_from=resumed_from)
         if priority != BATCH_PRIORITY:
-            return self._engine.generate(request_id, prompt_token_ids, **kw)  # interactive: untouched
-        return self._gated(request_id, prompt_token_ids, item or request_id, resumed_from, kw)
+            return self._engine.generate(request_id, prompt_token_ids, sampling, **kw)  # interactive: untouched
+        return self._gated(request_id, prompt_token_ids, sampling, item or request_id, resumed_from, kw)
 
     async def abort(self, request_id: str) -> None:
         g = self._requests.get(request_id)
@@ -118,7 +119,7 @@ class GatedEngine:
         return dict(budget=self._budget,
                     requests=[dict(item=g.item, tokens=g.tokens, held=g.held) for g in self._requests.values()])
 
-    async def _gated(self, request_id: str, prompt: list[int], item: str, resumed_from: int,
+    async def _gated(self, request_id: str, prompt: list[int], sampling: Sampling, item: str, resumed_from: int,
                      kw: dict[str, Any]) -> AsyncIterator[Step]:
         self._start_polling()
         self._refresh()  # a file written just before this request applies to it
@@ -127,7 +128,7 @@ class GatedEngine:
         self._requests[request_id] = g
         # Pulled lazily: while held, vLLM keeps generating and merges its deltas until we
         # ask again (or the request is aborted, which vLLM ends with an empty "abort" step).
-        inner = self._engine.generate(request_id, prompt, **kw)
+        inner = self._engine.generate(request_id, prompt, sampling, **kw)
         pending: deque[Step] = deque()  # pulled from vLLM, not yet passed on
         try:
             while True:

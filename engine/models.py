@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ballast.settings import Settings
+from config import Settings
 
 
 @dataclass(frozen=True)

@@ -75,12 +75,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     # Counted before vLLM sees it: batch yields its slots first.
                     async with (slots.interactive_request(str(job.get("api", ""))),
                                 fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
-                        async for step in engine.generate(
-                            job["request_id"], prompt, max_tokens=params.max_tokens, temperature=params.temperature,
-                            top_p=params.top_p, seed=params.seed, stop=list(params.stop) or None,
-                            ignore_eos=params.ignore_eos, priority=turn.priority, detokenize=True,
-                            adapter=params.adapter,
-                        ):
+                        async for step in engine.generate(job["request_id"], prompt, params, priority=turn.priority,
+                                                          detokenize=True):
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
                             reason = step.finish_reason

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ballast.settings import TINY_MODEL_NAME
+from config import TINY_MODEL_NAME
 
 # Bump when the build changes in a way the spec below does not capture.
 BUILD_VERSION = 1

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
 from engine.models import ModelSpec
+from engine.requests import Sampling
 
 if TYPE_CHECKING:
-    from ballast.settings import Settings
+    from config import Settings
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
@@ -188,18 +189,12 @@ class Engine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
+        sampling: Sampling,
         *,
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | None = None,
-        ignore_eos: bool = False,
         priority: int = 0,
         detokenize: bool = False,
         item: str | None = None,
         resumed_from: int = 0,
-        adapter: str | None = None,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
@@ -211,31 +206,31 @@ class Engine:
         wrappers of the engine: the test gate (engine/gate.py) holds items at budgets of
         total tokens.
 
-        `adapter`: a fine-tuned model's name; its LoRA adapter runs on the base model
-        (AdapterMissing where this engine has no adapters or the job trained none).
+        `sampling.adapter`: a fine-tuned model's name; its LoRA adapter runs on the base
+        model (AdapterMissing where this engine has no adapters or the job trained none).
         """
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop or None,
-            ignore_eos=ignore_eos,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             # Text is only needed to stream it or to match stop strings.
-            detokenize=detokenize or bool(stop),
+            detokenize=detokenize or bool(sampling.stop),
         )
         # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
         prompt = tokens_input(list(prompt_token_ids))
         lora = None
-        if adapter is not None:
+        if sampling.adapter is not None:
             if self.adapters is None:
-                raise AdapterMissing(f"this engine serves no fine-tuned models ({adapter})")
-            lora = await self.adapters.request(adapter)
+                raise AdapterMissing(f"this engine serves no fine-tuned models ({sampling.adapter})")
+            lora = await self.adapters.request(sampling.adapter)
         async for out in self._llm.generate(prompt, params, request_id, priority=priority, lora_request=lora):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None

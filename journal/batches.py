@@ -17,6 +17,7 @@ from journal.events import Event, NewEvent, append, append_one
 from journal.leases import acquire_many
 from journal.schema import batch_items, batches, events, files
 from policy.lifecycle import can_move
+from protocol import keys
 
 PREFIX_SORT_CHARS = 16_384  # of a prompt, to cluster a page by: a 4k-token system prompt
 
@@ -26,8 +27,6 @@ def stable_id(prefix: str, *parts: object, n: int = 24) -> str:
     return prefix + hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:n]
 
 
-def item_stream(batch_id: str, idx: int) -> str:
-    return f"item:{batch_id}:{idx}"
 
 
 # -- files --------------------------------------------------------------------------
@@ -47,7 +46,7 @@ async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str
 
 
 async def create_batch(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await append_one(conn, NewEvent(f"batch:{row['id']}", "batch_created", row, f"batch:{row['id']}:created",
+    await append_one(conn, NewEvent(keys.batch(row["id"]), "batch_created", row, f"{keys.batch(row['id'])}:created",
                                     row["tenant"]))
 
 
@@ -104,8 +103,8 @@ async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: flo
     if not can_move(current["status"], status):
         return False
     payload = dict(batch_id=batch_id, status=status, at=int(at), **fields)
-    await append_one(conn, NewEvent(f"batch:{batch_id}", "batch_status", payload, f"batch:{batch_id}:status:{status}",
-                                    current["tenant"]))
+    stream = keys.batch(batch_id)
+    await append_one(conn, NewEvent(stream, "batch_status", payload, f"{stream}:status:{status}", current["tenant"]))
     return True
 
 
@@ -115,19 +114,19 @@ async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: flo
 async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Sequence[Any]) -> None:
     """Journal the parsed requests; those invalid on their own fail right away."""
     new = [
-        NewEvent(item_stream(batch_id, it.idx), "item_created",
+        NewEvent(keys.item(batch_id, it.idx), "item_created",
                  dict(batch_id=batch_id, idx=it.idx, line=it.line, custom_id=it.custom_id, body=it.body),
-                 f"{item_stream(batch_id, it.idx)}:created", tenant)
+                 f"{keys.item(batch_id, it.idx)}:created", tenant)
         for it in items
     ]
     invalid = [it for it in items if it.error is not None]
     # A result is an attempt's last word, and the database takes none without a fence:
     # validation is this item's one attempt, under a lease of its own.
-    streams = [item_stream(batch_id, it.idx) for it in invalid]
+    streams = [keys.item(batch_id, it.idx) for it in invalid]
     fences = await acquire_many(conn, streams, "validation") if streams else {}
     new += [
         item_failed_event(batch_id, it.idx, tenant, it.error.status_code, it.error.body(),
-                          fence=fences[item_stream(batch_id, it.idx)])
+                          fence=fences[keys.item(batch_id, it.idx)])
         for it in invalid
     ]
     await append(conn, new)
@@ -141,14 +140,14 @@ def result_key(stream: str) -> str:
 
 def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any],
                          fence: int | None = None) -> NewEvent:
-    s = item_stream(batch_id, idx)
+    s = keys.item(batch_id, idx)
     return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), result_key(s),
                     tenant, fence=fence)
 
 
 def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any],
                       fence: int | None = None) -> NewEvent:
-    s = item_stream(batch_id, idx)
+    s = keys.item(batch_id, idx)
     payload = dict(batch_id=batch_id, idx=idx, status_code=status_code, body_json=body_json(body))
     return NewEvent(s, "item_failed", payload, result_key(s), tenant, fence=fence)
 
@@ -176,7 +175,7 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
     missing = set(idxs) - set(items)
     if missing:
         raise LookupError(f"batch {batch_id} has no items {sorted(missing)}")
-    streams = [item_stream(batch_id, i) for i, it in items.items() if it["status"] == "pending"]
+    streams = [keys.item(batch_id, i) for i, it in items.items() if it["status"] == "pending"]
     if streams:
         q = select(events.c.payload).where(events.c.stream.in_(streams), events.c.type == "item_chunk")
         chunks: dict[int, list[dict]] = {}
@@ -234,6 +233,6 @@ async def results(conn: AsyncConnection, batch_id: str) -> AsyncIterator[tuple[d
         m = dict(r._mapping)
         ev = None
         if m["result_position"] is not None:
-            ev = Event(m["result_position"], item_stream(batch_id, m["idx"]), 0, m.pop("ev_type"),
+            ev = Event(m["result_position"], keys.item(batch_id, m["idx"]), 0, m.pop("ev_type"),
                        m.pop("ev_payload"), "", "")
         yield m, ev

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from sqlalchemy import select, text
+from sqlalchemy import delete, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.projections import project
-from journal.schema import events
+from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
 
 
 @dataclass(frozen=True)
@@ -247,3 +247,18 @@ def _stale(err: DBAPIError) -> StaleAttempt | None:
 def _event(r) -> Event:
     m = r._mapping
     return Event(m["position"], m["stream"], m["version"], m["type"], m["payload"], m["idempotency_key"], m["tenant"])
+
+
+async def rebuild(conn: AsyncConnection, page: int = 5000) -> None:
+    """Every read model emptied and projected again from the whole journal."""
+    for table in (batch_items, batches, files, fine_tuning_jobs):
+        await conn.execute(delete(table))
+    after = 0
+    while True:
+        rows = (
+            await conn.execute(select(events).where(events.c.position > after).order_by(events.c.position).limit(page))
+        ).all()
+        if not rows:
+            return
+        await project(conn, [_event(r) for r in rows])
+        after = rows[-1].position

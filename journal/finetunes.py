@@ -23,57 +23,48 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.events import NewEvent, append_one, read_stream
 from journal.schema import events, fine_tuning_jobs
+from protocol import keys
 
 CREATED, STATUS, CHECKPOINT, EVENT = "ft_job_created", "ft_status", "ft_checkpoint", "ft_event"
 FINAL = ("succeeded", "failed", "cancelled")
-TRAINING_TIER = "training"  # the ledger's tier of trained tokens
 
 
-def ledger_subject(job_id: str, step: int) -> str:
-    """The quota ledger's subject of the tokens trained up to checkpoint `step` (a settle each)."""
-    return f"ftjob:{job_id}:{step}"
 
 
-def stream(job_id: str) -> str:
-    return f"ftjob:{job_id}"
 
 
-def checkpoint_key(job_id: str, step: int) -> str:
-    """The object store key of a checkpoint (the store writes it whole, under a temp name first)."""
-    return f"fine-tuning/{job_id}/checkpoints/step-{step:08d}.pt"
 
 
-def adapter_prefix(job_id: str) -> str:
-    return f"fine-tuning/{job_id}/adapter"
 
 
 def fine_tuned_name(job: dict[str, Any]) -> str:
     """`ft:<base>:<suffix>:<id>`, OpenAI's shape without the organization."""
-    return f"ft:{job['model']}:{job.get('suffix') or ''}:{job['id']}"
+    return keys.fine_tuned(job["model"], job.get("suffix"), job["id"])
 
 
 def created_event(row: dict[str, Any]) -> NewEvent:
-    return NewEvent(stream(row["id"]), CREATED, row, f"{stream(row['id'])}:created", row["tenant"])
+    return NewEvent(keys.ftjob(row["id"]), CREATED, row, f"{keys.ftjob(row['id'])}:created", row["tenant"])
 
 
 def status_event(job_id: str, tenant: str, status: str, nth: int, **fields: Any) -> NewEvent:
     """The job's `nth` status change (0 first): a job may be paused and resumed many times."""
     at = fields.pop("at", None) or int(time.time())
-    return NewEvent(stream(job_id), STATUS, dict(job_id=job_id, status=status, at=at, **fields),
-                    f"{stream(job_id)}:status:{nth}", tenant)
+    return NewEvent(keys.ftjob(job_id), STATUS, dict(job_id=job_id, status=status, at=at, **fields),
+                    f"{keys.ftjob(job_id)}:status:{nth}", tenant)
 
 
 def checkpoint_event(job_id: str, tenant: str, step: int, key: str, sha256: str, losses: list[float],
                      fence: int | None) -> NewEvent:
     payload = dict(job_id=job_id, step=step, object_key=key, sha256=sha256, losses=losses)
-    return NewEvent(stream(job_id), CHECKPOINT, payload, f"{stream(job_id)}:checkpoint:{step}", tenant, fence=fence)
+    return NewEvent(keys.ftjob(job_id), CHECKPOINT, payload, f"{keys.ftjob(job_id)}:checkpoint:{step}", tenant,
+                    fence=fence)
 
 
 def job_event(job_id: str, tenant: str, key: str, message: str, level: str = "info", **data: Any) -> NewEvent:
     """A line of the job's /events; `key` makes it once-only (a retried step says it once,
     with the same words: no clock in the payload, the event's committed_at is its time)."""
     payload = dict(job_id=job_id, level=level, message=message, data=data)
-    return NewEvent(stream(job_id), EVENT, payload, f"{stream(job_id)}:event:{key}", tenant)
+    return NewEvent(keys.ftjob(job_id), EVENT, payload, f"{keys.ftjob(job_id)}:event:{key}", tenant)
 
 
 async def create_job(conn: AsyncConnection, row: dict[str, Any]) -> None:
@@ -123,7 +114,7 @@ async def checkpoints(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]
     """The job's checkpoints, oldest first (one per step: the key dedups retries), each
     with its position and when it was journaled (`at` in seconds, `at_s` exact)."""
     q = select(events.c.position, events.c.payload, events.c.committed_at).where(
-        events.c.stream == stream(job_id), events.c.type == CHECKPOINT).order_by(events.c.version)
+        events.c.stream == keys.ftjob(job_id), events.c.type == CHECKPOINT).order_by(events.c.version)
     return [dict(p, position=pos, at=int(at.timestamp()), at_s=at.timestamp())
             for pos, p, at in (await conn.execute(q)).all()]
 
@@ -142,7 +133,7 @@ async def latest_checkpoints(conn: AsyncConnection, job_ids: list[str]) -> dict[
     if not job_ids:
         return {}
     q = select(events.c.stream, events.c.payload, events.c.committed_at).distinct(events.c.stream).where(
-        events.c.stream.in_([stream(j) for j in job_ids]), events.c.type == CHECKPOINT).order_by(
+        events.c.stream.in_([keys.ftjob(j) for j in job_ids]), events.c.type == CHECKPOINT).order_by(
         events.c.stream, events.c.version.desc())
     return {p["job_id"]: dict(p, at_s=at.timestamp()) for _, p, at in (await conn.execute(q)).all()}
 
@@ -161,7 +152,7 @@ def estimated_finish(status: str, latest: dict[str, Any] | None, now: float) -> 
 async def job_events(conn: AsyncConnection, job_id: str) -> list[dict[str, Any]]:
     """The job's /events, oldest first: each with its position and when it was journaled."""
     q = select(events.c.position, events.c.payload, events.c.committed_at).where(
-        events.c.stream == stream(job_id), events.c.type == EVENT).order_by(events.c.version)
+        events.c.stream == keys.ftjob(job_id), events.c.type == EVENT).order_by(events.c.version)
     return [dict(p, position=pos, at=int(at.timestamp())) for pos, p, at in (await conn.execute(q)).all()]
 
 
@@ -171,6 +162,6 @@ async def move_status(conn: AsyncConnection, job: dict[str, Any], status: str, *
         fine_tuning_jobs.c.id == job["id"]).with_for_update())).scalar_one()
     if locked in FINAL or locked == status:
         return False
-    nth = len(await read_stream(conn, stream(job["id"]), type=STATUS))
+    nth = len(await read_stream(conn, keys.ftjob(job["id"]), type=STATUS))
     await append_one(conn, status_event(job["id"], job["tenant"], status, nth, **fields))
     return True

@@ -28,7 +28,8 @@ from typing import Any
 
 import psycopg
 
-from journal.db import libpq_url
+from config.database import libpq_url
+from protocol import keys
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,8 @@ def _retokenized(conn: psycopg.Connection, tokenizer: str, model: str | None, ex
         with conn.transaction(), conn.cursor(name="retokenized") as cur:  # streamed: a journal may be large
             cur.execute(RETOKENIZED.sql)
             for subject, item_model, settled, endpoint, body in cur:
-                if model is not None and item_model != model and not item_model.startswith(f"ft:{model}:"):
+                ours = model is None or item_model == model or item_model.startswith(keys.fine_tuned_prefix(model))
+                if not ours:
                     continue
                 n = _prompt_tokens(tok, endpoint, body)
                 if n is None:

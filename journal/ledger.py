@@ -37,10 +37,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.schema import admission_holders, limits, quota_usage
 from policy.admission import ANY_MODEL, LimitSet
+from protocol import keys
 
 RESERVE, SETTLE, REFUND, EXPIRE = "reserve", "settle", "refund", "expire"
 CLOSING = (SETTLE, REFUND, EXPIRE)
-BATCH_TIER = "batch"
 # How far back the fold and expiry look for reservations: a day window, and batches open
 # for their 24 h completion window and a little more.
 HORIZON_S = 2 * 86_400
@@ -51,17 +51,10 @@ INTERACTIVE_HORIZON_S = 2 * 3_600
 _FOLD_LOCK = 0x0BA11A57  # pg_advisory_xact_lock key: one fold at a time
 
 
-def request_subject(request_id: str) -> str:
-    return f"request:{request_id}"
 
 
-def batch_subject(batch_id: str) -> str:
-    return f"batch:{batch_id}"
 
 
-def item_subject(batch_id: str, idx: int) -> str:
-    # The item's journal stream (journal.batches.item_stream): audits join on it.
-    return f"item:{batch_id}:{idx}"
 
 
 def key(kind: str, subject: str) -> str:
@@ -227,7 +220,7 @@ async def settle_items(conn: AsyncConnection, items: Sequence[ItemUsage]) -> Non
     if items:
         await conn.execute(_SETTLE_ITEMS, dict(
             tenant=[u.tenant for u in items], batch_id=[u.batch_id for u in items], idx=[u.idx for u in items],
-            subject=[item_subject(u.batch_id, u.idx) for u in items],
+            subject=[keys.item(u.batch_id, u.idx) for u in items],
             i=[u.input_tokens for u in items], o=[u.output_tokens for u in items]))
 
 

@@ -1,8 +1,9 @@
 """Read models as projections of events, applied in the appending transaction.
 
 Each projector handles one event type for a list of events (so a 50,000-line batch's
-items project as a few bulk statements). `rebuild` replays the whole journal into empty
-read models and must give the same rows: the read models hold nothing events do not.
+items project as a few bulk statements). `journal.events.rebuild` replays the whole
+journal into empty read models and must give the same rows: the read models hold nothing
+events do not.
 
 One projection is not a read model: an item's result (`item_completed`, `item_failed`)
 settles the item in the quota ledger, in the same transaction, whichever path journals it
@@ -17,12 +18,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from itertools import groupby
 from typing import TYPE_CHECKING
 
-from sqlalchemy import bindparam, delete, select, update
+from sqlalchemy import bindparam, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal import ledger
-from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
+from journal.schema import batch_items, batches, files, fine_tuning_jobs
 
 if TYPE_CHECKING:
     from journal.events import Event
@@ -47,22 +48,6 @@ async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
         fn = _projectors.get(event_type)
         if fn is not None:
             await fn(conn, list(run))
-
-
-async def rebuild(conn: AsyncConnection, page: int = 5000) -> None:
-    from journal.events import _event
-
-    for table in (batch_items, batches, files, fine_tuning_jobs):
-        await conn.execute(delete(table))
-    after = 0
-    while True:
-        rows = (
-            await conn.execute(select(events).where(events.c.position > after).order_by(events.c.position).limit(page))
-        ).all()
-        if not rows:
-            return
-        await project(conn, [_event(r) for r in rows])
-        after = rows[-1].position
 
 
 @projects("file_created")

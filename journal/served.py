@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.events import NewEvent
+from protocol import keys
 
 SERVED = "request_served"
 LOOKBACK_S = 600  # each record is looked at for this long after it ages past `after_s`
@@ -27,7 +28,7 @@ LOOKBACK_S = 600  # each record is looked at for this long after it ages past `a
 
 def served_event(engine_id: str, record: dict[str, Any]) -> NewEvent:
     rid = record["request_id"]
-    return NewEvent(f"served:{rid}", SERVED, dict(record, engine_id=engine_id), f"served:{rid}",
+    return NewEvent(keys.served(rid), SERVED, dict(record, engine_id=engine_id), keys.served(rid),
                     record.get("tenant") or "default")
 
 

@@ -52,6 +52,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from protocol.tiers import Tier
+
 if TYPE_CHECKING:
     from protocol.requests import GenerationRequest
 
@@ -128,7 +130,8 @@ class Headroom:
     flex: float = 0.8
 
     def of(self, tier: str) -> float:
-        return {"priority": self.priority, "default": self.default, "flex": self.flex}.get(tier, 1.0)
+        shares: dict[str, float] = {Tier.PRIORITY: self.priority, Tier.DEFAULT: self.default, Tier.FLEX: self.flex}
+        return shares.get(tier, 1.0)
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def admit(demand: Demand, scopes: Sequence[tuple[LimitSet, Usage]], now: float, 
           fleet_busy: bool = False) -> Admit | Refuse:
     """May `demand` start now? `scopes`: each limit that applies with the usage it sees."""
     # 1. Flex yields first when the fleet itself is short of capacity.
-    if fleet_busy and demand.tier == "flex":
+    if fleet_busy and demand.tier == Tier.FLEX:
         return Refuse("capacity", 0, FLEET_RETRY_S)
     fraction = headroom.of(demand.tier)
     # 2. Every dimension of every limit that applies: the first that would pass, refuses.

@@ -23,7 +23,7 @@ output 2 are the paper's defaults). Its rules:
 `engine_priority` turns (tier, the tenant's rank: its counter above the least-served
 active tenant, quantised) into one vLLM priority int (lower is served first) such that
 every tier strictly precedes the next for any rank, and batch stays exactly at its own
-`TIERS["batch"]` value, behind every interactive tier (the batch path and the engine gate
+`RANK[Tier.BATCH]` value, behind every interactive tier (the batch path and the engine gate
 recognise batch by that value).
 """
 
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from policy.preemption import TIERS
+from protocol.tiers import RANK, Tier
 
 SPAN = 16  # vLLM priority values per interactive tier: ranks 0 … SPAN-1
 QUANTUM = 256.0  # counter units (weighted tokens) per rank step
@@ -113,7 +113,7 @@ def rank(v: Vtc, tenant: str, quantum: float = QUANTUM) -> int:
 
 
 def tier_order(tier: str) -> int:
-    return TIERS.get(tier, TIERS["default"])
+    return RANK.get(tier, RANK[Tier.DEFAULT])
 
 
 def pick(v: Vtc, heads: Iterable[Head], *, first: frozenset[str] = frozenset(),
@@ -121,7 +121,7 @@ def pick(v: Vtc, heads: Iterable[Head], *, first: frozenset[str] = frozenset(),
     """The request to dispatch next, None when every head is held back:
     1. heads of `capped` tenants wait (they hold all the slots one tenant may hold);
     2. tiers in `first` (starved below their minimum share) go before the others;
-    3. then the highest tier (lowest TIERS value), the tenant with the least counter, the
+    3. then the highest tier (lowest RANK value), the tenant with the least counter, the
        earliest arrival, the tenant id."""
     return min((h for h in heads if h.tenant not in capped),
                key=lambda h: (h.tier not in first, tier_order(h.tier), v.counter(h.tenant), h.seq, h.tenant),
@@ -136,9 +136,9 @@ def tenant_cap(limit: int, headroom: int, others: bool) -> int:
 
 
 def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:
-    """One vLLM priority (lower first): tiers in TIERS order for any rank, ranks in order
-    within a tier (clamped to span - 1), batch exactly at TIERS["batch"] after them all."""
-    batch = TIERS["batch"]
+    """One vLLM priority (lower first): tiers in RANK order for any rank, ranks in order
+    within a tier (clamped to span - 1), batch exactly at RANK[Tier.BATCH] after them all."""
+    batch = RANK[Tier.BATCH]
     t = tier_order(tier)
     if t >= batch:
         return batch

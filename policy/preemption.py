@@ -27,9 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Service tiers, as vLLM priorities: lower is served first.
-TIERS = {"priority": 0, "default": 1, "flex": 2, "batch": 10}
-
 
 @dataclass(frozen=True)
 class Running:

@@ -17,16 +17,16 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from protocol import keys
 from protocol.errors import ProtocolError, bad_char
+from protocol.tiers import SERVICE_TIERS, ServiceTier
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
-ServiceTier = Literal["priority", "default", "flex"]
-SERVICE_TIERS: tuple[ServiceTier, ...] = ("priority", "default", "flex")
 ROLES = ("system", "developer", "user", "assistant")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_STOP = 4
@@ -42,7 +42,7 @@ class Limits:
 
     def serves(self, name: str) -> bool:
         return name == self.model or name in self.adapters or (
-            self.any_adapter and name.startswith(f"ft:{self.model}:"))
+            self.any_adapter and name.startswith(keys.fine_tuned_prefix(self.model)))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.requests import INT64, MAX_STOP, ROLES, SERVICE_TIERS
+from protocol.requests import INT64, MAX_STOP, ROLES
+from protocol.tiers import SERVICE_TIERS
 
 # A seed is any int64; the schema states a range a little inside it, so that a client whose
 # JSON numbers are doubles (ULP 2,048 at 2**63) cannot round a seed it thinks valid to one

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ballast import pg
-from ballast.settings import Settings
+from config import Settings
 from journal.db import connect
 from journal.migrate import upgrade
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ballast.settings import Settings
 from bench import batch
+from config import Settings
 from engine.models import ModelSpec
 from engine.vllm_engine import Engine, engine_args
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from sqlalchemy import text
 
-from ballast.settings import Settings
 from bench import fold
+from config import Settings
 from journal.db import connect
 from tests.conftest import migrated_database
 

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from bench import overhead, placement, surge
-from journal.db import libpq_url
+from config.database import libpq_url
 
 
 @pytest.fixture

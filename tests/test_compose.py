@@ -4,7 +4,7 @@ No Docker engine is needed: docker-compose.yml is parsed with PyYAML (merge keys
 resolved), `${VAR:-default}` is read as its default and a required `${VAR:?…}` (the secrets,
 which have no default) as the value a .env file of this test's gives it, and every
 cross-reference is checked:
-service names and ports in the URLs, BALLAST_* variables against `ballast.settings.Settings`,
+service names and ports in the URLs, BALLAST_* variables against `config.Settings`,
 commands against the CLI, the GPU reservation and image extras against pyproject.toml, and
 Temporal's persistence and fairness setting. Roles: only `migrate` sees the owner's password;
 the api and the workers see the service role's URL alone. Where a compose CLI exists, it
@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import pytest
 from pydantic import AliasChoices
 
-from ballast.settings import Settings
+from config import Settings
 
 yaml = pytest.importorskip("yaml")
 
@@ -202,7 +202,7 @@ def test_ballast_env_vars_are_settings_fields(services):
     for name, service in services.items():
         for key in _env(service):
             if _is_settings_var(key):
-                assert key in known, f"{name}: {key} is not a field of ballast.settings.Settings"
+                assert key in known, f"{name}: {key} is not a field of config.Settings"
 
 
 def test_ballast_env_parses_into_settings(services, monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ballast import cli
-from ballast.settings import Settings
+from config import Settings
 
 
 @pytest.fixture

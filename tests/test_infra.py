@@ -23,8 +23,8 @@ from temporalio.client import Client
 from ballast import procs
 from ballast.pg import EmbeddedPostgres, create_database, drop_database
 from ballast.temporal_server import TemporalDevServer
-from journal.db import libpq_url
-from journal.db import sync_url as sqlalchemy_url  # the name these tests grew up with
+from config.database import libpq_url
+from config.database import sync_url as sqlalchemy_url  # the name these tests grew up with
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

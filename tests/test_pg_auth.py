@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from ballast import pg, procs
-from journal.db import SERVICE_ROLE, as_role, libpq_url
+from config.database import SERVICE_ROLE, as_role, libpq_url
 from journal.migrate import upgrade
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ballast.settings import Settings
+from config import Settings
 
 
 def test_defaults_are_consistent():

@@ -58,7 +58,7 @@ async def test_made_once_then_reused_and_replaced_when_revoked(db_url, data_dir)
 def test_the_engine_token_is_made_once_and_kept_0600(data_dir, monkeypatch):
     """Unless BALLAST_ENGINE_TOKEN is set, `ballast up` makes the engine token once, in
     data_dir/engine-token, and reuses it (engine workers on other hosts were given it)."""
-    from ballast.settings import Settings
+    from config import Settings
 
     monkeypatch.delenv("BALLAST_ENGINE_TOKEN", raising=False)
     token = stack.engine_token(Settings(_env_file=None), data_dir)

@@ -13,7 +13,7 @@ import uuid
 import psycopg
 import pytest
 
-from journal.db import libpq_url
+from config.database import libpq_url
 
 
 def ballast(db_url: str | None, *args: str, data_dir=None) -> subprocess.CompletedProcess:

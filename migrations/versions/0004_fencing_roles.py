@@ -9,7 +9,7 @@ Migrations run as the owner; the API and workers connect as the service role (de
 UPDATE, DELETE, TRUNCATE, no trigger or schema change (those need the owner). It owns
 nothing. New tables are readable by it by default (ALTER DEFAULT PRIVILEGES below);
 every later migration that adds a table the services write grants that explicitly with
-`journal.migrate.grant_services("SELECT, INSERT", "t")`; tests connect as this role, so
+`migrations.helpers.grant_services("SELECT, INSERT", "t")`; tests connect as this role, so
 a missing grant fails them.
 
 Revision ID: 0004
@@ -19,7 +19,7 @@ Revises: 0003
 import sqlalchemy as sa
 from alembic import context, op
 
-from journal.migrate import grant_services, service_login
+from migrations.helpers import grant_services, service_login
 
 revision = "0004"
 down_revision = "0003"

@@ -26,7 +26,7 @@ Revises: 0004
 import sqlalchemy as sa
 from alembic import context, op
 
-from journal.migrate import grant_services, service_login
+from migrations.helpers import grant_services, service_login
 
 revision = "0005"
 down_revision = "0004"

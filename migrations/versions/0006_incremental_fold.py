@@ -27,7 +27,7 @@ Revises: 0005
 import sqlalchemy as sa
 from alembic import op
 
-from journal.migrate import grant_services
+from migrations.helpers import grant_services
 
 revision = "0006"
 down_revision = "0005"

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from journal.migrate import grant_services
+from migrations.helpers import grant_services
 
 revision = "0009"
 down_revision = "0008"

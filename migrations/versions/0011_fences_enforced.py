@@ -16,7 +16,7 @@ Revises: 0010
 
 from alembic import context, op
 
-from journal.migrate import service_login
+from migrations.helpers import service_login
 
 revision = "0011"
 down_revision = "0010"

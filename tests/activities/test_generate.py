@@ -18,6 +18,7 @@ from activities.generate import ITEM_TRIES, GenerationActivities
 from engine.slots import EngineSlots
 from journal import batches as jb
 from journal.checkpointer import Checkpointer
+from protocol import keys
 from protocol.batch import Item
 from workflows.inputs import GenerateInput
 
@@ -36,11 +37,11 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    async def generate(self, request_id, prompt, **kw):
+    async def generate(self, request_id, prompt, sampling, **kw):
         if any(request_id.startswith(f) for f in self.fail):
             raise RuntimeError("engine blew up on this request")
         steps = 0
-        async for step in self._engine.generate(request_id, prompt, **kw):
+        async for step in self._engine.generate(request_id, prompt, sampling, **kw):
             yield step
             steps += 1
             if self.hold_after is not None and steps == self.hold_after and not self.release.is_set():
@@ -83,7 +84,7 @@ async def test_one_bad_item_fails_alone_and_the_rest_of_its_group_completes(db, 
     bodies[2] = _body([1, 2, vocab_top + 5])  # vLLM would refuse it: out of vocabulary
     bodies[4] = _body("the engine fails on this one")
     batch_id = await _batch(db, bodies)
-    gated = Gated(engine, fail={jb.item_stream(batch_id, 4)})
+    gated = Gated(engine, fail={keys.item(batch_id, 4)})
     async with Checkpointer(db) as cp:
         acts = GenerationActivities(db, gated, cp, EngineSlots(64), checkpoint_tokens=8, retry_delay_s=0)
         results = await _env().run(acts.generate, GenerateInput(batch_id, list(range(6))))
@@ -94,13 +95,13 @@ async def test_one_bad_item_fails_alone_and_the_rest_of_its_group_completes(db, 
     assert sum(1 for v in got.values() if v[0] == "item_completed") == 4
     async with db.connect() as conn:
         tries = (await conn.execute(text("SELECT count(*) FROM events WHERE stream = :s AND type = 'item_chunk'"),
-                                    dict(s=jb.item_stream(batch_id, 4)))).scalar()
+                                    dict(s=keys.item(batch_id, 4)))).scalar()
     assert tries == 0 and ITEM_TRIES >= 2
 
 
 async def test_a_stale_attempt_is_refused_once_a_newer_one_holds_the_lease(db, engine):
     batch_id = await _batch(db, [_body("fenced item", max_tokens=64)])
-    stream = jb.item_stream(batch_id, 0)
+    stream = keys.item(batch_id, 0)
     old = Gated(engine, hold_after=20)  # attempt 1 pauses mid-generation, its first chunks written
     async with Checkpointer(db) as cp:
         acts1 = GenerationActivities(db, old, cp, EngineSlots(64), checkpoint_tokens=8)

@@ -11,6 +11,7 @@ from activities.requests import RequestActivities, account_unreported
 from journal import ledger
 from journal.events import append
 from journal.served import served_event
+from protocol import keys
 from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
@@ -28,7 +29,7 @@ async def engine_served(db, rid: str, tenant: str, prompt: int = 5, completion: 
 
 async def reserved_by_api(db, rid: str, tenant: str, i: int = 5, o: int = 100) -> None:
     async with db.begin() as c:
-        await ledger.insert(c, [ledger.Entry(ledger.RESERVE, ledger.request_subject(rid), tenant, "m", "default", i, o,
+        await ledger.insert(c, [ledger.Entry(ledger.RESERVE, keys.request(rid), tenant, "m", "default", i, o,
                                              "api-dead")])
 
 
@@ -41,7 +42,7 @@ async def finished(db, rid: str) -> list[dict]:
 async def ledger_rows(db, rid: str) -> list[tuple]:
     async with db.connect() as c:
         q = text("SELECT kind, input_tokens, output_tokens FROM ledger WHERE subject = :s ORDER BY position")
-        return [tuple(r) for r in (await c.execute(q, dict(s=ledger.request_subject(rid)))).all()]
+        return [tuple(r) for r in (await c.execute(q, dict(s=keys.request(rid)))).all()]
 
 
 def outcome_of(rid: str, tenant: str, status="completed", completion: int = 7) -> JournalRequestInput:

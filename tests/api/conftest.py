@@ -19,10 +19,10 @@ from api.app import create_app
 from api.auth import KeyCache
 from api.deps import Services
 from api.engines import EngineDirectory
-from ballast.settings import Settings
+from config import Settings
 from journal import tenants
-from journal.objects import ObjectStore
 from journal.tenants import Principal
+from storage.objects import ObjectStore
 
 UPLOAD_LIMIT = 64 * 1024
 REQUEST_LIMIT = 16 * 1024

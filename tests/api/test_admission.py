@@ -28,9 +28,10 @@ from activities.quota import QuotaActivities
 from activities.requests import RequestActivities
 from api import interactive
 from api.admission import Admission, Ticket
-from journal import ledger, tenants
+from journal import tenants
 from policy.admission import Refuse
 from policy.placement import EngineView
+from protocol import keys
 from tests.api.conftest import Workflows, assert_openai_error
 from workflows.inputs import JournalRequestInput, ReconcileInput
 
@@ -200,7 +201,7 @@ async def test_the_unused_reservation_is_refunded_when_the_request_settles(harne
     [record] = harness.workflows.started
     assert (record.reserved_input, record.reserved_output, record.holder) == (PROMPT_TOKENS, 50,
                                                                                 harness.admission.holder)
-    assert await ledger_rows(db, ledger.request_subject(record.request_id)) == [
+    assert await ledger_rows(db, keys.request(record.request_id)) == [
         ("reserve", "default", PROMPT_TOKENS, 50), ("settle", "default", PROMPT_TOKENS, 4),
         ("refund", "default", 0, 46)]
 

@@ -15,11 +15,11 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.batch import BatchActivities
-from api.batches import workflow_id
 from journal import batches as jb
 from journal.leases import acquire
-from journal.objects import ObjectStore
+from protocol import keys
 from protocol.requests import Limits
+from storage.objects import ObjectStore
 from tests.api.conftest import assert_openai_error
 from workflows.inputs import BatchOutcome, FinalizeInput, ValidateInput
 
@@ -55,7 +55,7 @@ async def _finalize(acts, batch_id: str, outcome: BatchOutcome) -> str:
 async def _settle(db, batch_id: str, idx: int, ok: bool = True) -> None:
     body = {"object": "chat.completion"} if ok else {"error": {"message": "no", "code": "x"}}
     async with db.begin() as conn:
-        fence = await acquire(conn, jb.item_stream(batch_id, idx), "test")
+        fence = await acquire(conn, keys.item(batch_id, idx), "test")
     ev = (jb.item_completed_event(batch_id, idx, "default", body, fence=fence) if ok
           else jb.item_failed_event(batch_id, idx, "default", 400, body, fence=fence))
     async with db.begin() as conn:
@@ -96,7 +96,7 @@ async def test_cancelled_before_validation_twice_and_after_the_workflow_closed(t
     batch_id = await _create(api)
     await _cancel(api, batch_id, "cancelling")
     await _cancel(api, batch_id, "cancelling")  # idempotent: re-signals
-    await temporal_client.get_workflow_handle(workflow_id(batch_id)).terminate("test: the workflow is gone")
+    await temporal_client.get_workflow_handle(keys.batch(batch_id)).terminate("test: the workflow is gone")
     await _cancel(api, batch_id, "cancelling")  # a signal to a closed workflow is no error
 
     await _validate(acts, batch_id)  # the file is good, but the batch stays cancelling

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from journal import finetunes as fj
 from journal.events import append
 from journal.leases import acquire
+from protocol import keys
 
 LINES = "".join(json.dumps(dict(messages=[dict(role="user", content=f"q{i}"), dict(role="assistant", content="a")]))
                 + "\n" for i in range(10)).encode()
@@ -96,12 +97,12 @@ async def test_pause_resume_and_cancel_follow_the_status(client, db):
 async def test_events_and_checkpoints_list_what_the_journal_holds_newest_first(client, db):
     job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=await upload(client))
     async with db.begin() as c:
-        fence = await acquire(c, fj.stream(job.id), "test")
+        fence = await acquire(c, keys.ftjob(job.id), "test")
     async with db.begin() as c:
         await append(c, [
-            fj.checkpoint_event(job.id, "default", 2, fj.checkpoint_key(job.id, 2), "a" * 64, [2.0, 1.5], fence),
+            fj.checkpoint_event(job.id, "default", 2, keys.checkpoint(job.id, 2), "a" * 64, [2.0, 1.5], fence),
             fj.job_event(job.id, "default", "step:2", "Step 2/4: training loss=1.5000"),
-            fj.checkpoint_event(job.id, "default", 4, fj.checkpoint_key(job.id, 4), "b" * 64, [1.2, 1.0], fence),
+            fj.checkpoint_event(job.id, "default", 4, keys.checkpoint(job.id, 4), "b" * 64, [1.2, 1.0], fence),
             fj.job_event(job.id, "default", "step:4", "Step 4/4: training loss=1.0000"),
         ])
     events = [e async for e in client.fine_tuning.jobs.list_events(job.id)]

@@ -10,7 +10,8 @@ import uuid
 from dataclasses import replace
 
 from api.placer import HEAD_CHARS_PER_TOKEN, Placer
-from ballast.settings import Settings
+from config import Settings
+from engine.requests import Sampling
 from policy.placement import EngineView
 from policy.prefix import MAX_BLOCKS, block_hashes
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Message
@@ -80,7 +81,7 @@ async def test_the_predicted_shared_blocks_are_vllms_own_prefix_cache_hits(tiny_
 
 async def generate(engine, req: GenerationRequest) -> None:
     ids = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])
-    async for _ in engine.generate(f"placer-{uuid.uuid4().hex}", ids, max_tokens=1, temperature=0.0):
+    async for _ in engine.generate(f"placer-{uuid.uuid4().hex}", ids, Sampling(1, temperature=0.0)):
         pass
 
 

@@ -38,7 +38,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api.app import create_app
-from ballast.settings import Settings
+from config import Settings
 from protocol import requests as rules
 from protocol import schema as documented
 from tests.api.conftest import build

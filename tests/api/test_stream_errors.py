@@ -21,10 +21,10 @@ from pydantic import SecretStr
 from api import interactive
 from api.app import create_app
 from api.deps import Services
-from ballast.settings import Settings
-from journal.objects import ObjectStore
+from config import Settings
 from journal.tenants import Principal
 from policy.placement import EngineView
+from storage.objects import ObjectStore
 from tests.api.conftest import BARE_KEY, Untouchable, Workflows, assert_openai_error, known_keys
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

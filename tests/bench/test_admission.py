@@ -1,5 +1,5 @@
 """bench/admission.py's judgement on a hand-made ledger and client record: overshoot per
-window, README's bound, refusals below quota, the staleness the ledger proves, and the
+window, the bound of docs/quotas-and-audit.md, refusals below quota, the staleness the ledger proves, and the
 client's accepted ids against the reserve rows."""
 
 from bench.admission import Reply, judge, most_within, proven_staleness
@@ -37,7 +37,7 @@ def test_judge_counts_overshoot_refusals_below_quota_and_the_ledger_against_the_
     ]
     f = judge(limit, 2, 3.2, replies, reserves, set(), per_minute)
     assert f["overshoot"] == 2 and f["per_window"] == [5] and f["per_window_client"] == [5]
-    # README: (P − 1) × min(L, most one process admitted within S): A's 3 within 3.2 s? 1.0, 2.0 → 2
+    # docs/quotas-and-audit.md: (P − 1) × min(L, most one process admitted within S): A's 3 within 3.2 s? 1.0, 2.0 → 2
     assert f["peak_per_process_in_s"] == 2 and f["bound"] == 1 * min(3, 2)
     assert f["wrongly_refused"] == 1 and f["refusals_across_a_minute"] == 1 and f["refused"] == 3
     assert f["other_answers"] == {"502": 1}

@@ -12,7 +12,8 @@ import uuid
 import httpx
 import pytest
 
-from journal.batches import item_stream
+from engine.requests import Sampling
+from protocol import keys
 from tests.e2e.conftest import UPLOAD_LIMIT
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +58,8 @@ async def greedy(engine, content: str, max_tokens: int, ignore_eos: bool = False
                                                add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
     text: list[str] = []
-    async for step in engine.generate(f"ref-{uuid.uuid4().hex}", ids, max_tokens=max_tokens, temperature=0.0,
-                                      ignore_eos=ignore_eos, detokenize=True):
+    async for step in engine.generate(f"ref-{uuid.uuid4().hex}", ids,
+                                      Sampling(max_tokens, temperature=0.0, ignore_eos=ignore_eos), detokenize=True):
         text.append(step.text)
     return "".join(text)
 
@@ -248,7 +249,7 @@ def test_cancel_mid_run_keeps_the_items_already_done(client, stack, gate, db_url
     # Every long item in flight is mid-run, a fact. (A workflow run has at most
     # BALLAST_BATCH_ITEMS_PER_RUN items in flight; the rest would start after continue-as-new.)
     in_flight = int(stack.env["BALLAST_BATCH_ITEMS_PER_RUN"])
-    longs = {item_stream(batch.id, i): held_at for i in range(4, in_flight)}
+    longs = {keys.item(batch.id, i): held_at for i in range(4, in_flight)}
     stack.wait_held(longs)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
@@ -264,7 +265,7 @@ def test_cancel_mid_run_keeps_the_items_already_done(client, stack, gate, db_url
     flushed = _sql(db_url, """SELECT stream, sum(jsonb_array_length(payload->'token_ids')) FROM events
                               WHERE type = 'item_chunk' AND stream LIKE %(s)s GROUP BY stream""",
                    s=f"item:{batch.id}:%")
-    assert {s: n for s, n in flushed if s not in {item_stream(batch.id, i) for i in range(4)}} == longs
+    assert {s: n for s, n in flushed if s not in {keys.item(batch.id, i) for i in range(4)}} == longs
     with pytest.raises(Exception, match="Cannot cancel"):
         client.batches.cancel(batch.id)
 
@@ -272,7 +273,7 @@ def test_cancel_mid_run_keeps_the_items_already_done(client, stack, gate, db_url
 def _sql(url: str, sql: str, **params):
     import psycopg
 
-    from journal.db import libpq_url
+    from config.database import libpq_url
 
     with psycopg.connect(libpq_url(url)) as conn:
         return [tuple(r) for r in conn.execute(sql, params).fetchall()]

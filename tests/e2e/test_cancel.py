@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from journal.batches import item_stream
+from protocol import keys
 from tests.e2e.test_batch import chat_line, read_jsonl, submit, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ def test_cancel_twice_mid_run(client, stack, gate):
     lines += [chat_line(f"long-{i}", f"long {i}", 200, ignore_eos=True) for i in range(2)]
     batch = submit(client, lines)
     wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 2, timeout=120)
-    stack.wait_held({item_stream(batch.id, i): 10 for i in (2, 3)})
+    stack.wait_held({keys.item(batch.id, i): 10 for i in (2, 3)})
     assert cancel(client, batch.id) in ("cancelling", "cancelled")
     assert cancel(client, batch.id) in ("cancelling", "cancelled", "refused: cancelled")
     done = wait_for(client, batch.id, timeout=120)

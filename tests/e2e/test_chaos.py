@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from ballast.settings import Settings
 from bench import chaos
+from config import Settings
 from journal.invariants import report
 
 pytestmark = pytest.mark.e2e

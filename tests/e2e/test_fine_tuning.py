@@ -31,8 +31,8 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from engine.training import Hyper, Trainer, encode_chat
-from journal import finetunes as fj
+from protocol import keys
+from training.trainer import Hyper, Trainer, encode_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +58,7 @@ def tuned(stack, tiny_model):
                                          hyperparameters=dict(n_epochs=2, batch_size=4, learning_rate_multiplier=10))
     done = wait_final(client, job.id)
     assert done.status == "succeeded", done.error
-    with open(stack.root / "objects" / fj.adapter_prefix(job.id) / "adapter_model.safetensors", "rb") as f:
+    with open(stack.root / "objects" / keys.adapter(job.id) / "adapter_model.safetensors", "rb") as f:
         return done, load(f.read())
 
 
@@ -140,7 +140,7 @@ def test_the_fine_tuned_model_serves_chats_and_batches_with_its_adapter(client, 
     expected = merged_greedy(tiny_model, adapter, messages, 8)
     assert tuned_answer.choices[0].message.content == expected
     # … and what vLLM answers with the adapter the job wrote loaded directly.
-    adapter_dir = stack.root / "objects" / fj.adapter_prefix(done.id)
+    adapter_dir = stack.root / "objects" / keys.adapter(done.id)
     assert vllm_with_adapter(tiny_model, adapter_dir, messages, 8, tmp_path) == expected
     assert base_answer.choices[0].message.content == merged_greedy(tiny_model, None, messages, 8) != expected
 
@@ -214,7 +214,7 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     here = Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=4, learning_rate=1e-3, seed=11),
                    tok.eos_token_id)
     here.run(steps)
-    with open(stack.root / "objects" / fj.adapter_prefix(job.id) / "adapter_model.safetensors", "rb") as f:
+    with open(stack.root / "objects" / keys.adapter(job.id) / "adapter_model.safetensors", "rb") as f:
         served = load(f.read())
     mine = here.weights()
     assert served.keys() == mine.keys() and all(torch.equal(served[k], mine[k]) for k in mine)
@@ -246,7 +246,7 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
 
     def saved(job_id: str) -> int:
         with psycopg.connect(db_url) as conn:
-            (step,) = conn.execute(steps, (fj.stream(job_id),)).fetchall()[0]
+            (step,) = conn.execute(steps, (keys.ftjob(job_id),)).fetchall()[0]
         return step
 
     def until(job_id: str, status: str) -> None:
@@ -267,7 +267,7 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
     assert 0 < held < 500  # it checkpointed when paused, mid-run
     time.sleep(2)
     assert saved(jobs[0].id) == held  # nothing trains while paused
-    newest = stack.root / "objects" / fj.checkpoint_key(jobs[0].id, held)
+    newest = stack.root / "objects" / keys.checkpoint(jobs[0].id, held)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -282,7 +282,7 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
     whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in CHATS],
                     Hyper(n_epochs=50, batch_size=1, learning_rate=1e-3, seed=1), tok.eos_token_id)
     whole.run(500)
-    with open(stack.root / "objects" / fj.adapter_prefix(jobs[0].id) / "adapter_model.safetensors", "rb") as f:
+    with open(stack.root / "objects" / keys.adapter(jobs[0].id) / "adapter_model.safetensors", "rb") as f:
         served = load(f.read())
     assert all(torch.equal(served[k], v) for k, v in whole.weights().items())
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from journal.batches import item_stream
+from protocol import keys
 from tests.e2e.conftest import WAIT_S, own_stack
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 from tests.e2e.test_interactive import Surges
@@ -75,7 +75,7 @@ def preempted_offsets(db_url: str, batch_id: str) -> dict[str, list[int]]:
 def polling(db_url: str):
     import psycopg
 
-    from journal.db import libpq_url
+    from config.database import libpq_url
 
     return psycopg.connect(libpq_url(db_url), autocommit=True)
 
@@ -128,7 +128,7 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
     try:
         stack.gate.hold(0)  # nothing of the batch gets ahead of the offsets chosen for it
         client, batch = await long_batch(stack, "p", prompts)
-        items = [item_stream(batch.id, i) for i in range(n)]
+        items = [keys.item(batch.id, i) for i in range(n)]
         chosen = {it: sorted(rng.sample(range(1, LENGTH), k)) for it in items}
         for r in range(k):
             budgets = {it: offsets[r] for it, offsets in chosen.items()}
@@ -170,7 +170,7 @@ async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_c
         stack.gate.hold(held_at)
         client, batch = await long_batch(stack, "f", prompts)
         like = f"item:{batch.id}:%"
-        await asyncio.to_thread(stack.wait_held, {item_stream(batch.id, i): held_at for i in range(n)})
+        await asyncio.to_thread(stack.wait_held, {keys.item(batch.id, i): held_at for i in range(n)})
         with Surges(stack, gaps=(0.8, 1.2), burst=8, max_tokens=64) as surges:
             await journaled(db_url, "SELECT count(*) FROM events WHERE stream = 'fleet:ballast-tiny'",
                             lambda got: got > 0, "no surge")
@@ -223,7 +223,7 @@ async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
     try:
         stack.gate.hold(0)
         client, batch = await long_batch(stack, "x", prompts)
-        budgets = {item_stream(batch.id, i): rng.randrange(1, LENGTH) for i in range(n)}
+        budgets = {keys.item(batch.id, i): rng.randrange(1, LENGTH) for i in range(n)}
         stack.gate.hold(budgets)
         await asyncio.to_thread(stack.wait_held, budgets)
         victim = stack.engine

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from ballast import procs
-from journal.db import libpq_url
+from config.database import libpq_url
 from tests.e2e.conftest import Gate
 from tests.e2e.test_batch import chat_line, greedy
 from tests.e2e.test_up import start_up, up_env, wait_healthy

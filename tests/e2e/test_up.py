@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from ballast import procs
-from journal.db import SERVICE_ROLE, libpq_url
+from config.database import SERVICE_ROLE, libpq_url
 
 pytestmark = pytest.mark.e2e
 

@@ -1,11 +1,11 @@
-"""`ballast verify` and README's audit queries on a journal that real work wrote: a batch
+"""`ballast verify` and the audit queries of docs/quotas-and-audit.md on a journal that real work wrote: a batch
 (some of its text holding NUL, some lines with stop strings, one line that cannot run), chats
 (streamed, not, one the client left mid-stream) and a completion, and a fine-tuning job that
 checkpointed three times, on a stack and database of their own.
 
 At rest, every invariant holds and every one examined rows (the training one included, and
 with the model's tokenizer each item's prompt re-tokenized); the CLI says so and exits 0.
-README's audit queries run as written, as its auditor login inside a tenant's transaction:
+The doc's audit queries run as written, as its auditor login inside a tenant's transaction:
 those that list problems return none, the others return rows."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from journal.db import as_role, libpq_url
+from config.database import as_role, libpq_url
 from journal.invariants import CHECKS, RETOKENIZED, audit, passed, report
 from tests.e2e.conftest import WAIT_S, own_stack
 from tests.e2e.test_batch import chat_line, submit, wait_for
@@ -31,7 +31,7 @@ from tests.e2e.test_fine_tuning import CHATS, wait_final
 
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+AUDIT_DOC = Path(__file__).resolve().parents[2] / "docs" / "quotas-and-audit.md"
 # Prompts whose greedy answer on the tiny model holds a NUL within 48 tokens (found with
 # transformers), among others: Postgres's JSON functions refuse such text.
 PROMPTS = [f"Request {i}: tell me about things" for i in range(24)]
@@ -95,8 +95,8 @@ def test_verify_passes_and_every_check_examined_rows(books, tiny_model):
 
 
 def _audit_queries() -> list[tuple[str, str]]:
-    """README's audit section: each SQL block with the paragraph before it."""
-    section = README.read_text().split("## Auditing quota usage in SQL", 1)[1].split("\n## ", 1)[0]
+    """The audit section of docs/quotas-and-audit.md: each SQL block with the paragraph before it."""
+    section = AUDIT_DOC.read_text().split("## Auditing quota usage in SQL", 1)[1].split("\n## ", 1)[0]
     out, after = [], 0
     for m in re.finditer(r"```sql\n(.*?)```", section, re.S):
         out.append((section[after:m.start()].strip().split("\n\n")[-1], m.group(1)))
@@ -104,7 +104,7 @@ def _audit_queries() -> list[tuple[str, str]]:
     return out
 
 
-def test_readme_audit_queries_run_as_written_on_real_data(books):
+def test_documented_audit_queries_run_as_written_on_real_data(books):
     _, url = books
     with psycopg.connect(libpq_url(url), autocommit=True) as owner:
         # Some of the batch's text holds NUL: what JSON casts of the response refuse.
@@ -118,7 +118,7 @@ def test_readme_audit_queries_run_as_written_on_real_data(books):
         with psycopg.connect(libpq_url(as_role(url, login, password))) as auditor:
             for before, sql in queries:
                 assert "…" not in sql and not re.search(r"<\w+>", sql), sql  # runnable as written: no placeholder
-                with auditor.transaction():  # as README says: the tenant set for this transaction only
+                with auditor.transaction():  # as the doc says: the tenant set for this transaction only
                     auditor.execute("SELECT set_config('ballast.tenant', 'default', true)")
                     rows = auditor.execute(sql).fetchall()
                 if "expect no rows" in before:

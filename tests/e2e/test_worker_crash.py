@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import load
 
 from ballast import procs
-from journal import finetunes as fj
-from journal.batches import item_stream
+from protocol import keys
 from tests.e2e.conftest import WAIT_S
 from tests.e2e.test_batch import TOPICS, _sql, chat_line, greedy, read_jsonl, submit, wait_for
 
@@ -39,7 +38,7 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     # most BALLAST_BATCH_ITEMS_PER_RUN items in flight; the rest start after continue-as-new.)
     in_flight = min(n, int(stack.env["BALLAST_BATCH_ITEMS_PER_RUN"]))
     rng = random.Random(24)
-    budgets = {item_stream(batch.id, i): rng.randrange(40, 200) for i in range(n)}
+    budgets = {keys.item(batch.id, i): rng.randrange(40, 200) for i in range(n)}
     gate.hold(budgets)
     await asyncio.to_thread(stack.wait_held, {it: budgets[it] for it in list(budgets)[:in_flight]})
     deadline = time.monotonic() + WAIT_S
@@ -83,8 +82,8 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
     from temporalio.client import Client
     from transformers import AutoTokenizer
 
-    from engine.training import Hyper, Trainer, encode_chat
     from tests.e2e.test_fine_tuning import wait_final
+    from training.trainer import Hyper, Trainer, encode_chat
 
     chats = [[dict(role="user", content=f"Colour {i}?"),
               dict(role="assistant", content=random.Random(i).choice(["red", "green", "blue"]))] for i in range(40)]
@@ -95,7 +94,7 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
     job = client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, seed=seed,
                                          hyperparameters=dict(n_epochs=epochs, batch_size=2))
     steps = "SELECT (payload->>'step')::int FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' ORDER BY 1"
-    stream = fj.stream(job.id)
+    stream = keys.ftjob(job.id)
 
     def on_engine() -> bool:
         return f"ft:{job.id}" in stack.stats()["holds"]
@@ -160,7 +159,7 @@ async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one
     curve = [x for (p,) in _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s AND type = 'ft_checkpoint' "
                                         "ORDER BY (payload->>'step')::int", s=stream) for x in p["losses"]]
     assert curve == whole.losses
-    with open(stack.root / "objects" / fj.adapter_prefix(job.id) / "adapter_model.safetensors", "rb") as f:
+    with open(stack.root / "objects" / keys.adapter(job.id) / "adapter_model.safetensors", "rb") as f:
         served = load(f.read())
     mine = whole.weights()
     assert served.keys() == mine.keys() and all(torch.equal(served[k], mine[k]) for k in mine)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.requests import Sampling
 from engine.tiny import build_tiny_model
 from engine.vllm_engine import Engine, Step
 
@@ -84,11 +85,14 @@ def _rid() -> str:
 
 
 async def _run(
-    engine: Engine, prompt: list[int], max_tokens: int, **kw
+    engine: Engine, prompt: list[int], max_tokens: int, priority: int = 0, **sampling
 ) -> tuple[list[int], str | None]:
     tokens: list[int] = []
     reason = None
-    async for step in engine.generate(_rid(), prompt, max_tokens=max_tokens, **kw):
+    if "stop" in sampling:
+        sampling["stop"] = tuple(sampling["stop"])
+    async for step in engine.generate(_rid(), prompt, Sampling(max_tokens, temperature=0.0, **sampling),
+                                      priority=priority):
         assert isinstance(step, Step) and reason is None  # nothing after the final step
         tokens += step.token_ids
         reason = step.finish_reason
@@ -136,7 +140,7 @@ async def test_abort_and_resume_continues_exactly(engine, k):
     reference, _ = await _run(engine, prompt, n)
 
     rid, produced, last = _rid(), [], None
-    async for step in engine.generate(rid, prompt, max_tokens=n):
+    async for step in engine.generate(rid, prompt, Sampling(n, temperature=0.0)):
         produced += step.token_ids
         last = step
         if len(produced) >= k and step.finish_reason is None:
@@ -156,7 +160,7 @@ async def test_abort_and_resume_continues_exactly(engine, k):
 
 @pytest.mark.engine
 async def test_cancelling_the_iterator_aborts(engine):
-    gen = engine.generate(_rid(), engine.render_text("cancel me"), max_tokens=500)
+    gen = engine.generate(_rid(), engine.render_text("cancel me"), Sampling(500, temperature=0.0))
     first = await anext(gen)
     assert first.token_ids and first.finish_reason is None
     await gen.aclose()  # vLLM aborts the request; the engine stays healthy

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from ballast.settings import Settings
+from config import Settings
 from engine.gate import GatedEngine
+from engine.requests import Sampling
 from engine.vllm_engine import Step
-from policy.preemption import TIERS
+from protocol.tiers import RANK
 
 pytestmark = pytest.mark.engine
 
-BATCH = TIERS["batch"]
+BATCH = RANK["batch"]
 
 
 def write(path: Path, budget) -> None:
@@ -37,8 +38,8 @@ class Run:
         self.task = asyncio.create_task(self._run(gate, prompt, max_tokens, priority, item, resumed_from))
 
     async def _run(self, gate, prompt, max_tokens, priority, item, resumed_from) -> None:
-        async for step in gate.generate(self.request_id, prompt, max_tokens=max_tokens, temperature=0.0,
-                                        ignore_eos=True, priority=priority, item=item, resumed_from=resumed_from):
+        async for step in gate.generate(self.request_id, prompt, Sampling(max_tokens, temperature=0.0, ignore_eos=True),
+                                        priority=priority, item=item, resumed_from=resumed_from):
             self.steps.append(step)
 
     @property
@@ -64,8 +65,7 @@ def held(gate: GatedEngine, item: str, tokens: int) -> bool:
 
 async def reference(engine, prompt: list[int], n: int) -> list[int]:
     out: list[int] = []
-    async for step in engine.generate(f"ref-{uuid.uuid4().hex}", prompt, max_tokens=n, temperature=0.0,
-                                      ignore_eos=True):
+    async for step in engine.generate(f"ref-{uuid.uuid4().hex}", prompt, Sampling(n, temperature=0.0, ignore_eos=True)):
         out += step.token_ids
     return out
 
@@ -137,7 +137,7 @@ async def test_aborted_before_it_began_and_held_from_the_start_ends_at_once(engi
     write(control, {"default": 20})
     run_id = f"gate-{uuid.uuid4().hex}"
     await gate.abort(run_id)  # an interactive request arrived between the batch slot and the engine
-    steps = [s async for s in gate.generate(run_id, prompt, max_tokens=40, temperature=0.0, ignore_eos=True,
+    steps = [s async for s in gate.generate(run_id, prompt, Sampling(40, temperature=0.0, ignore_eos=True),
                                             priority=BATCH, item="item:b:4", resumed_from=20)]
     assert steps == [Step([], "abort")]
 
@@ -145,7 +145,7 @@ async def test_aborted_before_it_began_and_held_from_the_start_ends_at_once(engi
 async def test_interactive_requests_are_never_held(engine, gate, control):
     prompt = engine.render_text("chat is never held")
     write(control, 0)
-    chat = Run(gate, prompt, 24, priority=TIERS["priority"])
+    chat = Run(gate, prompt, 24, priority=RANK["priority"])
     await asyncio.wait_for(chat.task, 60)
     assert len(chat.tokens) == 24 and chat.reason == "length"
     batch = Run(gate, prompt, 24, item="item:b:6")  # while a batch item is held at nothing

@@ -35,7 +35,7 @@ class FakeEngine:
     def __init__(self):
         self.generated: list[str] = []
 
-    async def generate(self, request_id: str, prompt: list[int], **_):
+    async def generate(self, request_id: str, prompt: list[int], sampling, **_):
         self.generated.append(request_id)
         yield _Step([7], None, "a")
         yield _Step([8], "length", "b")

@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 
+from engine.requests import Sampling
 from engine.text import _check_stop_strings, completion_text, detokenize
 from engine.vllm_engine import Engine
 
@@ -24,10 +25,12 @@ TOPICS = ["cats", "the sea", "Zürich", "привет", "日本語テキスト",
 N = 64  # tokens of each reference generation
 
 
-async def run(engine: Engine, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], str, str | None]:
+async def run(engine: Engine, prompt: list[int], max_tokens: int,
+              stop: list[str] | None = None) -> tuple[list[int], str, str | None]:
     """Tokens, vLLM's text (its deltas joined) and finish reason of one greedy request."""
     tokens, text, reason = [], "", None
-    async for step in engine.generate(uuid.uuid4().hex, prompt, max_tokens=max_tokens, detokenize=True, **kw):
+    sampling = Sampling(max_tokens, temperature=0.0, stop=tuple(stop or ()))
+    async for step in engine.generate(uuid.uuid4().hex, prompt, sampling, detokenize=True):
         tokens += step.token_ids
         text += step.text
         reason = step.finish_reason

@@ -2,6 +2,7 @@
 everyone else's checkpoints in the same commit are written."""
 
 import asyncio
+import time
 
 import psycopg
 from sqlalchemy.exc import OperationalError
@@ -158,11 +159,15 @@ async def test_a_crash_loses_at_most_one_interval_and_one_commit_of_tokens(db):
     gen = Producer("item:cp:bound", await lease(db, "item:cp:bound"))
     commits: list[float] = []
     lags = []
+    took = 0.0
 
     async def produce():
+        nonlocal took
+        t0 = time.monotonic()
         for t in range(600):
             gen.tokens.append(t)
             await asyncio.sleep(every)
+        took = time.monotonic() - t0  # 3 s, or longer where the machine is busy
 
     async def journaled() -> int:
         async with db.connect() as c:
@@ -182,4 +187,4 @@ async def test_a_crash_loses_at_most_one_interval_and_one_commit_of_tokens(db):
     slowest = max(commits)
     bound = (interval + slowest) / every + 10  # 10 tokens of scheduling slack on a busy machine
     assert max(lag for lag, _ in lags) <= bound, (lags, slowest)
-    assert len(commits) <= 600 * every / interval + 3  # on the cadence, not per token
+    assert len(commits) <= took / interval + 3  # on the cadence, not per token (600 here)

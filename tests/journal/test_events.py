@@ -5,9 +5,9 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from journal import events as j
+from journal.events import rebuild
 from journal.leases import acquire
 from journal.migrate import upgrade
-from journal.projections import rebuild
 from journal.schema import batch_items, batches, files
 
 

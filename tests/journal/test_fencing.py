@@ -7,7 +7,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from journal.db import libpq_url
+from config.database import libpq_url
 from journal.events import NewEvent, StaleAttempt, Unfenced, append, read_stream
 from journal.leases import acquire, acquire_many
 

@@ -17,10 +17,12 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ballast import pg
+from config.database import SERVICE_ROLE, as_role
 from journal import ledger
-from journal.db import SERVICE_ROLE, as_role, connect
+from journal.db import connect
 from journal.ledger import Entry
 from journal.migrate import upgrade
+from protocol import keys
 
 # The oracle: the fold's query before it was incremental (journal/ledger.py, _STANDING and
 # _FOLD_INSERT as they were), verbatim but for its INSERT, narrowed to some tenants, and
@@ -111,7 +113,7 @@ class World:
         rng = self.rng
         tier = rng.choice(TIERS)
         batch = tier == "batch"
-        subject = ledger.batch_subject(uid("b")) if batch else ledger.request_subject(uid("r"))
+        subject = keys.batch(uid("b")) if batch else keys.request(uid("r"))
         at = clock + timedelta(seconds=rng.choice(OFFSETS_S) + rng.uniform(-8, 8))
         return Entry(ledger.RESERVE, subject, rng.choice(self.tenants), rng.choice(MODELS), tier,
                      rng.randint(0, 400), rng.randint(0, 400), None if batch else rng.choice(self.holders), at)
@@ -205,7 +207,7 @@ async def test_a_reservation_committed_after_a_later_one_is_folded(db):
     position behind rows already folded: the fold still reads it, at the first tick that
     sees it committed."""
     t = uid("t")
-    first, second = ledger.request_subject(uid("r")), ledger.request_subject(uid("r"))
+    first, second = keys.request(uid("r")), keys.request(uid("r"))
     await alive(db, "h-late")
     conn = await db.connect()
     tx = await conn.begin()
@@ -251,13 +253,13 @@ async def test_what_the_folding_transaction_writes_after_the_fold_is_folded_next
     t = uid("t")
     await alive(db, "h-after")
     async with db.begin() as c:
-        await ledger.insert(c, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), t, "m", "default", 1, 1,
+        await ledger.insert(c, [Entry(ledger.RESERVE, keys.request(uid("r")), t, "m", "default", 1, 1,
                                       "h-after")])  # its transaction id is drawn here
         async with db.begin() as other:  # a later id, ended before the fold's snapshot
-            await ledger.insert(other, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), uid("t"), "m",
+            await ledger.insert(other, [Entry(ledger.RESERVE, keys.request(uid("r")), uid("t"), "m",
                                               "default", 1, 1, "h-after")])
         await ledger.fold(c)
-        await ledger.insert(c, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), t, "m", "default", 3, 4,
+        await ledger.insert(c, [Entry(ledger.RESERVE, keys.request(uid("r")), t, "m", "default", 3, 4,
                                       "h-after")])
     async with db.begin() as c:
         await ledger.fold(c)
@@ -286,7 +288,7 @@ async def test_a_reservation_committed_while_a_fold_runs_is_folded_next(db):
     conn = await db.connect()
     tx = await conn.begin()
     try:
-        await ledger.insert(conn, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), t, "m", "default", 5, 6,
+        await ledger.insert(conn, [Entry(ledger.RESERVE, keys.request(uid("r")), t, "m", "default", 5, 6,
                                          "h-during")])
         async with db.begin() as c:
             await ledger.fold(c)  # a tick (not the first: it reads since a snapshot)
@@ -303,7 +305,7 @@ async def test_a_holder_that_dies_after_its_reservations_were_folded_has_them_ex
     """Reservations open as the last tick left them (not written since) are expiry's
     candidates too."""
     t, holder = uid("t"), uid("h-dies")
-    subjects = [ledger.request_subject(uid("r")) for _ in range(2)]
+    subjects = [keys.request(uid("r")) for _ in range(2)]
     async with db.begin() as c:
         await ledger.seen(c, holder)
         await ledger.insert(c, [Entry(ledger.RESERVE, s, t, "m", "default", 5, 5, holder) for s in subjects])
@@ -342,7 +344,7 @@ async def test_the_incremental_fold_crosses_midnight_as_the_full_recomputation(o
     midnight = datetime(2026, 3, 2, tzinfo=UTC)
     clock = midnight - timedelta(minutes=3, seconds=50)
     async with own_db.begin() as c:  # three minutes of the day at least, to prune after midnight
-        await ledger.insert(c, [Entry(ledger.RESERVE, ledger.request_subject(uid("r")), world.tenants[0], "m",
+        await ledger.insert(c, [Entry(ledger.RESERVE, keys.request(uid("r")), world.tenants[0], "m",
                                       "default", 1, 1, "h-a", midnight - timedelta(minutes=m)) for m in (50, 40, 30)])
 
     async def tick() -> int:

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from ballast.cli import main as ballast
-from journal.db import as_role, libpq_url
+from config.database import as_role, libpq_url
 from journal.invariants import CHECKS, audit, examined, passed, report
 from tests.conftest import migrated_database
 

@@ -11,11 +11,12 @@ from sqlalchemy import text
 from temporalio.testing import ActivityEnvironment
 
 from activities.quota import QuotaActivities
+from config.database import libpq_url
 from journal import ledger
-from journal.db import libpq_url
 from journal.events import NewEvent, append
 from journal.leases import acquire_many
 from journal.ledger import Entry
+from protocol import keys
 from workflows.inputs import ReconcileInput
 
 
@@ -35,7 +36,7 @@ async def rows(db, subject: str) -> list[tuple]:
 
 
 async def test_reserve_settle_refund_are_idempotent(db):
-    t, s = uid("t"), ledger.request_subject(uid("r"))
+    t, s = uid("t"), keys.request(uid("r"))
     r = reserve(s, t, 100, 50)
     used = Entry(ledger.SETTLE, s, t, "m", "default", 80, 20, "h-live")
     for _ in range(2):  # a retried flusher, a retried journaling activity
@@ -53,7 +54,7 @@ async def test_the_reservation_in_the_ledger_decides_the_refund(db):
     """The flusher wrote the estimate before the engine's figures were known: the settle
     refunds against what the ledger holds, and the later reserve with other figures is
     no second reservation."""
-    t, s = uid("t"), ledger.request_subject(uid("r"))
+    t, s = uid("t"), keys.request(uid("r"))
     async with db.begin() as c:
         await ledger.insert(c, [reserve(s, t, 40, 200)])
     async with db.begin() as c:
@@ -62,14 +63,14 @@ async def test_the_reservation_in_the_ledger_decides_the_refund(db):
 
 
 async def test_a_settle_without_a_reservation_writes_one_first(db):
-    t, s = uid("t"), ledger.request_subject(uid("r"))
+    t, s = uid("t"), keys.request(uid("r"))
     async with db.begin() as c:
         await ledger.settle(c, Entry(ledger.SETTLE, s, t, "m", "flex", 5, 5), reserve(s, t, 5, 5))
     assert await rows(db, s) == [("reserve", 5, 5), ("settle", 5, 5)]
 
 
 async def test_a_batch_refund_releases_its_reservation_once(db):
-    t, s = uid("t"), ledger.batch_subject(uid("batch"))
+    t, s = uid("t"), keys.batch(uid("batch"))
     async with db.begin() as c:
         await ledger.insert(c, [reserve(s, t, 1000, 500, tier="batch", holder=None)])
         assert await ledger.open_batch_tokens(c, t) == {"m": 1500}
@@ -94,8 +95,8 @@ async def test_an_item_result_settles_the_item_in_its_own_transaction(db):
     for _ in range(2):
         async with db.begin() as c:
             await append(c, [done, failed])
-    assert await rows(db, ledger.item_subject(batch_id, 0)) == [("settle", 7, 9)]
-    assert await rows(db, ledger.item_subject(batch_id, 1)) == [("settle", 0, 0)]
+    assert await rows(db, keys.item(batch_id, 0)) == [("settle", 7, 9)]
+    assert await rows(db, keys.item(batch_id, 1)) == [("settle", 0, 0)]
 
 
 @pytest.mark.parametrize("sql", ["UPDATE ledger SET input_tokens = 0", "DELETE FROM ledger", "TRUNCATE ledger"])
@@ -155,7 +156,7 @@ async def test_the_fold_agrees_with_an_independent_query(db):
         now = (await c.execute(text("SELECT now()"))).scalar_one()
     earlier = now - timedelta(minutes=3)  # today (most likely), but in no minute the fold keeps
     yesterday = now - timedelta(days=1, minutes=5)
-    subjects = [ledger.request_subject(uid("r")) for _ in range(9)]
+    subjects = [keys.request(uid("r")) for _ in range(9)]
     async with db.begin() as c:
         await ledger.seen(c, "h-live")
         await ledger.seen(c, "h-other")
@@ -167,8 +168,8 @@ async def test_the_fold_agrees_with_an_independent_query(db):
             reserve(subjects[4], b, 7, 7, holder="h-live", at=earlier),  # settled, earlier today
             reserve(subjects[5], b, 9, 9, holder="h-live", at=yesterday),  # open since yesterday
             reserve(subjects[6], b, 9, 9, holder="h-live", at=yesterday),  # settled yesterday
-            reserve(ledger.batch_subject(uid("batch")), a, 1000, 2000, tier="batch", holder=None),  # open
-            reserve(ledger.batch_subject(uid("batch")), b, 500, 500, tier="batch", holder=None, at=yesterday),
+            reserve(keys.batch(uid("batch")), a, 1000, 2000, tier="batch", holder=None),  # open
+            reserve(keys.batch(uid("batch")), b, 500, 500, tier="batch", holder=None, at=yesterday),
         ])
         await ledger.settle(c, Entry(ledger.SETTLE, subjects[1], a, "m", "default", 60, 5, "h-live"))
         await ledger.insert(c, [Entry(ledger.REFUND, subjects[2], a, "n", "default", 30, 10, "h-other")])
@@ -200,7 +201,7 @@ async def test_the_fold_agrees_with_an_independent_query(db):
 async def test_a_dead_holders_open_reservations_expire_and_a_late_settle_still_counts(db):
     t = uid("t")
     dead, live = uid("h-dead"), uid("h-live")
-    s_dead, s_done, s_live = (ledger.request_subject(uid("r")) for _ in range(3))
+    s_dead, s_done, s_live = (keys.request(uid("r")) for _ in range(3))
     async with db.begin() as c:
         await ledger.seen(c, dead)
         await ledger.seen(c, live)

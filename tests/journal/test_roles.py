@@ -12,8 +12,8 @@ from alembic import command
 from sqlalchemy import text
 
 from ballast import pg
+from config.database import SERVICE_ROLE, as_role, libpq_url
 from journal import events as j
-from journal.db import SERVICE_ROLE, as_role, libpq_url
 from journal.migrate import alembic_config, upgrade
 
 

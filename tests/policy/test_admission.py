@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ballast.settings import Settings
+from config import Settings
 from policy.admission import (
     ADMIT,
     DAY_S,
@@ -264,11 +264,11 @@ def _simulate(processes: int, flush_s: float, refresh_s: float, limit: int, rate
 @pytest.mark.parametrize("seed", range(2))
 def test_the_declared_bound_holds_on_the_real_flush_and_refresh_schedule(flush_s, refresh_s, processes, rate, seed):
     """On the flush / fold / refresh schedule, simulated: every admission reaches every
-    other process's view within S = 2 × flush + 3 × refresh (README), the window's total
+    other process's view within S = 2 × flush + 3 × refresh (docs/quotas-and-audit.md), the window's total
     never passes L + (P − 1) × min(L, the most one process admitted within S) (one
     process: never L), and nothing is refused while the true total had room."""
     limit = 200
-    stale_s = 2 * flush_s + 3 * refresh_s  # as README states S, by hand
+    stale_s = 2 * flush_s + 3 * refresh_s  # as docs/quotas-and-audit.md states S, by hand
     assert staleness_s(flush_s, refresh_s) == pytest.approx(stale_s)
     assert Settings(admission_flush_s=flush_s, admission_refresh_s=refresh_s).admission_staleness_s == \
         pytest.approx(stale_s)

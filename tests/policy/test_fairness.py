@@ -10,7 +10,7 @@ import pytest
 
 from engine.fairness import FairShare
 from policy import fairness as f
-from policy.preemption import TIERS
+from protocol.tiers import RANK
 
 
 def test_charge_weights_tokens_and_divides_by_weight():
@@ -57,15 +57,15 @@ def test_pick_prefers_tier_then_least_counter_then_arrival():
 
 @pytest.mark.parametrize("span", [1, 4, 16])
 def test_every_tier_precedes_the_next_for_any_rank_and_batch_stays_last(span):
-    order = sorted(TIERS, key=TIERS.__getitem__)  # priority, default, flex, batch
+    order = sorted(RANK, key=RANK.__getitem__)  # priority, default, flex, batch
     ranks = [0, 1, span - 1, span, 10**9]
     for hi, lo in zip(order, order[1:], strict=False):
         assert max(f.engine_priority(hi, r, span) for r in ranks) < min(f.engine_priority(lo, r, span) for r in ranks)
     for tier in order[:-1]:
         got = [f.engine_priority(tier, r, span) for r in range(span + 2)]
         assert got == sorted(got) and len(set(got)) == min(span, len(got))
-        assert all(p != TIERS["batch"] for p in got)
-    assert {f.engine_priority("batch", r, span) for r in ranks} == {TIERS["batch"]}
+        assert all(p != RANK["batch"] for p in got)
+    assert {f.engine_priority("batch", r, span) for r in ranks} == {RANK["batch"]}
 
 
 def _serve(sizes: dict[str, tuple[int, int]], slots: int, steps: int, seed: int) -> tuple[float, float]:
@@ -167,7 +167,7 @@ def test_shell_tier_precedes_fair_share_and_cancelled_waiters_give_their_turn_ba
         order: list[tuple[str, str]] = []
 
         async def request(tenant: str, tier: str, wait: asyncio.Event | None = None):
-            async with share.turn(tenant, tier, 1, 1, TIERS[tier]) as turn:
+            async with share.turn(tenant, tier, 1, 1, RANK[tier]) as turn:
                 order.append((tenant, tier))
                 assert turn.priority == f.engine_priority(tier, 0) or tier == "default"
                 if wait is not None:
@@ -322,7 +322,7 @@ def test_shell_flex_gets_its_floor_back_after_waiting_starve_after_s():
         async def request(tier: str):
             gate = asyncio.Event()
             releases.append(gate)
-            async with share.turn("t", tier, 1, 1, TIERS[tier]):
+            async with share.turn("t", tier, 1, 1, RANK[tier]):
                 order.append(tier)
                 await gate.wait()
 

@@ -1,4 +1,4 @@
-"""engine/training.py on the tiny model: a run cut into chunks, each resumed in a fresh
+"""training/trainer.py on the tiny model: a run cut into chunks, each resumed in a fresh
 trainer from the previous chunk's checkpoint bytes, ends with an adapter bitwise equal to
 an uninterrupted run's and the same losses; a corrupted checkpoint is refused by its
 checksum; the saved adapter, merged into the base weights by hand (W + alpha/r · B·A, as
@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from engine.training import CorruptCheckpoint, Example, Hyper, Trainer, encode_chat, encode_prompt_completion
+from training.trainer import CorruptCheckpoint, Example, Hyper, Trainer, encode_chat, encode_prompt_completion
 
 CHATS = [[dict(role="system", content="You answer in one word."), dict(role="user", content=f"Colour {i}?"),
           dict(role="assistant", content=random.Random(i).choice(["red", "green", "blue", "amber"]))]
@@ -243,7 +243,7 @@ class Worker:
     async def base(self) -> torch.nn.Module:
         if self.bases:
             return self.bases.pop()
-        from engine.training import load_base
+        from training.trainer import load_base
 
         base = await asyncio.to_thread(load_base, self.path)
         base.register_forward_pre_hook(lambda *_: self.threads.append(torch.get_num_threads()))
@@ -283,7 +283,7 @@ def test_two_jobs_training_at_once_on_one_worker_end_bitwise_as_each_alone(dropo
     accuracies) holds what the same job's holds trained alone in one go, value for value, and
     every step ran single-threaded. (Trainers that drew from torch's process-wide generator
     fail this: each job's dropout masks came from the other's draws.)"""
-    from engine.training import load_base
+    from training.trainer import load_base
 
     held_out = examples[8:]
     alone = {}
@@ -357,7 +357,7 @@ def test_the_thread_count_stays_one_while_any_trainer_steps():
     takes the count last set in any thread: trainers that each put back their own saw
     the second one in put back 1, and every thread the worker starts later ran on one core.
     With its native backend the count is the process's.)"""
-    from engine.training import single_threaded
+    from training.trainer import single_threaded
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

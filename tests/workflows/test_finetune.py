@@ -32,7 +32,8 @@ from activities.finetune import FineTuneActivities
 from journal import batches as jb
 from journal import finetunes as fj
 from journal.events import append_one
-from journal.objects import ObjectStore
+from protocol import keys
+from storage.objects import ObjectStore
 from workflows.finetune import FineTuneWorkflow
 from workflows.inputs import FineTuneInput
 
@@ -109,12 +110,12 @@ async def sql(db, q: str, **params) -> list[tuple]:
 async def losses(db, job_id: str) -> list[float]:
     """The loss curve, from the journal: every checkpoint's losses in step order."""
     rows = await sql(db, "SELECT payload FROM events WHERE stream = :s AND type = 'ft_checkpoint' "
-                         "ORDER BY (payload->>'step')::int", s=fj.stream(job_id))
+                         "ORDER BY (payload->>'step')::int", s=keys.ftjob(job_id))
     return [x for (p,) in rows for x in p["losses"]]
 
 
 def adapter(store: ObjectStore, job_id: str) -> dict[str, torch.Tensor]:
-    with store.open(f"{fj.adapter_prefix(job_id)}/adapter_model.safetensors") as f:
+    with store.open(f"{keys.adapter(job_id)}/adapter_model.safetensors") as f:
         return load(f.read())
 
 
@@ -132,7 +133,7 @@ async def status(db, job_id: str) -> str:
 
 async def steps_done(db, job_id: str) -> int:
     got = await sql(db, "SELECT max((payload->>'step')::int) FROM events WHERE stream = :s AND type = 'ft_checkpoint'",
-                    s=fj.stream(job_id))
+                    s=keys.ftjob(job_id))
     return got[0][0] or 0
 
 
@@ -168,7 +169,7 @@ async def test_chunks_killed_and_paused_end_bitwise_equal_to_one_uninterrupted_r
     assert any(float(t.abs().sum()) > 0 for k, t in a.items() if "lora_B" in k)  # it trained (B starts at 0)
     # Every step checkpointed once, in chunks of 2 (the killed chunk's retry wrote step 6 once).
     steps = [s for (s,) in await sql(db, "SELECT (payload->>'step')::int FROM events WHERE stream = :s AND "
-                                         "type = 'ft_checkpoint' ORDER BY position", s=fj.stream(chunked_id))]
+                                         "type = 'ft_checkpoint' ORDER BY position", s=keys.ftjob(chunked_id))]
     assert steps == [2, 4, 6, 8]
     # Each checkpoint's trained tokens settled in the ledger once, retry or not: as the
     # uninterrupted run's in total.
@@ -203,7 +204,7 @@ async def test_a_chunk_trains_past_its_steps_while_its_overhead_is_above_its_sha
         async with w1, w2:
             assert await (await run.start(job_id)).result() == "succeeded"
         return [p for (p,) in await sql(db, "SELECT payload FROM events WHERE stream = :s AND type = 'ft_checkpoint' "
-                                            "ORDER BY position", s=fj.stream(job_id))]
+                                            "ORDER BY position", s=keys.ftjob(job_id))]
 
     exact = await checkpointed(checkpoint_overhead=0)  # off: every chunk its 1 step
     assert [c["step"] for c in exact] == list(range(1, STEPS + 1))
@@ -235,7 +236,7 @@ async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_addr
             await handle.signal(FineTuneWorkflow.pause)
             await wait_until(lambda: _is(db, job_id, "paused"), "paused")
             newest = await steps_done(db, job_id)
-            key = fj.checkpoint_key(job_id, newest)
+            key = keys.checkpoint(job_id, newest)
             with store.open(key) as f:
                 data = bytearray(f.read())
             data[len(data) // 2] ^= 0xFF
@@ -244,7 +245,7 @@ async def test_a_corrupted_checkpoint_falls_back_to_the_one_before(temporal_addr
             await handle.signal(FineTuneWorkflow.resume)
             assert await handle.result() == "succeeded"
     events = [p["message"] for (p,) in await sql(db, "SELECT payload FROM events WHERE stream = :s AND "
-                                                     "type = 'ft_event' ORDER BY position", s=fj.stream(job_id))]
+                                                     "type = 'ft_event' ORDER BY position", s=keys.ftjob(job_id))]
     assert f"The checkpoint at step {newest} fails its checksum; resuming from an earlier one." in events
     a, b = adapter(store, whole_id), adapter(store, job_id)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -263,9 +264,9 @@ async def test_cancel_ends_the_job_with_its_checkpoints_kept(temporal_address, d
         assert await handle.result() == "cancelled"
     assert await status(db, job_id) == "cancelled"
     kept = await sql(db, "SELECT payload->>'object_key' FROM events WHERE stream = :s AND type = 'ft_checkpoint'",
-                     s=fj.stream(job_id))
+                     s=keys.ftjob(job_id))
     assert len(kept) >= 2 and all(store.exists(k) for (k,) in kept)
-    assert not store.exists(f"{fj.adapter_prefix(job_id)}/adapter_model.safetensors")
+    assert not store.exists(f"{keys.adapter(job_id)}/adapter_model.safetensors")
 
 
 async def _is(db, job_id: str, want: str) -> bool:
@@ -309,7 +310,7 @@ async def test_a_chunk_preempted_by_a_chat_resumes_after_it_bitwise_equal(tempor
             assert await handle.result() == "succeeded"
     assert slots.stats.preemptions == 1
     steps = [s for (s,) in await sql(db, "SELECT (payload->>'step')::int FROM events WHERE stream = :s AND "
-                                         "type = 'ft_checkpoint' ORDER BY position", s=fj.stream(job_id))]
+                                         "type = 'ft_checkpoint' ORDER BY position", s=keys.ftjob(job_id))]
     # The chat lands while step 4 runs: the chunk finishes that step, checkpoints, and the
     # next chunk resumes there once the chat has gone.
     assert steps == [4, STEPS]

@@ -13,6 +13,7 @@ from temporalio.worker import Replayer, Worker
 
 from activities.quota import QuotaActivities
 from journal import ledger
+from protocol import keys
 from workflows.inputs import QuotaInput
 from workflows.quota import QuotaReconciler
 
@@ -21,7 +22,7 @@ async def test_the_reconciler_folds_and_expires_across_continue_as_new(temporal_
     client = await Client.connect(temporal_address)
     queue = f"quota-{uuid.uuid4().hex[:8]}"
     tenant, dead = f"t-{uuid.uuid4().hex[:8]}", f"h-dead-{uuid.uuid4().hex[:8]}"
-    subject = ledger.request_subject(uuid.uuid4().hex)
+    subject = keys.request(uuid.uuid4().hex)
     async with db.begin() as c:  # a holder that was never seen: its reservation is an orphan
         await ledger.insert(c, [ledger.Entry(ledger.RESERVE, subject, tenant, "m", "default", 5, 6, dead)])
 

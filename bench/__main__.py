@@ -1,0 +1,131 @@
+"""`python -m bench NAME [options]` (also `ballast bench NAME`, `ballast chaos`): each
+benchmark with its own options, each option meaning one thing. Every run prints its figures
+as JSON; bench/RESULTS.md keeps them with the command that made them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from config import Settings
+
+Run = Callable[[Settings, argparse.Namespace], int]
+
+
+def _batch(s: Settings, a: argparse.Namespace) -> int:
+    from bench.batch import main
+
+    return main(s, requests=a.requests, runs=a.rounds, long_s=a.long_seconds)
+
+
+def _surge(s: Settings, a: argparse.Namespace) -> int:
+    from bench.surge import main
+
+    return main(s, duration_s=a.seconds, arms=a.arms.split(",") if a.arms else None, rounds=a.rounds)
+
+
+def _overhead(s: Settings, a: argparse.Namespace) -> int:
+    from bench.overhead import main
+
+    return main(s, requests=a.requests)
+
+
+def _admission(s: Settings, a: argparse.Namespace) -> int:
+    from bench.admission import main
+
+    return main(s)
+
+
+def _fairness(s: Settings, a: argparse.Namespace) -> int:
+    from bench.fairness import main
+
+    return main(s, seconds=a.seconds)
+
+
+def _placement(s: Settings, a: argparse.Namespace) -> int:
+    from bench.placement import main
+
+    return main(s, seconds=a.seconds)
+
+
+def _grouping(s: Settings, a: argparse.Namespace) -> int:
+    from bench.grouping import main
+
+    return main(s, rounds=a.batches)
+
+
+def _training(s: Settings, a: argparse.Namespace) -> int:
+    from bench.training import main
+
+    return main(s, jobs=a.jobs)
+
+
+def _fold(s: Settings, a: argparse.Namespace) -> int:
+    from bench.fold import main
+
+    return main(s, ticks=a.ticks)
+
+
+def _chaos(s: Settings, a: argparse.Namespace) -> int:
+    from bench.chaos import main
+
+    return main(s, minutes=a.minutes)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmarks that print ratios measured side "
+                                                                    "by side in one run, and the chaos run.")
+    sub = p.add_subparsers(dest="name", required=True)
+
+    def bench(name: str, run: Run, help: str) -> argparse.ArgumentParser:
+        b = sub.add_parser(name, help=help)
+        b.set_defaults(run=run)
+        return b
+
+    b = bench("batch", _batch, "one batch file: raw vLLM, vLLM run-batch, Ballast, Ballast without LoRA")
+    b.add_argument("--requests", type=int, default=256, help="requests in the short batch")
+    b.add_argument("--rounds", type=int, default=3, help="rounds, the arms' order rotating")
+    b.add_argument("--long-seconds", type=float, default=65.0,
+                   help="how long the long batch runs on raw vLLM (0: the short batch only)")
+    b = bench("surge", _surge, "chat bursts over a batch backlog, against chat alone and the baselines")
+    b.add_argument("--seconds", type=float, default=90.0, help="seconds of interactive load per round")
+    b.add_argument("--rounds", type=int, default=4, help="rounds of the arrival plan per arm, pooled")
+    b.add_argument("--arms", default=None, help="comma-separated (all: alone,ballast,priority,partition)")
+    b = bench("overhead", _overhead, "what Ballast adds to a streamed chat's first token, against vLLM direct")
+    b.add_argument("--requests", type=int, default=500, help="streamed chats per pacing and arm")
+    bench("admission", _admission, "quota overshoot across real API processes, judged from the ledger")
+    b = bench("fairness", _fairness, "two tenants' service at the client, VTC against FCFS")
+    b.add_argument("--seconds", type=float, default=20.0, help="seconds of backlog per arm")
+    b = bench("placement", _placement, "prompt-cache affinity against round-robin and least-loaded")
+    b.add_argument("--seconds", type=float, default=40.0, help="seconds of each trace per arm")
+    b = bench("grouping", _grouping, "a batch's shared prefixes kept on one engine worker, or not")
+    b.add_argument("--batches", type=int, default=2, help="batches per arm")
+    b = bench("training", _training, "fine-tuning chunks, checkpoints and resumes beside chats")
+    b.add_argument("--jobs", type=int, default=3, help="fine-tuning jobs per arm")
+    b = bench("fold", _fold, "the quota fold's cost: incremental against a full refold")
+    b.add_argument("--ticks", type=int, default=200, help="reconciler ticks per ledger size")
+    b = bench("chaos", _chaos, "faults injected into a fresh `ballast up` under load; the client's record and "
+                               "the journal's invariants judged at the end")
+    b.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        settings = Settings()
+    except ValidationError as err:
+        print(f"bench: invalid settings (BALLAST_* environment variables):\n{err}", file=sys.stderr)
+        return 2
+    return int(args.run(settings, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The API process: where it listens, what it accepts, how it admits."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from config.section import Section
+from policy.admission import staleness_s
+
+
+class ApiSettings(Section):
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+
+    # How long an API process trusts what it looked up about a key: a revoked key stops
+    # working within this bound (at once in the process that revoked it).
+    key_cache_s: float = Field(5.0, ge=0)
+    # The largest bodies accepted: an upload, any other request (chat, batch create).
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_request_bytes: int = 1024 * 1024  # any other request body (chat, batch create)
+    max_batch_lines: int = 50_000
+
+    # Admission (api/admission.py, policy/admission.py): decisions from a local view of
+    # usage, re-read every admission_refresh_s (the reconciler folds the ledger as often);
+    # reserve rows written every admission_flush_s; the reservations of a process not
+    # seen for admission_holder_ttl_s expire. "sync": one transaction per decision (the
+    # baseline: exact, a database round trip per request). A tier is shed once a
+    # tenant's usage reaches its fraction of a limit: flex first, then default.
+    admission_mode: Literal["local", "sync"] = "local"
+    admission_refresh_s: float = Field(1.0, gt=0)
+    admission_flush_s: float = Field(0.1, gt=0)
+    admission_holder_ttl_s: float = Field(30.0, gt=0)
+    admission_headroom_priority: float = Field(1.0, gt=0, le=1)
+    admission_headroom_default: float = Field(0.95, gt=0, le=1)
+    admission_headroom_flex: float = Field(0.8, gt=0, le=1)
+
+    # A request an engine served this long ago that no API reported (its process died
+    # mid-stream) is journaled and settled from the engine's record (journal/served.py).
+    unreported_after_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _headroom_order(self) -> ApiSettings:
+        if not (self.admission_headroom_flex <= self.admission_headroom_default <= self.admission_headroom_priority):
+            raise ValueError("BALLAST_ADMISSION_HEADROOM_FLEX <= _DEFAULT <= _PRIORITY must hold: tiers shed flex "
+                             "first, priority last")
+        return self
+
+    @property
+    def admission_staleness_s(self) -> float:
+        """How late one API process may see another's admissions: the overshoot bound's S
+        (2 × flush + 3 × refresh: policy/admission.py)."""
+        return staleness_s(self.admission_flush_s, self.admission_refresh_s)

@@ -1,0 +1,68 @@
+"""What runs next on an engine and what yields: tenant fair shares, preemption, the
+fleet's surges."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from config.section import Section
+
+
+class SchedulingSettings(Section):
+    # Interactive requests' turn on an engine within a tier: "vtc", the tenant served least
+    # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a
+    # sequence slot frees; "fcfs": by arrival (engine/fairness.py).
+    fair_share: Literal["vtc", "fcfs"] = "vtc"
+
+    # While more than one tenant is about, no tenant holds the last fair_headroom share
+    # of an engine's interactive slots (at least one), so another tenant's request never
+    # queues behind it; flex gets flex_min_share of them back once a flex request has
+    # waited flex_starve_after_s (continuous chat slows flex, never stops it).
+    fair_headroom: float = Field(0.05, ge=0, lt=1)
+    flex_min_share: float = Field(0.05, ge=0, le=1)
+    flex_starve_after_s: float = Field(30.0, ge=0)
+
+    # While more than one tenant is about, at most fair_long_prefills prompts longer than
+    # fair_long_prompt tokens are prefilling on an engine at once (the rest wait their
+    # turn there), so one tenant's giant prompts cannot fill every step with prefill work
+    # and stall another tenant's first token; 0 disables. Alone, a tenant's go at once.
+    fair_long_prompt: int = Field(1024, ge=0)
+    fair_long_prefills: int = Field(1, ge=1)
+
+    # Preemption: batch sequences allowed on an engine while interactive work is in
+    # flight, and how long demand must stay low before batch gets its slots back.
+    batch_busy_cap: int = 0
+    batch_cool_down_s: float = 2.0
+
+    # false: no preemption at all, batch keeps the slots it holds and interactive work goes
+    # ahead only by vLLM's priority scheduling. batch_max_share < 1: a static partition,
+    # batch never holds more than that share of an engine's slots.
+    batch_preemption: bool = True
+    batch_max_share: float = Field(1.0, gt=0, le=1)
+
+    # Batch's floor: squeezed below batch_min_share of an engine's slots (by chat or a
+    # surge) for longer than batch_starve_after_s, batch gets that share back, so
+    # continuous chat slows batch down but never stops it. 0 disables the floor.
+    batch_min_share: float = Field(0.05, ge=0, le=1)
+    batch_starve_after_s: float = Field(30.0, ge=0)
+
+    # The fleet controller (workflows/fleet.py): a pool surges when an engine's pressure
+    # (interactive + queued against its slots, or KV-cache use under chat) reaches
+    # surge_high, and calms after staying under surge_low for surge_cool_down_s; while it
+    # surges every engine of the pool keeps batch to surge_batch_share of its slots.
+    surge_high: float = Field(0.8, gt=0, le=1)
+    surge_low: float = Field(0.5, ge=0, le=1)
+    surge_cool_down_s: float = Field(10.0, ge=0)
+    surge_batch_share: float = Field(0.0, ge=0, le=1)
+    fleet_tick_s: float = Field(1.0, gt=0)
+    announce_s: float = Field(1.0, gt=0)  # how often engine workers report
+    heartbeat_timeout_s: float = 10.0
+
+    @model_validator(mode="after")
+    def _surge_band(self) -> SchedulingSettings:
+        if self.surge_low > self.surge_high:
+            raise ValueError(f"BALLAST_SURGE_LOW ({self.surge_low}) must not exceed BALLAST_SURGE_HIGH "
+                             f"({self.surge_high}): a pool would leave a surge before it could enter one")
+        return self

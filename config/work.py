@@ -1,0 +1,33 @@
+"""Batches and fine-tuning jobs: how they are cut into work."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from config.section import Section
+
+
+class WorkSettings(Section):
+    # Batches.
+    batch_concurrency: int = 256
+    batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
+    batch_group_size: int = 16  # items per generation activity
+
+    # A fenced tenant's batch moves to the next region of its fence when a group waits
+    # this long with no engine worker claiming it.
+    batch_spill_after_s: float = Field(30.0, gt=0)
+
+    # A batch's runs of items sharing a prefix go to one engine worker's own queue
+    # (policy/grouping.py); a group it leaves unclaimed this long (dead, hung, draining)
+    # goes to the shared queue. 0: no such groups, every group to the shared queue.
+    batch_sticky_wait_s: float = Field(10.0, ge=0)
+
+    # A fine-tuning job trains at least this many optimizer steps per chunk: one checkpoint
+    # each. A chunk runs longer while what it costs beyond its steps (dispatch, resume, the
+    # checkpoint) is more than fine_tune_checkpoint_overhead of their time (CheckFreq's
+    # rule: on a small model's millisecond steps, 10 steps would be mostly overhead), but
+    # not past fine_tune_chunk_max_s, which bounds what a crash loses. Preemption, pause and
+    # cancel end a chunk at any step, with a checkpoint.
+    fine_tune_chunk_steps: int = Field(10, ge=1)
+    fine_tune_checkpoint_overhead: float = Field(0.03, ge=0)
+    fine_tune_chunk_max_s: float = Field(300.0, gt=0)

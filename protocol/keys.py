@@ -1,0 +1,64 @@
+"""Every name Ballast writes down for something: journal streams (which are also ledger
+subjects and Temporal workflow ids), object store keys, fine-tuned model names. Audits,
+workflows and SQL join on these, so each is built here and nowhere else.
+
+`batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`, and
+`ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens);
+`files/<id>`, `fine-tuning/<job>/checkpoints/step-<n>.pt`, `fine-tuning/<job>/adapter`;
+`ft:<base>:<suffix>:<job>`.
+"""
+
+from __future__ import annotations
+
+
+def batch(batch_id: str) -> str:
+    return f"batch:{batch_id}"
+
+
+def item(batch_id: str, idx: int) -> str:
+    return f"item:{batch_id}:{idx}"
+
+
+def request(request_id: str) -> str:
+    return f"request:{request_id}"
+
+
+def served(request_id: str) -> str:
+    """What an engine worker recorded it served (journal/served.py)."""
+    return f"served:{request_id}"
+
+
+def ftjob(job_id: str) -> str:
+    return f"ftjob:{job_id}"
+
+
+def ftjob_step(job_id: str, step: int) -> str:
+    """The quota ledger's subject of the tokens trained up to checkpoint `step`."""
+    return f"ftjob:{job_id}:{step}"
+
+
+def file(file_id: str) -> str:
+    return f"files/{file_id}"
+
+
+def checkpoint(job_id: str, step: int) -> str:
+    return f"fine-tuning/{job_id}/checkpoints/step-{step:08d}.pt"
+
+
+def adapter(job_id: str) -> str:
+    """The prefix under which a job's trained adapter's files lie."""
+    return f"fine-tuning/{job_id}/adapter"
+
+
+def fine_tuned(base: str, suffix: str | None, job_id: str) -> str:
+    """`ft:<base>:<suffix>:<job>`: OpenAI's shape without the organization."""
+    return f"ft:{base}:{suffix or ''}:{job_id}"
+
+
+def fine_tuned_prefix(base: str) -> str:
+    """What every model fine-tuned from `base` is named beginning with."""
+    return f"ft:{base}:"
+
+
+def is_fine_tuned(name: str) -> bool:
+    return name.startswith("ft:")

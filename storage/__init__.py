@@ -1,0 +1,1 @@
+"""The object store every host reaches: file bytes, outputs, checkpoints, adapters."""
