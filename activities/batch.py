@@ -37,9 +37,7 @@ from protocol import batch as batch_file
 from protocol import keys
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
-from protocol.tiers import Tier
-from storage.objects import ObjectStore
-from workflows.inputs import (
+from protocol.temporal import (
     FailBatchInput,
     FailItemInput,
     FinalizeInput,
@@ -48,6 +46,8 @@ from workflows.inputs import (
     ValidateInput,
     ValidateResult,
 )
+from protocol.tiers import Tier
+from storage.objects import ObjectStore
 
 PREFIX_KEY_CHARS = 4096  # of each prompt, to find the runs that share a prefix by
 LIVE_S = 10.0  # an engine worker that has not announced itself for this long gets no group

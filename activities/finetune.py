@@ -31,9 +31,15 @@ from journal.events import append
 from journal.leases import acquire
 from protocol import keys
 from protocol.finetune import MIN_EXAMPLES, Row, problems, rows
+from protocol.temporal import (
+    FineTuneRef,
+    FineTuneStatusInput,
+    TrainChunkInput,
+    TrainChunkResult,
+    ValidateTrainingResult,
+)
 from protocol.tiers import RANK, Tier
 from storage.objects import ObjectStore
-from workflows.inputs import FineTuneRef, FineTuneStatusInput, TrainChunkInput, TrainChunkResult, ValidateTrainingResult
 
 if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
     from torch.nn import Module

@@ -11,8 +11,8 @@ from temporalio import activity
 
 from journal import engines as je
 from journal.events import NewEvent, append
-from policy.preemption import EngineReport
-from workflows.inputs import ApplyFleetInput, ObserveFleetInput
+from protocol.fleet import EngineReport
+from protocol.temporal import ApplyFleetInput, ObserveFleetInput
 
 
 class FleetActivities:

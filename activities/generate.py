@@ -41,8 +41,8 @@ from journal.leases import acquire_many
 from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
+from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
-from workflows.inputs import GenerateInput, GenerateResult
 
 log = logging.getLogger(__name__)
 

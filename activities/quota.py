@@ -13,7 +13,7 @@ from temporalio import activity
 
 from activities.requests import account_unreported
 from journal import ledger
-from workflows.inputs import ReconcileInput, ReconcileResult
+from protocol.temporal import ReconcileInput, ReconcileResult
 
 SWEEP_EVERY_S = 10.0
 

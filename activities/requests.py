@@ -21,7 +21,7 @@ from temporalio import activity
 from journal import ledger, served
 from journal.events import IdempotencyConflict, NewEvent, append_one
 from protocol import keys
-from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
+from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
 class RequestActivities:

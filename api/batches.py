@@ -21,8 +21,8 @@ from policy.placement import batch_regions, region_queue
 from protocol import keys
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
+from protocol.temporal import BatchInput
 from workflows.batch import BatchWorkflow
-from workflows.inputs import BatchInput
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")

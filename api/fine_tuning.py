@@ -30,8 +30,8 @@ from journal import ledger, tenants
 from policy.admission import ANY_MODEL, Refuse, admit_fine_tune, describe_fine_tune
 from protocol import keys
 from protocol.schema import errors
+from protocol.temporal import FineTuneInput
 from workflows.finetune import FineTuneWorkflow
-from workflows.inputs import FineTuneInput
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/fine_tuning/jobs")

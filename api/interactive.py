@@ -41,8 +41,8 @@ from policy.placement import EngineView
 from protocol import keys, responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
+from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
 from protocol.tiers import RANK, Tier
-from workflows.inputs import InteractiveInput, RequestOutcome, RequestStatus
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)

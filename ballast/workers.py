@@ -27,14 +27,15 @@ from config import Settings
 from journal.db import connect
 from policy.grouping import own_queue
 from policy.placement import region_queue
-from policy.preemption import SurgePolicy, min_slots
+from policy.preemption import min_slots
+from protocol.fleet import SurgePolicy
 from protocol.requests import Limits
+from protocol.temporal import FleetInput, QuotaInput
 from protocol.tiers import Tier
 from storage.objects import ObjectStore
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
-from workflows.inputs import FleetInput, QuotaInput
 from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QUOTA_ID, QuotaReconciler
 

@@ -19,7 +19,9 @@ from temporalio.exceptions import ActivityError, CancelledError, TimeoutType
 from temporalio.exceptions import TimeoutError as Unclaimed  # the builtin TimeoutError is wait_condition's
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.inputs import (
+    from activities.batch import BatchActivities
+    from activities.generate import GenerationActivities
+    from protocol.temporal import (
         BatchInput,
         BatchOutcome,
         FailBatchInput,
@@ -27,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         FinalizeInput,
         GenerateInput,
         GenerateResult,
-        Page,
         PendingInput,
         ValidateInput,
         ValidateResult,
@@ -72,8 +73,8 @@ class BatchWorkflow:
         #    a good one puts its items in the journal and the batch in progress.
         if not inp.validated:
             try:
-                checked: ValidateResult = await workflow.execute_activity(
-                    "validate_batch", ref, result_type=ValidateResult, **INPUT_STEP
+                checked: ValidateResult = await workflow.execute_activity_method(
+                    BatchActivities.validate_batch, ref, **INPUT_STEP
                 )
             except ActivityError as err:
                 return await self._fail(inp.batch_id, "validation_failed",
@@ -90,15 +91,15 @@ class BatchWorkflow:
         #    A cancel that landed after the items finished ends it `cancelled`: finalize
         #    says which status the batch reached.
         try:
-            return await workflow.execute_activity(
-                "finalize_batch", FinalizeInput(inp.batch_id, outcome, self._now()), result_type=str, **INPUT_STEP
+            return await workflow.execute_activity_method(
+                BatchActivities.finalize_batch, FinalizeInput(inp.batch_id, outcome, self._now()), **INPUT_STEP
             )
         except ActivityError as err:
             return await self._fail(inp.batch_id, "finalization_failed",
                                     f"The results could not be written: {_why(err)}")
 
     async def _fail(self, batch_id: str, code: str, message: str) -> str:
-        await workflow.execute_activity("fail_batch", FailBatchInput(batch_id, code, message),
+        await workflow.execute_activity_method(BatchActivities.fail_batch, FailBatchInput(batch_id, code, message),
                                         start_to_close_timeout=timedelta(minutes=1),
                                         retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=30)))
         return "failed"
@@ -173,10 +174,9 @@ class BatchWorkflow:
         queue are noted in `sticky`. A batch from before sticky groups gets a bare list."""
         ask = PendingInput(inp.batch_id, self._after, inp.concurrency * 2,
                            queue=self._queue(inp) if inp.sticky_wait_s else "")
-        got: list[int] | dict[str, Any] = await workflow.execute_activity("pending_items", ask, **CONTROL)
-        if isinstance(got, list):
-            return got
-        page = Page(**got)
+        page = await workflow.execute_activity_method(BatchActivities.pending_items, ask, **CONTROL)
+        if isinstance(page, list):
+            return page
         at = 0
         for count, on in page.runs:
             if on:
@@ -197,10 +197,9 @@ class BatchWorkflow:
             wait: float | None = inp.sticky_wait_s
         else:
             wait = inp.spill_after_s if inp.spill_queues else None
-        return workflow.start_activity(
-            "generate",
+        return workflow.start_activity_method(
+            GenerationActivities.generate,
             GenerateInput(inp.batch_id, idxs),
-            result_type=list[GenerateResult],
             task_queue=on,
             activity_id=f"group-{group}",
             schedule_to_start_timeout=timedelta(seconds=wait) if wait else None,
@@ -242,8 +241,8 @@ class BatchWorkflow:
                 return idxs
             # Out of attempts: the items fail, the batch goes on.
             for idx in idxs:
-                await workflow.execute_activity(
-                    "fail_item",
+                await workflow.execute_activity_method(
+                    BatchActivities.fail_item,
                     FailItemInput(batch_id, idx,
                                   f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
                     **CONTROL,

@@ -21,8 +21,8 @@ from temporalio.common import Priority, RetryPolicy
 from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.batch import BATCH_PRIORITY_KEY, GENERATION_ATTEMPTS, INPUT_STEP
-    from workflows.inputs import (
+    from activities.finetune import FineTuneActivities
+    from protocol.temporal import (
         FineTuneInput,
         FineTuneRef,
         FineTuneStatusInput,
@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
         TrainChunkResult,
         ValidateTrainingResult,
     )
+    from workflows.batch import BATCH_PRIORITY_KEY, GENERATION_ATTEMPTS, INPUT_STEP
 
 STATUS_STEP: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=1),
@@ -62,8 +63,8 @@ class FineTuneWorkflow:
 
         # 1. Validate the training file once; a bad one fails the job with line errors.
         if not inp.validated:
-            checked: ValidateTrainingResult = await workflow.execute_activity(
-                "validate_training_file", FineTuneRef(inp.job_id), result_type=ValidateTrainingResult, **INPUT_STEP)
+            checked: ValidateTrainingResult = await workflow.execute_activity_method(
+                FineTuneActivities.validate_training_file, FineTuneRef(inp.job_id), **INPUT_STEP)
             if checked.failed:
                 return "failed"
             await self._status(inp, "running")
@@ -88,10 +89,9 @@ class FineTuneWorkflow:
 
     async def _chunk(self, inp: FineTuneInput) -> TrainChunkResult | None:
         """One chunk; None when a pause or cancel stopped it (it checkpointed first)."""
-        handle = workflow.start_activity(
-            "train_chunk",
+        handle = workflow.start_activity_method(
+            FineTuneActivities.train_chunk,
             TrainChunkInput(inp.job_id, inp.chunk_steps, inp.checkpoint_overhead, inp.chunk_max_s),
-            result_type=TrainChunkResult,
             task_queue=inp.engine_queue,
             start_to_close_timeout=timedelta(hours=6),
             heartbeat_timeout=timedelta(seconds=inp.heartbeat_timeout_s),
@@ -115,5 +115,5 @@ class FineTuneWorkflow:
 
     async def _status(self, inp: FineTuneInput, status: str, message: str = "") -> str:
         """Journal the job's status (and, at the end, its results); returns it."""
-        return await workflow.execute_activity(
-            "fine_tune_status", FineTuneStatusInput(inp.job_id, status, message), result_type=str, **STATUS_STEP)
+        return await workflow.execute_activity_method(
+            FineTuneActivities.fine_tune_status, FineTuneStatusInput(inp.job_id, status, message), **STATUS_STEP)

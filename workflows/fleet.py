@@ -21,8 +21,10 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from policy.preemption import EngineReport, Surge, pool_step
-    from workflows.inputs import ApplyFleetInput, FleetEvent, FleetInput, ObserveFleetInput
+    from activities.fleet import FleetActivities
+    from policy.preemption import pool_step
+    from protocol.fleet import EngineReport, Surge
+    from protocol.temporal import ApplyFleetInput, FleetEvent, FleetInput, ObserveFleetInput
 
 FLEET_ID = "fleet"
 _LOCAL: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=10),
@@ -35,11 +37,11 @@ class FleetWorkflow:
     async def run(self, inp: FleetInput) -> None:
         pools, members = dict(inp.pools), list(inp.members)
         for _ in range(inp.ticks_per_run):
-            reports: list[EngineReport] = await workflow.execute_local_activity(
-                "observe_fleet", ObserveFleetInput(inp.stale_s), result_type=list[EngineReport], **_LOCAL)
+            reports: list[EngineReport] = await workflow.execute_local_activity_method(
+                FleetActivities.observe_fleet, ObserveFleetInput(inp.stale_s), **_LOCAL)
             pools, members, apply = decide(reports, pools, members, workflow.now().timestamp(), inp)
             if apply.caps or apply.events:
-                await workflow.execute_local_activity("apply_fleet", apply, **_LOCAL)
+                await workflow.execute_local_activity_method(FleetActivities.apply_fleet, apply, **_LOCAL)
             await workflow.sleep(inp.tick_s)
         workflow.continue_as_new(FleetInput(inp.policy, inp.tick_s, inp.stale_s, inp.ticks_per_run, pools, members))
 

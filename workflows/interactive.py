@@ -19,7 +19,8 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
+    from activities.requests import RequestActivities
+    from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
 
 ABANDON_AFTER = timedelta(hours=1)
 
@@ -46,8 +47,8 @@ class InteractiveWorkflow:
                 self._outcome = RequestOutcome(status="abandoned")
         outcome = self._outcome
         assert outcome is not None  # the input, the signal or the timeout set it
-        await workflow.execute_local_activity(
-            "journal_request", JournalRequestInput(dataclasses.replace(inp, outcome=None), outcome),
+        await workflow.execute_local_activity_method(
+            RequestActivities.journal_request, JournalRequestInput(dataclasses.replace(inp, outcome=None), outcome),
             start_to_close_timeout=timedelta(seconds=30),
         )
         return outcome.status

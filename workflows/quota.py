@@ -18,7 +18,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.inputs import QuotaInput, ReconcileInput, ReconcileResult
+    from activities.quota import QuotaActivities
+    from protocol.temporal import QuotaInput, ReconcileInput
 
 QUOTA_ID = "quota-reconciler"
 _LOCAL: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=30),
@@ -31,8 +32,8 @@ class QuotaReconciler:
     async def run(self, inp: QuotaInput) -> None:
         for _ in range(inp.ticks_per_run):
             began = workflow.now()
-            await workflow.execute_local_activity("reconcile_quota", ReconcileInput(inp.holder_ttl_s, inp.tick_s),
-                                                  result_type=ReconcileResult, **_LOCAL)
+            await workflow.execute_local_activity_method(QuotaActivities.reconcile_quota,
+                                                         ReconcileInput(inp.holder_ttl_s, inp.tick_s), **_LOCAL)
             # A fixed rate: the tick's own duration does not stretch the period (the
             # admission staleness bound counts one period per fold).
             took = (workflow.now() - began).total_seconds()

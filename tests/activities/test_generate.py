@@ -20,7 +20,7 @@ from journal import batches as jb
 from journal.checkpointer import Checkpointer
 from protocol import keys
 from protocol.batch import Item
-from workflows.inputs import GenerateInput
+from protocol.temporal import GenerateInput
 
 pytestmark = pytest.mark.engine
 

@@ -12,7 +12,7 @@ from journal import ledger
 from journal.events import append
 from journal.served import served_event
 from protocol import keys
-from workflows.inputs import InteractiveInput, JournalRequestInput, RequestOutcome
+from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
 def uid(prefix: str) -> str:

@@ -32,8 +32,8 @@ from journal import tenants
 from policy.admission import Refuse
 from policy.placement import EngineView
 from protocol import keys
+from protocol.temporal import JournalRequestInput, ReconcileInput
 from tests.api.conftest import Workflows, assert_openai_error
-from workflows.inputs import JournalRequestInput, ReconcileInput
 
 CHAT = "/v1/chat/completions"
 MODEL = "ballast-tiny"

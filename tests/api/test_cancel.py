@@ -19,9 +19,9 @@ from journal import batches as jb
 from journal.leases import acquire
 from protocol import keys
 from protocol.requests import Limits
+from protocol.temporal import BatchOutcome, FinalizeInput, ValidateInput
 from storage.objects import ObjectStore
 from tests.api.conftest import assert_openai_error
-from workflows.inputs import BatchOutcome, FinalizeInput, ValidateInput
 
 N = 3
 CUSTOM_IDS = [f"c{i}" for i in range(N)]

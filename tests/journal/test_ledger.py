@@ -17,7 +17,7 @@ from journal.events import NewEvent, append
 from journal.leases import acquire_many
 from journal.ledger import Entry
 from protocol import keys
-from workflows.inputs import ReconcileInput
+from protocol.temporal import ReconcileInput
 
 
 def uid(prefix: str) -> str:

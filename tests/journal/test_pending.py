@@ -60,7 +60,7 @@ async def test_a_page_sends_each_prompts_run_to_one_live_worker_of_the_batchs_qu
     from activities.batch import BatchActivities
     from journal import engines as je
     from policy.placement import region_queue
-    from workflows.inputs import Page, PendingInput
+    from protocol.temporal import Page, PendingInput
 
     pool = "pool-" + uuid.uuid4().hex[:8]
     async with owner_db.begin() as c:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from policy.preemption import EngineReport, Surge, SurgePolicy, pool_step, pressure
+from policy.preemption import pool_step, pressure
+from protocol.fleet import EngineReport, Surge, SurgePolicy
 
 POLICY = SurgePolicy(high=0.8, low=0.5, cool_down_s=10.0, batch_share=0.25)
 

@@ -12,8 +12,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.worker import Replayer, Worker
 
-from workflows.batch import BatchWorkflow
-from workflows.inputs import (
+from protocol.temporal import (
     BatchInput,
     FinalizeInput,
     GenerateInput,
@@ -22,6 +21,7 @@ from workflows.inputs import (
     ValidateInput,
     ValidateResult,
 )
+from workflows.batch import BatchWorkflow
 
 ITEMS = 40
 

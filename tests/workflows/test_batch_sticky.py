@@ -13,9 +13,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.worker import Replayer, Worker
 
+from protocol.temporal import BatchInput, Page, PendingInput
 from tests.workflows.test_batch_spill import ITEMS, Journal
 from workflows.batch import BatchWorkflow
-from workflows.inputs import BatchInput, Page, PendingInput
 
 
 class Placed(Journal):

@@ -33,9 +33,9 @@ from journal import batches as jb
 from journal import finetunes as fj
 from journal.events import append_one
 from protocol import keys
+from protocol.temporal import FineTuneInput
 from storage.objects import ObjectStore
 from workflows.finetune import FineTuneWorkflow
-from workflows.inputs import FineTuneInput
 
 EXAMPLES = [dict(messages=[dict(role="system", content="You answer in one word."),
                            dict(role="user", content=f"Colour {i}?"),

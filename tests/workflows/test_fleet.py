@@ -11,9 +11,9 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Replayer, Worker
 
-from policy.preemption import EngineReport, Surge, SurgePolicy
+from protocol.fleet import EngineReport, Surge, SurgePolicy
+from protocol.temporal import ApplyFleetInput, FleetInput, ObserveFleetInput
 from workflows.fleet import FleetWorkflow, decide
-from workflows.inputs import ApplyFleetInput, FleetInput, ObserveFleetInput
 
 POLICY = SurgePolicy(high=0.5, low=0.25, cool_down_s=0.3, batch_share=0.0)
 INP = FleetInput(POLICY, tick_s=0.05, stale_s=5.0, ticks_per_run=3)

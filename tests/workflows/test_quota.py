@@ -14,7 +14,7 @@ from temporalio.worker import Replayer, Worker
 from activities.quota import QuotaActivities
 from journal import ledger
 from protocol import keys
-from workflows.inputs import QuotaInput
+from protocol.temporal import QuotaInput
 from workflows.quota import QuotaReconciler
 
 

@@ -7,9 +7,9 @@ Nothing large travels here: ids and offsets only, payloads stay in the journal.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from policy.preemption import Surge, SurgePolicy
+from protocol.fleet import Surge, SurgePolicy
 
 BatchOutcome = Literal["completed", "cancelled", "expired", "failed"]
 ItemStatus = Literal["completed", "failed", "preempted", "superseded"]
@@ -165,7 +165,7 @@ class ObserveFleetInput:
 class FleetEvent:
     stream: str
     type: str
-    payload: dict
+    payload: dict[str, Any]
     key: str  # idempotency key: a retried apply journals nothing twice
 
 
