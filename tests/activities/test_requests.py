@@ -2,7 +2,6 @@
 workflow's outcome or, where no API reported it (the process died mid-stream), from the
 engine worker's record; whichever comes second changes nothing. Checked in SQL."""
 
-import uuid
 
 from sqlalchemy import text
 from temporalio.testing import ActivityEnvironment
@@ -13,10 +12,7 @@ from journal.events import append
 from journal.served import served_event
 from protocol import keys
 from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
-
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+from tests.helpers import uid
 
 
 async def engine_served(db, rid: str, tenant: str, prompt: int = 5, completion: int = 7) -> None:

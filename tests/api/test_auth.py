@@ -18,6 +18,7 @@ from api.auth import NO_KEY, KeyCache
 from journal import tenants as jt
 from journal.tenants import Principal
 from tests.api.conftest import Untouchable, assert_openai_error, build, new_key
+from tests.helpers import Clock
 
 # One of each kind of route; a valid body where there is one, so only the key is wrong.
 CHAT = dict(model="ballast-tiny", messages=[dict(role="user", content="hi")], max_tokens=2)
@@ -189,13 +190,6 @@ async def test_admin_mistakes(admin):
 
 # -- the cache itself ------------------------------------------------------------------
 
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def counting(known: dict[str, Principal], delay: float = 0.0):

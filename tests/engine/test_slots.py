@@ -7,14 +7,7 @@ import asyncio
 import contextlib
 
 from engine.slots import EngineSlots
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import Clock
 
 
 async def hold(slots: EngineSlots, id: str, tier: int, aborted: list[str], started: asyncio.Event):

@@ -23,6 +23,7 @@ from journal.db import connect
 from journal.ledger import Entry
 from journal.migrate import upgrade
 from protocol import keys
+from tests.helpers import uid
 
 # The oracle: the fold's query before it was incremental (journal/ledger.py, _STANDING and
 # _FOLD_INSERT as they were), verbatim but for its INSERT, narrowed to some tenants, and
@@ -75,9 +76,6 @@ FOLDED = """
             OR ("window" = 'day' AND starts_at >= date_trunc('day', {clock}, 'UTC')))
 """.replace("{clock}", "coalesce(CAST(:clock AS timestamptz), now())")
 
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 async def usage_rows(conn: AsyncConnection, sql: str, tenants: list[str], clock: datetime | None) -> list[tuple]:

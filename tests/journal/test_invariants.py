@@ -16,6 +16,7 @@ from ballast.cli import main as ballast
 from config.database import as_role, libpq_url
 from journal.invariants import CHECKS, audit, examined, passed, report
 from tests.conftest import migrated_database
+from tests.helpers import uid
 
 # The events an attempt writes under its item's (or job's) lease: the database refuses
 # them without the stream's current fence.
@@ -28,9 +29,6 @@ def journal_url(pg_server_url):
     with migrated_database(pg_server_url, "ballast_invariants") as url:
         yield url
 
-
-def uid(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:10]}"
 
 
 class Journal:
@@ -65,7 +63,7 @@ class Journal:
     def batch(self, status: str, items: int, output: str | None = None, body: dict | None = None,
               endpoint: str = "/v1/chat/completions", bodies: list[dict] | None = None) -> str:
         """`items` items, each of `body` (or of its own in `bodies`)."""
-        bid = uid("batch_")
+        bid = uid("batch")
         self.conn.execute("INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, status, "
                           "output_file_id, created_at, seq) VALUES (%s, 't', %s, 'f', '24h', %s, %s, 0, 0)",
                           (bid, endpoint, status, output))
@@ -76,7 +74,7 @@ class Journal:
         return bid
 
     def file(self) -> str:
-        fid = uid("file-")
+        fid = uid("file")
         self.conn.execute("INSERT INTO files (id, tenant, purpose, filename, bytes, object_key, created_at) "
                           "VALUES (%s, 't', 'batch_output', 'out.jsonl', 1, %s, 0)", (fid, f"files/{fid}"))
         return fid
@@ -320,7 +318,7 @@ def test_a_role_that_row_level_security_hides_everything_from_does_not_pass(jour
                                                                               capsys):
     # The auditor role sees only the tenant set for its transaction; verify sets none.
     assert examined(audit(journal_url)) > 0  # the owner sees what it checks
-    login, password = uid("audit_"), uuid.uuid4().hex
+    login, password = f"audit_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex  # a bare SQL identifier
     with psycopg.connect(libpq_url(journal_url), autocommit=True) as owner:
         owner.execute(f"CREATE ROLE {login} LOGIN PASSWORD '{password}' IN ROLE ballast_auditor")
     try:

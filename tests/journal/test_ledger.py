@@ -2,7 +2,6 @@
 independent SQL query agrees with, and expiry of a dead holder's reservations."""
 
 import json
-import uuid
 from datetime import timedelta
 
 import psycopg
@@ -18,10 +17,7 @@ from journal.leases import acquire_many
 from journal.ledger import Entry
 from protocol import keys
 from protocol.temporal import ReconcileInput
-
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+from tests.helpers import uid
 
 
 def reserve(subject: str, tenant: str, i: int, o: int, *, model: str = "m", tier: str = "default",

@@ -150,7 +150,7 @@ def test_compose_initdb_script_gives_temporal_a_role_of_its_own(installation):
     second run changes nothing but the password."""
     server, owner, _ = installation
     u = make_url(server.url)
-    script = Path(__file__).resolve().parent.parent / "deploy" / "postgres" / "10-temporal-role.sh"
+    script = Path(__file__).resolve().parents[2] / "deploy" / "postgres" / "10-temporal-role.sh"
     bin_dir = str(pg._bin("psql").parent)
 
     def run(password: str) -> None:

@@ -74,7 +74,7 @@ def test_child_dies_with_sigkilled_parent(tmp_path: Path) -> None:
         """
     )
     parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
     )
     assert parent.stdout is not None
     try:
@@ -239,7 +239,7 @@ def test_embedded_postgres_dies_with_sigkilled_parent(pg_dir: Path) -> None:
         """
     )
     parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
     )
     assert parent.stdout is not None
     try:

@@ -11,6 +11,7 @@ import pytest
 from engine.fairness import FairShare
 from policy import fairness as f
 from protocol.tiers import RANK
+from tests.helpers import Clock
 
 
 def test_charge_weights_tokens_and_divides_by_weight():
@@ -241,13 +242,6 @@ def test_shell_a_waiter_cancelled_after_its_grant_gives_the_slot_back():
 
     asyncio.run(run())
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_pick_skips_capped_tenants_and_puts_starved_tiers_first():
