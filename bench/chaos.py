@@ -46,7 +46,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import psycopg
 
 from ballast import procs
 from bench.stack import Stack, ballast_up
+from bench.stats import p50, pct
 from config import Settings
 from config.database import libpq_url
 from journal.invariants import Finding, audit, examined, passed, report
@@ -269,7 +269,8 @@ class Report:
             rec = sorted(i.recovered_s for i in inj if i.recovered_s is not None)
             calls = Counter(f"{c.what} {c.outcome}" for c in self.calls if c.phase == fault)
             out[fault] = dict(injected=len(inj), recovered=len(rec),
-                              recovery_p50_s=_pct(rec, 50), recovery_p99_s=_pct(rec, 99),
+                              recovery_p50_s=round(pct(rec, 50), 2) if rec else None,
+                              recovery_p99_s=round(pct(rec, 99), 2) if rec else None,
                               recovery_max_s=rec[-1] if rec else None, calls=dict(sorted(calls.items())))
         out["batches"] = dict(Counter(self.batches.values()))
         out["client"] = asdict(self.client)
@@ -285,11 +286,6 @@ class Report:
         out["store_how"] = self.store
         return out
 
-
-def _pct(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    return round(xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))], 2)
 
 
 class Chaos:
@@ -875,7 +871,7 @@ def main(settings: Settings, minutes: float | None = None, plan: Plan | None = N
             print(f"NOT RECOVERED: {inj}")
     rec = [i.recovered_s for i in r.injections if i.recovered_s is not None]
     if rec:
-        print(f"recovery, all faults: median {statistics.median(rec):.1f} s over {len(rec)}")
+        print(f"recovery, all faults: median {p50(rec):.1f} s over {len(rec)}")
     print("\nOK" if r.ok else "\nFAILED:\n  " + "\n  ".join(r.failures()))
     return 0 if r.ok else 1
 

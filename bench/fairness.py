@@ -47,7 +47,6 @@ import asyncio
 import contextlib
 import json
 import random
-import statistics
 import string
 import tempfile
 import time
@@ -61,7 +60,7 @@ from sqlalchemy.engine import make_url
 
 from ballast import pg
 from bench.stack import ballast_up
-from bench.stats import pct
+from bench.stats import p50, pct
 from config import Settings
 from journal import schema, tenants
 from journal.db import connect
@@ -349,7 +348,7 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
                           engine=[round(pct(split["engine"], 50)), round(pct(split["engine"], 99))]),
         windows=[[round(x) for x in w] for w in ws], jain=[round(j, 3) for j in jains],
         jain_min=round(min(jains), 3) if jains else None,
-        jain_median=round(statistics.median(jains), 3) if jains else None,
+        jain_median=round(p50(jains), 3) if jains else None,
         both_waiting_per_window=[round(x, 2) for x in both_per_window],
         jain_min_backlogged=round(min(jains[k] for k in backlogged), 3) if backlogged else None,
         backlogged_windows=len(backlogged),

@@ -29,6 +29,7 @@ from typing import Any
 
 from bench.placement import KV_CACHE_TOKENS, SEED, SYSTEMS, _engines, _text, kv_bytes_per_token
 from bench.stack import Stack, ballast_up
+from bench.stats import p50
 from config import Settings
 
 ITEMS_PER_SYSTEM = 40  # 2.5 groups of the default 16
@@ -121,7 +122,7 @@ def main(settings: Settings, rounds: int = 2) -> int:
         out[arm] = run_arm(settings, env, lines, kv_gib, rounds)
     s, sh = out["sticky"], out["shared"]
     out["ratios"] = dict(missed_tokens=round(s["missed_tokens"] / max(1, sh["missed_tokens"]), 3),
-                         seconds=round(statistics.median(s["seconds"]) / statistics.median(sh["seconds"]), 3))
+                         seconds=round(p50(s["seconds"]) / p50(sh["seconds"]), 3))
     print(f"\n{'arm':8} {'hit rate':>8} {'missed tokens':>14} {'seconds':>16} {'workers/prompt':>15}")
     for arm in ARMS:
         a = out[arm]

@@ -13,29 +13,30 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 Stat = Callable[[Sequence[float]], float]
 Groups = tuple[Sequence[Hashable], Sequence[Hashable]]  # each sample's group, arm then baseline
 
 
-def pct(xs: Sequence[float], p: float) -> float:
+def pct(xs: Iterable[float], p: float) -> float:
     """Nearest-rank percentile of `xs` (any order): the smallest value with at least p %
-    of the samples at or below it; 0 for none."""
-    if not xs:
-        return 0.0
+    of the samples at or below it; 0 for none. Every benchmark's percentiles and medians
+    are this one (a median of an even count is the lower middle, never a mean of two)."""
     s = sorted(xs)
+    if not s:
+        return 0.0
     # The fuzz keeps 0.07 * 100 = 7.000000000000001 at rank 7, not 8.
     rank = math.ceil(p / 100 * len(s) - 1e-9)
     return s[min(len(s), max(1, rank)) - 1]
 
 
-def p50(xs: Sequence[float]) -> float:
+def p50(xs: Iterable[float]) -> float:
     return pct(xs, 50)
 
 
-def p99(xs: Sequence[float]) -> float:
+def p99(xs: Iterable[float]) -> float:
     return pct(xs, 99)
 
 

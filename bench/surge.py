@@ -323,7 +323,7 @@ def _ratios(a: Arm, alone: Arm) -> dict[str, Any]:
 
 
 def summarise(arms: dict[str, Arm]) -> dict:
-    capacity = statistics.median(arms[n].capacity or 0.0 for n in ("ballast", "priority") if n in arms)
+    capacity = p50(arms[n].capacity or 0.0 for n in ("ballast", "priority") if n in arms)
     out: dict[str, Any] = dict(batch_capacity_tokens_per_s=round(capacity, 1))
     for n, a in arms.items():
         ttft = [c.first - c.start for c in a.chats]

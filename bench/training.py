@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ import httpx
 import psycopg
 
 from bench.stack import Stack, ballast_up
+from bench.stats import p50
 from bench.stats import pct as _pct
 from config import Settings
 
@@ -159,14 +159,14 @@ def run_arm(settings: Settings, arm: str, env: dict[str, str], jobs: int, n_chat
                   f"{len(got['checkpoints'])} checkpoints; {out['jobs'][-1]}", flush=True)
             out.setdefault("checkpoint_payloads", []).extend(got["checkpoints"])
         per_step = [j["seconds"] / j["steps"] for j in out["jobs"]]
-        out["ms_per_step"] = round(1000 * statistics.median(per_step), 3)
+        out["ms_per_step"] = round(1000 * p50(per_step), 3)
         # The same jobs' wall time over their steps' own time: the overhead within one run.
-        out["wall_over_steps"] = round(statistics.median(j["seconds"] / j["phases"]["train_s"] for j in out["jobs"]), 4)
+        out["wall_over_steps"] = round(p50(j["seconds"] / j["phases"]["train_s"] for j in out["jobs"]), 4)
         if n_chats:
             out["surge"] = surge(stack, model, file_id, n_chats)
         ckpts = out.pop("checkpoint_payloads")
         out["checkpoint_bytes"] = ckpts[-1]["bytes"]
-        out["checkpoint_s_p50"] = round(statistics.median(c["timing"]["checkpoint_s"] for c in ckpts), 4)
+        out["checkpoint_s_p50"] = round(p50(c["timing"]["checkpoint_s"] for c in ckpts), 4)
         return out
 
 
@@ -187,7 +187,7 @@ def surge(stack: Stack, model: str, file_id: str, n: int) -> dict[str, Any]:
         time.sleep(0.2)
     ckpts = journal(stack, job_id)["checkpoints"]
     first, resumed = ckpts[0]["timing"], [c["timing"] for c in ckpts[1:]]
-    step_s = statistics.median(c["timing"]["train_s"] / max(1, len(c["losses"])) for c in ckpts if c["losses"])
+    step_s = p50(c["timing"]["train_s"] / max(1, len(c["losses"])) for c in ckpts if c["losses"])
     resume = sorted(t["resume_s"] for t in resumed)
     return dict(chats=n, preemptions=len(waited), yield_ms_p50=_ms(_pct(waited, 50)),
                 yield_ms_p99=_ms(_pct(waited, 99)), yield_ms_max=_ms(max(waited, default=0)),
@@ -216,7 +216,7 @@ def main(settings: Settings, jobs: int = 3, n_chats: int = 20) -> int:
     for arm in ARMS:
         a = out[arm]
         print(f"{arm:15} {a['ms_per_step']:8.3f} {a['ms_per_step'] / base:17.3f} {a['wall_over_steps']:13.4f} "
-              f"{statistics.median(j['checkpoints'] for j in a['jobs']):16}")
+              f"{p50(j['checkpoints'] for j in a['jobs']):16}")
     s = out["default"]["surge"]
     print(f"checkpoint: {out['default']['checkpoint_bytes']} bytes, written in {out['default']['checkpoint_s_p50']} s "
           f"(p50)")
