@@ -24,10 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from journal import batches as jb
-from journal import engines as je
-from journal import finetunes as fj
-from journal import ledger
+from journal import batch_store, engine_registry, finetune_store, ledger
 from journal.leases import acquire
 from policy.admission import ANY_MODEL, Refuse, admit_batch, describe_batch, estimate
 from policy.grouping import assign, own_queue
@@ -63,14 +60,15 @@ class BatchActivities:
     @activity.defn
     async def validate_batch(self, ref: ValidateInput) -> ValidateResult:
         async with self.db.connect() as conn:
-            batch = await jb.get_batch(conn, ref.batch_id)
+            batch = await batch_store.get_batch(conn, ref.batch_id)
             assert batch is not None, f"batch {ref.batch_id} vanished"
-            counts = await jb.request_counts(conn, ref.batch_id)
+            counts = await batch_store.request_counts(conn, ref.batch_id)
             if counts["total"] or batch["status"] == "failed":  # a retry after we already decided
                 return ValidateResult(counts["total"], batch["status"] == "failed")
-            file = await jb.get_file(conn, batch["input_file_id"], batch["tenant"])
+            file = await batch_store.get_file(conn, batch["input_file_id"], batch["tenant"])
             # Items may name the tenant's own fine-tuned models, as its chats may.
-            own = replace(self.limits, adapters=frozenset(await fj.fine_tuned_models(conn, batch["tenant"])))
+            own = replace(self.limits, adapters=frozenset(await finetune_store.fine_tuned_models(conn,
+                                                                                                 batch["tenant"])))
         if file is None:  # the API saw it when it created the batch: only lost data gets here
             raise ApplicationError(f"The input file {batch['input_file_id']} is missing.", non_retryable=True)
         limits = batch_file.FileLimits(batch["endpoint"], own, self.max_lines)
@@ -89,28 +87,28 @@ class BatchActivities:
         except OverQuota as over:  # nothing of the items was kept: the batch fails whole
             error = dict(code="token_limit_exceeded", message=over.message, param=None, line=None)
             async with self.db.begin() as conn:
-                await jb.move_status(conn, ref.batch_id, "failed", time.time(),
-                                     errors=dict(object="list", data=[error]))
+                await batch_store.move_status(conn, ref.batch_id, "failed", time.time(),
+                                              errors=dict(object="list", data=[error]))
             return ValidateResult(0, True)
 
     async def _journal_items(self, ref: ValidateInput, batch: dict[str, Any], limits: batch_file.FileLimits,
                              key: str, errors: list[batch_file.LineError]) -> ValidateResult:
         async with self.db.begin() as conn:
             if errors:
-                await jb.move_status(conn, ref.batch_id, "failed", time.time(),
-                                     errors=dict(object="list", data=[e.as_openai() for e in errors]))
+                await batch_store.move_status(conn, ref.batch_id, "failed", time.time(),
+                                              errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
             total, input_tokens, output_tokens = 0, 0, 0
             with self.store.open(key) as f:
                 for page in _pages(batch_file.scan(f, limits), 1000):
-                    await jb.add_items(conn, ref.batch_id, batch["tenant"], page)
+                    await batch_store.add_items(conn, ref.batch_id, batch["tenant"], page)
                     total += len(page)
                     for item in page:
                         i, o = self._estimate(batch["endpoint"], item, limits.request)
                         input_tokens, output_tokens = input_tokens + i, output_tokens + o
             await self._enqueue(conn, ref.batch_id, batch["tenant"], input_tokens, output_tokens)
             # Unless a cancel came first (then the lifecycle refuses the move).
-            await jb.move_status(conn, ref.batch_id, "in_progress", time.time())
+            await batch_store.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
 
@@ -143,7 +141,8 @@ class BatchActivities:
         """The last word on a batch whose validation or finalization keeps failing."""
         error = dict(code=inp.code, message=storable(inp.message), param=None, line=None)
         async with self.db.begin() as conn:
-            await jb.move_status(conn, inp.batch_id, "failed", time.time(), errors=dict(object="list", data=[error]))
+            await batch_store.move_status(conn, inp.batch_id, "failed", time.time(), errors=dict(object="list",
+                                                                                                 data=[error]))
             await ledger.refund(conn, keys.batch(inp.batch_id))
 
     @activity.defn
@@ -152,9 +151,9 @@ class BatchActivities:
         of them that share a prefix placed on its live engine workers (policy/grouping.py)."""
         async with self.db.connect() as conn:
             if not inp.queue:
-                return await jb.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
-            page = await jb.pending_page(conn, inp.batch_id, inp.after_idx, inp.limit, PREFIX_KEY_CHARS)
-            live = [e for e in await je.live(conn, within_s=LIVE_S) if not e["draining"]]
+                return await batch_store.pending_items(conn, inp.batch_id, inp.after_idx, inp.limit)
+            page = await batch_store.pending_page(conn, inp.batch_id, inp.after_idx, inp.limit, PREFIX_KEY_CHARS)
+            live = [e for e in await engine_registry.live(conn, within_s=LIVE_S) if not e["draining"]]
         workers = {}
         for e in live:  # the ones polling the batch's queue: its pool's, or its region's
             region = e["stats"].get("region", "")
@@ -171,32 +170,32 @@ class BatchActivities:
         async with self.db.begin() as conn:
             fence = await acquire(conn, keys.item(inp.batch_id, inp.idx), "fail_item")
         async with self.db.begin() as conn:
-            batch = await jb.get_batch(conn, inp.batch_id)
+            batch = await batch_store.get_batch(conn, inp.batch_id)
             assert batch is not None, f"batch {inp.batch_id} vanished"
-            item = await jb.get_item(conn, inp.batch_id, inp.idx)
+            item = await batch_store.get_item(conn, inp.batch_id, inp.idx)
             if item and item["status"] == "pending":
-                failed = jb.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body,
-                                              fence=fence)
-                await jb.append_one(conn, failed)
+                failed = batch_store.item_failed_event(inp.batch_id, inp.idx, batch["tenant"], inp.status_code, body,
+                                                       fence=fence)
+                await batch_store.append_one(conn, failed)
 
     @activity.defn
     async def finalize_batch(self, inp: FinalizeInput) -> str:
         """Write the output and error files in input order, then the final status, which it
         returns: `inp.status`, or `cancelled` when a cancel landed first (see finalize_plan)."""
         async with self.db.begin() as conn:
-            batch = await jb.get_batch(conn, inp.batch_id, lock=True)
+            batch = await batch_store.get_batch(conn, inp.batch_id, lock=True)
             assert batch is not None, f"batch {inp.batch_id} vanished"
             plan = finalize_plan(batch["status"], inp.status)
             if plan is None:
                 return batch["status"]  # a retry after we already finished
             interim, final = plan
-            if not await jb.move_status(conn, inp.batch_id, interim, inp.at):
+            if not await batch_store.move_status(conn, inp.batch_id, interim, inp.at):
                 raise RuntimeError(f"batch {inp.batch_id} is {batch['status']}: it cannot be finalized as {final}")
-        out_id, err_id = (jb.stable_id("file-", inp.batch_id, kind) for kind in ("output", "error"))
+        out_id, err_id = (batch_store.stable_id("file-", inp.batch_id, kind) for kind in ("output", "error"))
         counts = {"output": 0, "error": 0}
         with self.store.writer(keys.file(out_id)) as out, self.store.writer(keys.file(err_id)) as err:
             async with self.db.connect() as conn:
-                async for item, ev in jb.results(conn, inp.batch_id):
+                async for item, ev in batch_store.results(conn, inp.batch_id):
                     kind, line = self._result_line(inp.batch_id, final, item, ev)
                     (out if kind == "output" else err).write(line)
                     counts[kind] += 1
@@ -206,24 +205,25 @@ class BatchActivities:
             for kind, file_id in (("output", out_id), ("error", err_id)):
                 if counts[kind]:
                     key = keys.file(file_id)
-                    await jb.create_file(conn, dict(id=file_id, tenant=batch["tenant"], purpose="batch_output",
-                                                    filename=f"{inp.batch_id}_{kind}.jsonl",
-                                                    bytes=self.store.size(key), object_key=key, created_at=now))
+                    made = dict(id=file_id, tenant=batch["tenant"], purpose="batch_output",
+                                filename=f"{inp.batch_id}_{kind}.jsonl", bytes=self.store.size(key), object_key=key,
+                                created_at=now)
+                    await batch_store.create_file(conn, made)
                     fields[f"{kind}_file_id"] = file_id
             # The interim status admits no other writer (the API refuses to cancel a
             # finalizing batch, and cancelling only leads here), so this move holds.
-            if not await jb.move_status(conn, inp.batch_id, final, inp.at, **fields):
+            if not await batch_store.move_status(conn, inp.batch_id, final, inp.at, **fields):
                 raise RuntimeError(f"batch {inp.batch_id} left {interim} before it could end {final}")
             await ledger.refund(conn, keys.batch(inp.batch_id))  # its enqueued tokens are free again
         return final
 
     def _result_line(self, batch_id: str, final: str, item: dict[str, Any], ev) -> tuple[str, bytes]:
-        head = dict(id=jb.stable_id("batch_req_", batch_id, item["idx"]), custom_id=item["custom_id"])
+        head = dict(id=batch_store.stable_id("batch_req_", batch_id, item["idx"]), custom_id=item["custom_id"])
         if ev is None:  # never ran: the batch was cancelled or expired first
             error = dict(code=f"batch_{final}", message=f"This request was not executed because the batch was {final}.")
             return "error", (json.dumps(dict(head, response=None, error=error), ensure_ascii=False) + "\n").encode()
         status = 200 if ev.type == "item_completed" else ev.payload["status_code"]
-        req_id = jb.stable_id("", batch_id, item["idx"], "request")
+        req_id = batch_store.stable_id("", batch_id, item["idx"], "request")
         # The body is spliced in as the JSON text the generation wrote (see body_json).
         line = (
             json.dumps(head, ensure_ascii=False)[:-1]

@@ -24,9 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from journal import batches as jb
-from journal import finetunes as fj
-from journal import ledger
+from journal import batch_store, finetune_store, ledger
 from journal.events import append
 from journal.leases import acquire
 from protocol import keys
@@ -63,11 +61,11 @@ class FineTuneActivities:
     @activity.defn
     async def validate_training_file(self, ref: FineTuneRef) -> ValidateTrainingResult:
         async with self.db.connect() as conn:
-            job = await fj.get_job(conn, ref.job_id)
+            job = await finetune_store.get_job(conn, ref.job_id)
             assert job is not None, f"fine-tuning job {ref.job_id} vanished"
             if job["status"] != "validating_files":  # a retry after we decided
                 return ValidateTrainingResult(0, job["status"] == "failed")
-            files = {param: await jb.get_file(conn, job[param], job["tenant"])
+            files = {param: await batch_store.get_file(conn, job[param], job["tenant"])
                      for param in ("training_file", "validation_file") if job[param]}
         for param, file in files.items():
             if file is None:
@@ -79,7 +77,7 @@ class FineTuneActivities:
                 error = dict(code=found[0].code, param=param, message=what + "; ".join(
                     f"Line {e.line}: {e.message}" if e.line else e.message for e in found[:10]))
                 async with self.db.begin() as conn:
-                    await fj.move_status(conn, job, "failed", error=error, finished_at=int(time.time()))
+                    await finetune_store.move_status(conn, job, "failed", error=error, finished_at=int(time.time()))
                 return ValidateTrainingResult(0, True)
         training = files["training_file"]
         assert training is not None
@@ -92,23 +90,23 @@ class FineTuneActivities:
         """Journal the job's status; at `succeeded`, its results first. Returns the status
         the job has (a job already ended keeps its end)."""
         async with self.db.connect() as conn:
-            job = await fj.get_job(conn, inp.job_id)
+            job = await finetune_store.get_job(conn, inp.job_id)
             assert job is not None, f"fine-tuning job {inp.job_id} vanished"
-            ckpts = await fj.checkpoints(conn, inp.job_id)
+            ckpts = await finetune_store.checkpoints(conn, inp.job_id)
         fields: dict[str, Any] = {}
-        if inp.status in fj.FINAL:
+        if inp.status in finetune_store.FINAL:
             fields["finished_at"] = int(time.time())
         if inp.status == "failed":
             fields["error"] = dict(code="training_failed", message=inp.message[:1000], param=None)
         if inp.status == "succeeded":
             fields.update(await self._results(job, ckpts))
         async with self.db.begin() as conn:
-            await fj.move_status(conn, job, inp.status, **fields)
-            return (await fj.get_job(conn, inp.job_id) or {}).get("status", inp.status)
+            await finetune_store.move_status(conn, job, inp.status, **fields)
+            return (await finetune_store.get_job(conn, inp.job_id) or {}).get("status", inp.status)
 
     async def _results(self, job: dict[str, Any], ckpts: list[dict[str, Any]]) -> dict[str, Any]:
         """The metrics CSV (a file of purpose fine-tune-results), the model's name, the tokens trained."""
-        file_id = jb.stable_id("file-", job["id"], "metrics")
+        file_id = batch_store.stable_id("file-", job["id"], "metrics")
         key = keys.file(file_id)
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
@@ -123,12 +121,12 @@ class FineTuneActivities:
         with self.store.writer(key) as f:
             f.write(buf.getvalue().encode())
         async with self.db.begin() as conn:
-            if await jb.get_file(conn, file_id, job["tenant"]) is None:
-                await jb.create_file(conn, dict(id=file_id, tenant=job["tenant"], purpose="fine-tune-results",
-                                                filename="step_metrics.csv", bytes=self.store.size(key),
-                                                object_key=key, created_at=int(time.time())))
+            if await batch_store.get_file(conn, file_id, job["tenant"]) is None:
+                await batch_store.create_file(conn, dict(id=file_id, tenant=job["tenant"], purpose="fine-tune-results",
+                                                         filename="step_metrics.csv", bytes=self.store.size(key),
+                                                         object_key=key, created_at=int(time.time())))
         per_epoch = ckpts[-1].get("tokens_per_epoch", 0) if ckpts else 0
-        return dict(result_files=[file_id], fine_tuned_model=fj.fine_tuned_name(job),
+        return dict(result_files=[file_id], fine_tuned_model=finetune_store.fine_tuned_name(job),
                     trained_tokens=per_epoch * int(job["hyperparameters"]["n_epochs"]))
 
     # -- engine worker ---------------------------------------------------------------------
@@ -144,11 +142,11 @@ class FineTuneActivities:
             fence = await acquire(conn, keys.ftjob(inp.job_id), runner)
             now = (await conn.execute(select(func.now()))).scalar_one().timestamp()  # the journal's clock
         async with self.db.connect() as conn:
-            job = await fj.get_job(conn, inp.job_id)
+            job = await finetune_store.get_job(conn, inp.job_id)
             assert job is not None, f"fine-tuning job {inp.job_id} vanished"
-            files = {param: await jb.get_file(conn, job[param], job["tenant"])
+            files = {param: await batch_store.get_file(conn, job[param], job["tenant"])
                      for param in ("training_file", "validation_file") if job[param]}
-            ckpts = await fj.checkpoints(conn, inp.job_id)
+            ckpts = await finetune_store.checkpoints(conn, inp.job_id)
         for param, file in files.items():
             if file is None:
                 raise ApplicationError(f"The {param.replace('_', ' ')} {job[param]} is missing.", non_retryable=True)
@@ -236,7 +234,7 @@ class FineTuneActivities:
                 why = "fails its checksum" if isinstance(err, CorruptCheckpoint) else "cannot be read"
                 unusable.add(ck["step"])
                 async with self.db.begin() as conn:
-                    await append(conn, [fj.job_event(
+                    await append(conn, [finetune_store.job_event(
                         job["id"], job["tenant"], f"unusable:{ck['step']}:{why}",
                         f"The checkpoint at step {ck['step']} {why}; resuming from an earlier one.",
                         level="warn", step=ck["step"])])
@@ -255,7 +253,8 @@ class FineTuneActivities:
         key = keys.checkpoint(job["id"], ck.step)
         await asyncio.to_thread(self._write, key, ck.data)
         before = max((c["step"] for c in ckpts if c["step"] < ck.step), default=0)
-        event = fj.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:], fence)
+        event = finetune_store.checkpoint_event(job["id"], job["tenant"], ck.step, key, ck.sha256, ck.losses[before:],
+                                                fence)
         event.payload.update(tokens_per_epoch=tokens_per_epoch, bytes=len(ck.data), total_steps=trainer.total_steps,
                              accuracies=ck.accuracies[before:])
         message = f"Step {ck.step}/{trainer.total_steps}: training loss={ck.losses[-1]:.4f}"
@@ -272,7 +271,8 @@ class FineTuneActivities:
         settle = ledger.Entry(ledger.SETTLE, keys.ftjob_step(job["id"], ck.step), job["tenant"], job["model"],
                               Tier.TRAINING, trained, 0)
         async with self.db.begin() as conn:
-            await append(conn, [event, fj.job_event(job["id"], job["tenant"], f"step:{ck.step}", message, **metrics)])
+            await append(conn, [event, finetune_store.job_event(job["id"], job["tenant"], f"step:{ck.step}", message,
+                                                                **metrics)])
             await ledger.insert(conn, [settle])
 
     # -- files and the model -----------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from journal import engines as je
+from journal import engine_registry
 from journal.events import NewEvent, append
 from protocol.fleet import EngineReport
 from protocol.temporal import ApplyFleetInput, ObserveFleetInput
@@ -22,14 +22,14 @@ class FleetActivities:
     @activity.defn
     async def observe_fleet(self, inp: ObserveFleetInput) -> list[EngineReport]:
         async with self.db.connect() as conn:
-            rows = await je.live(conn, within_s=inp.stale_s)
+            rows = await engine_registry.live(conn, within_s=inp.stale_s)
         return [_report(r) for r in rows]
 
     @activity.defn
     async def apply_fleet(self, inp: ApplyFleetInput) -> None:
         # One transaction: the caps and the events that explain them land together.
         async with self.db.begin() as conn:
-            await je.set_caps(conn, inp.caps)
+            await engine_registry.set_caps(conn, inp.caps)
             await append(conn, [NewEvent(e.stream, e.type, e.payload, e.key, "system") for e in inp.events])
 
 

@@ -31,10 +31,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from engine import requests as rq
+from engine import sampling
 from engine.slots import EngineSlots
 from engine.trace import OFF, Trace
-from journal import batches as jb
+from journal import batch_store
 from journal.checkpointer import Checkpointer
 from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
@@ -74,7 +74,7 @@ class GenerationActivities:
             taken = await acquire_many(conn, [keys.item(group.batch_id, idx) for idx in group.idxs], runner)
         fences = {idx: taken[keys.item(group.batch_id, idx)] for idx in group.idxs}
         async with self.db.connect() as conn:
-            batch, items = await jb.load_for_generation(conn, group.batch_id, group.idxs)
+            batch, items = await batch_store.load_for_generation(conn, group.batch_id, group.idxs)
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
         progress = {idx: 0 for idx in group.idxs}
         beat = asyncio.create_task(self._heartbeat(progress))
@@ -106,7 +106,7 @@ class GenerationActivities:
                     return GenerateResult("failed", idx=at.idx)
                 await asyncio.sleep(self.retry_delay_s * tries)
                 async with self.db.connect() as conn:  # resume from what is journaled now
-                    _, reloaded = await jb.load_for_generation(conn, at.batch["id"], [at.idx])
+                    _, reloaded = await batch_store.load_for_generation(conn, at.batch["id"], [at.idx])
                 at.item = reloaded[at.idx]
         raise AssertionError("unreachable")
 
@@ -116,7 +116,7 @@ class GenerationActivities:
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
         req = parse(endpoint, item["body"], Limits(self.engine.spec.name, self.engine.spec.max_model_len,
                                                    any_adapter=True), batch=True)
-        ready = req if isinstance(req, ProtocolError) else rq.prepare(self.engine, req)
+        ready = req if isinstance(req, ProtocolError) else sampling.prepare(self.engine, req)
         if isinstance(ready, ProtocolError):
             await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
             return GenerateResult("failed", idx=idx)
@@ -133,14 +133,14 @@ class GenerationActivities:
             # (the cap lifts after the cool-down) and goes on from them, with no round trip
             # through the workflow and no reload, while the engine serves the chat.
         tokens = at.tokens
-        text, reason, used = rq.finish(self.engine, prompt, tokens, params, reason)
-        meta = dict(id=f"{'chatcmpl' if req.endpoint == rq.CHAT else 'cmpl'}-{jb.stable_id('', at.stream)}",
-                    created=int(time.time()), model=req.model)
+        text, reason, used = sampling.finish(self.engine, prompt, tokens, params, reason)
+        kind = "chatcmpl" if req.endpoint == sampling.CHAT else "cmpl"
+        meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
         body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
         await self.checkpointer.submit([*at.due(), at.completed(body)])
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
 
-    async def _on_engine(self, at: Attempt, prompt: list[int], params: rq.Sampling) -> str | None:
+    async def _on_engine(self, at: Attempt, prompt: list[int], params: sampling.Sampling) -> str | None:
         """One stretch of the item on vLLM, under a batch slot: its finish reason, or
         PREEMPTED once every token it has is journaled."""
         tokens, reason = at.tokens, None
@@ -177,7 +177,7 @@ class GenerationActivities:
             return PREEMPTED
         return reason
 
-    def _already_finished(self, prompt: list[int], tokens: list[int], params: rq.Sampling) -> bool:
+    def _already_finished(self, prompt: list[int], tokens: list[int], params: sampling.Sampling) -> bool:
         """A previous attempt produced everything but died before recording completion."""
         if not tokens:
             return False
@@ -185,7 +185,7 @@ class GenerationActivities:
             return True
         if tokens[-1] == self.engine.tokenizer.eos_token_id and not params.ignore_eos:
             return True
-        return rq.stopped(self.engine, prompt, tokens, params)
+        return sampling.stopped(self.engine, prompt, tokens, params)
 
     async def _heartbeat(self, progress: dict[int, int]) -> None:
         # Beats even while items wait for a slot or in the engine's queue; three beats per
@@ -247,11 +247,13 @@ class Attempt:
                         f"{self.stream}:preempted:{offset}", self.batch["tenant"], fence=self.fence)
 
     def completed(self, body: dict[str, Any]) -> NewEvent:
-        return jb.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body, fence=self.fence)
+        return batch_store.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body,
+                                                fence=self.fence)
 
     def failed(self, err: ProtocolError) -> NewEvent:
-        return jb.item_failed_event(self.batch["id"], self.idx, self.batch["tenant"], err.status_code, err.body(),
-                                    fence=self.fence)
+        return batch_store.item_failed_event(self.batch["id"], self.idx, self.batch["tenant"], err.status_code,
+                                             err.body(),
+                                             fence=self.fence)
 
 
 def _failure(err: Exception) -> ProtocolError:

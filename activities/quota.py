@@ -1,5 +1,5 @@
 """The quota reconciler's side effect: expire dead holders' reservations, fold the ledger,
-and now and then journal the requests no API reported (activities/requests.py).
+and now and then journal the requests no API reported (activities/interactive.py).
 
 A local activity of `workflows/quota.py` on the control worker; one transaction per tick.
 """
@@ -11,7 +11,7 @@ import time
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
-from activities.requests import account_unreported
+from activities.interactive import account_unreported
 from journal import ledger
 from protocol.temporal import ReconcileInput, ReconcileResult
 

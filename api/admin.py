@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.deps import AdminDep, ServicesDep
 from api.errors import APIError, check_text, not_found, possible_id
-from journal import tenants as jt
+from journal import tenant_store
 from protocol.schema import errors
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(401, 403))
@@ -38,7 +38,7 @@ class Limits(BaseModel):
     """The tenant's limits for `model` ('*': every model), replaced whole: an absent or
     null dimension is no limit."""
 
-    model: str = Field(default=jt.ANY_MODEL, min_length=1, max_length=256)
+    model: str = Field(default=tenant_store.ANY_MODEL, min_length=1, max_length=256)
     requests_per_min: int | None = _LIMIT
     input_tokens_per_min: int | None = _LIMIT
     output_tokens_per_min: int | None = _LIMIT
@@ -63,7 +63,7 @@ def key_object(row: dict[str, Any], plaintext: str | None = None) -> dict[str, A
 
 
 def limits_object(row: dict[str, Any]) -> dict[str, Any]:
-    return dict(tenant=row["tenant"], model=row["model"], **{d: row[d] for d in jt.DIMENSIONS},
+    return dict(tenant=row["tenant"], model=row["model"], **{d: row[d] for d in tenant_store.DIMENSIONS},
                 updated_at=_epoch(row["updated_at"]))
 
 
@@ -72,8 +72,8 @@ def _unknown(tenant: str) -> APIError:
 
 
 async def _new_key(conn: AsyncConnection, tenant: str, name: str | None, admin: bool) -> dict[str, Any]:
-    key_id, plaintext = await jt.create_key(conn, tenant, name, admin)
-    row = await jt.get_key(conn, key_id)
+    key_id, plaintext = await tenant_store.create_key(conn, tenant, name, admin)
+    row = await tenant_store.get_key(conn, key_id)
     assert row is not None
     return key_object(row, plaintext)
 
@@ -82,13 +82,13 @@ async def _new_key(conn: AsyncConnection, tenant: str, name: str | None, admin: 
 async def create_tenant(body: CreateTenant, svc: ServicesDep, _: AdminDep):
     """A tenant and its first key (shown once)."""
     try:
-        jt.check_tenant_id(body.id)
+        tenant_store.check_tenant_id(body.id)
     except ValueError as err:
         raise APIError(400, str(err), param="id", code="invalid_value") from None
     async with svc.db.begin() as conn:
         try:
-            row = await jt.create_tenant(conn, body.id, body.weight)
-        except jt.TenantExists as err:
+            row = await tenant_store.create_tenant(conn, body.id, body.weight)
+        except tenant_store.TenantExists as err:
             raise APIError(409, str(err), param="id", code="tenant_exists") from None
         key = await _new_key(conn, body.id, None, False)
     return dict(tenant=tenant_object(row), key=key)
@@ -97,7 +97,7 @@ async def create_tenant(body: CreateTenant, svc: ServicesDep, _: AdminDep):
 @router.get("/tenants", operation_id="listTenants", responses=errors())
 async def list_tenants(svc: ServicesDep, _: AdminDep):
     async with svc.db.connect() as conn:
-        rows = await jt.list_tenants(conn)
+        rows = await tenant_store.list_tenants(conn)
     return dict(object="list", data=[tenant_object(r) for r in rows])
 
 
@@ -109,7 +109,7 @@ async def create_key(tenant_id: str, svc: ServicesDep, _: AdminDep, body: Create
     async with svc.db.begin() as conn:
         try:
             return await _new_key(conn, tenant_id, body.name, body.admin)
-        except jt.UnknownTenant:
+        except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
 
 
@@ -117,8 +117,8 @@ async def create_key(tenant_id: str, svc: ServicesDep, _: AdminDep, body: Create
 async def list_keys(tenant_id: str, svc: ServicesDep, _: AdminDep):
     async with svc.db.connect() as conn:
         try:
-            rows = await jt.list_keys(conn, tenant_id)
-        except jt.UnknownTenant:
+            rows = await tenant_store.list_keys(conn, tenant_id)
+        except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
     return dict(object="list", data=[key_object(r) for r in rows])
 
@@ -128,7 +128,7 @@ async def revoke_key(key_id: str, svc: ServicesDep, _: AdminDep):
     row = None
     if possible_id(key_id):  # one that cannot be an id is unknown without asking Postgres
         async with svc.db.begin() as conn:
-            row = await jt.revoke(conn, key_id)
+            row = await tenant_store.revoke(conn, key_id)
     if row is None:
         raise not_found("API key", key_id, "key_id")
     svc.keys.forget(row["hash"])  # at once here; other API processes within their cache's bound
@@ -139,8 +139,8 @@ async def revoke_key(key_id: str, svc: ServicesDep, _: AdminDep):
 async def get_limits(tenant_id: str, svc: ServicesDep, _: AdminDep):
     async with svc.db.connect() as conn:
         try:
-            rows = await jt.get_limits(conn, tenant_id)
-        except jt.UnknownTenant:
+            rows = await tenant_store.get_limits(conn, tenant_id)
+        except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
     return dict(object="list", data=[limits_object(r) for r in rows])
 
@@ -150,7 +150,7 @@ async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep
     check_text(body.model, "model")
     async with svc.db.begin() as conn:
         try:
-            row = await jt.set_limits(conn, tenant_id, body.model, **body.model_dump(exclude={"model"}))
-        except jt.UnknownTenant:
+            row = await tenant_store.set_limits(conn, tenant_id, body.model, **body.model_dump(exclude={"model"}))
+        except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
     return limits_object(row)

@@ -12,7 +12,7 @@ a background flusher, one multi-row INSERT per `admission_flush_s` tick. A promp
 API tokenized is reserved at its exact size; an estimated one (no tokenizer in this
 process yet) waits at most one tick for the engine's corrected figures, so the row
 usually carries them. Settles are not written here: the transaction that journals the request's outcome
-writes them (`activities/requests.py`). Hence the overshoot bound in policy/admission.py.
+writes them (`activities/interactive.py`). Hence the overshoot bound in policy/admission.py.
 
 While Postgres is unreachable the view ages and decisions go on from it (own admissions
 stay exact, so one process alone never passes a limit); reserve rows wait in memory.

@@ -14,7 +14,7 @@ from api import admin, batches, errors, files, fine_tuning, health, interactive,
 from api.admission import Admission
 from api.auth import Authenticate, KeyCache
 from api.deps import REQUIRE_KEY, Services
-from api.engines import EngineDirectory
+from api.engine_directory import EngineDirectory
 from config import Settings
 from journal.db import connect
 from protocol import schema

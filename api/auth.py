@@ -25,8 +25,8 @@ from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.errors import APIError, error_response
-from journal import tenants
-from journal.tenants import Principal
+from journal import tenant_store
+from journal.tenant_store import Principal
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ Lookup = Callable[[str], Awaitable[Principal | None]]
 def from_db(db: AsyncEngine) -> Lookup:
     async def lookup(plaintext: str) -> Principal | None:
         async with db.connect() as conn:
-            return await tenants.lookup(conn, plaintext)
+            return await tenant_store.lookup(conn, plaintext)
 
     return lookup
 
@@ -56,7 +56,7 @@ class KeyCache:
     async def principal(self, plaintext: str) -> Principal | None:
         """The key's principal; None when it is unknown or revoked. Raises when the
         database cannot be asked (a key is never taken on trust)."""
-        h = tenants.hash_key(plaintext)
+        h = tenant_store.hash_key(plaintext)
         now = self._clock()
         if (known := self._known.get(h)) and now - known[0] < self.ttl_s:
             return known[1]

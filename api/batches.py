@@ -14,8 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, not_found, possible_id, require_id
-from journal import batches as jb
-from journal import tenants
+from journal import batch_store, tenant_store
 from policy.lifecycle import cancellable
 from policy.placement import batch_regions, region_queue
 from protocol import keys
@@ -42,19 +41,19 @@ class CreateBatch(BaseModel):
 async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
     """The batch as it stands now; one this request has just created or moved, so it exists."""
     async with svc.db.connect() as conn:
-        row = await jb.get_batch(conn, batch_id)
+        row = await batch_store.get_batch(conn, batch_id)
         assert row is not None, f"batch {batch_id} vanished"
         return await batch_object(conn, row)
 
 
 async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
-    counts = await jb.request_counts(conn, row["id"])
+    counts = await batch_store.request_counts(conn, row["id"])
     out = {k: row[k] for k in (
         "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
     # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic.
-    return dict(object="batch", **out, request_counts=counts, ballast=await jb.preemptions(conn, row["id"]))
+    return dict(object="batch", **out, request_counts=counts, ballast=await batch_store.preemptions(conn, row["id"]))
 
 
 def _links(*operations: str) -> dict:
@@ -80,14 +79,14 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                                metadata=body.metadata, status="validating", created_at=now,
                                expires_at=now + WINDOWS[body.completion_window])
     async with svc.db.begin() as conn:
-        f = await jb.get_file(conn, body.input_file_id, tenant)
+        f = await batch_store.get_file(conn, body.input_file_id, tenant)
         if f is None:
             raise not_found("file", body.input_file_id, "input_file_id")
         if f["purpose"] != "batch":
             raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; "
                            "a batch needs purpose 'batch'.", param="input_file_id", code="invalid_value")
-        await jb.create_batch(conn, row)
-        owner = await tenants.get_tenant(conn, tenant)
+        await batch_store.create_batch(conn, row)
+        owner = await tenant_store.get_tenant(conn, tenant)
     s = svc.settings
     queues = [s.engine_queue]
     if owner and owner.get("regions") is not None:  # fenced: only those regions' engine workers poll these
@@ -109,7 +108,8 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         log.exception("could not start batch %s", row["id"])
         async with svc.db.begin() as conn:
             failure = dict(code="unavailable", message=f"could not start: {err}", param=None, line=None)
-            await jb.move_status(conn, row["id"], "failed", time.time(), errors=dict(object="list", data=[failure]))
+            await batch_store.move_status(conn, row["id"], "failed", time.time(), errors=dict(object="list",
+                                                                                              data=[failure]))
         raise APIError(503, "The batch could not be scheduled; try again shortly.", code="unavailable") from err
     return await _current(svc, row["id"])
 
@@ -118,7 +118,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
 async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("batch", batch_id, "batch_id")
     async with svc.db.connect() as conn:
-        row = await jb.get_batch(conn, batch_id, tenant)
+        row = await batch_store.get_batch(conn, batch_id, tenant)
         if row is None:
             raise not_found("batch", batch_id, "batch_id")
         return await batch_object(conn, row)
@@ -130,7 +130,7 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
         rows, data = [], []  # a cursor that cannot exist pages like one that does not: nothing after it
     else:
         async with svc.db.connect() as conn:
-            rows = await jb.list_batches(conn, tenant, after, limit + 1)
+            rows = await batch_store.list_batches(conn, tenant, after, limit + 1)
             data = [await batch_object(conn, r) for r in rows[:limit]]
     return dict(object="list", data=data, first_id=data[0]["id"] if data else None,
                 last_id=data[-1]["id"] if data else None, has_more=len(rows) > limit)
@@ -142,14 +142,14 @@ async def cancel(batch_id: str, svc: ServicesDep, tenant: TenantDep):
     (a lost signal is re-sent by the next call); any later status is a 400."""
     require_id("batch", batch_id, "batch_id")
     async with svc.db.begin() as conn:
-        row = await jb.get_batch(conn, batch_id, tenant, lock=True)
+        row = await batch_store.get_batch(conn, batch_id, tenant, lock=True)
         if row is None:
             raise not_found("batch", batch_id, "batch_id")
         if row["status"] != "cancelling":
             if not cancellable(row["status"]):
                 raise APIError(400, f"Cannot cancel a batch with status {row['status']}.", param="batch_id",
                                code="invalid_state")
-            await jb.move_status(conn, batch_id, "cancelling", time.time())
+            await batch_store.move_status(conn, batch_id, "cancelling", time.time())
     # The journal says `cancelling` first, so the signal only hurries the workflow along:
     # without it the batch still ends `cancelled` when the workflow finalizes.
     try:

@@ -13,11 +13,11 @@ from temporalio.client import Client
 
 from api.admission import Admission
 from api.auth import KeyCache, authenticate
-from api.engines import EngineDirectory
+from api.engine_directory import EngineDirectory
 from api.errors import APIError
 from api.placer import Placer
 from config import Settings
-from journal.tenants import Principal
+from journal.tenant_store import Principal
 from storage.objects import ObjectStore
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import ServicesDep, TenantDep
 from api.errors import APIError, check_text, not_found, require_id
-from journal import batches as jb
+from journal import batch_store
 from protocol import keys
 from protocol.schema import errors
 
@@ -73,7 +73,7 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
     row = dict(id=file_id, tenant=tenant, purpose=purpose, filename=filename,
                bytes=size, object_key=key, created_at=int(time.time()))
     async with svc.db.begin() as conn:
-        await jb.create_file(conn, row)
+        await batch_store.create_file(conn, row)
     return file_object(row)
 
 
@@ -86,7 +86,7 @@ def too_large(limit: int) -> APIError:
 async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:
-        row = await jb.get_file(conn, file_id, tenant)
+        row = await batch_store.get_file(conn, file_id, tenant)
     if row is None:
         raise not_found("file", file_id, "file_id")
     return file_object(row)
@@ -97,7 +97,7 @@ async def retrieve(file_id: str, svc: ServicesDep, tenant: TenantDep):
 async def content(file_id: str, svc: ServicesDep, tenant: TenantDep):
     require_id("file", file_id, "file_id")
     async with svc.db.connect() as conn:
-        row = await jb.get_file(conn, file_id, tenant)
+        row = await batch_store.get_file(conn, file_id, tenant)
     if row is None:
         raise not_found("file", file_id, "file_id")
     f = svc.store.open(row["object_key"])

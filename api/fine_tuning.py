@@ -24,9 +24,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, check_text, not_found, possible_id, require_id
-from journal import batches as jb
-from journal import finetunes as fj
-from journal import ledger, tenants
+from journal import batch_store, finetune_store, ledger, tenant_store
 from policy.admission import ANY_MODEL, Refuse, admit_fine_tune, describe_fine_tune
 from protocol import keys
 from protocol.schema import errors
@@ -63,7 +61,7 @@ async def _admit(conn: AsyncConnection, tenant: str, model: str) -> None:
     time (a transaction-scoped advisory lock): two at once cannot both take the last place."""
     await conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"fine-tune-admission:{tenant}"))))
     sets = (await ledger.load_limits(conn, tenant)).get(tenant, ())
-    scopes = [(s, await fj.active_jobs(conn, tenant, None if s.model == ANY_MODEL else model))
+    scopes = [(s, await finetune_store.active_jobs(conn, tenant, None if s.model == ANY_MODEL else model))
               for s in sets if s.model in (ANY_MODEL, model) and s.concurrent_fine_tunes is not None]
     decision = admit_fine_tune(scopes)
     if isinstance(decision, Refuse):
@@ -82,7 +80,7 @@ def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dic
                 validation_file=row["validation_file"], result_files=row["result_files"],
                 trained_tokens=row["trained_tokens"], seed=row["seed"], user_provided_suffix=row["suffix"],
                 metadata=row["metadata"], integrations=[],
-                estimated_finish=fj.estimated_finish(row["status"], latest, time.time()),
+                estimated_finish=finetune_store.estimated_finish(row["status"], latest, time.time()),
                 hyperparameters=dict(n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
                                      learning_rate_multiplier=hp["learning_rate_multiplier"]))
 
@@ -133,15 +131,15 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
             if file_id is None:
                 continue
             require_id("file", file_id, param)
-            f = await jb.get_file(conn, file_id, tenant)
+            f = await batch_store.get_file(conn, file_id, tenant)
             if f is None:
                 raise not_found("file", file_id, param)
             if f["purpose"] != "fine-tune":
                 raise APIError(400, f"File {file_id} has purpose {f['purpose']!r}; fine-tuning needs purpose "
                                     "'fine-tune'.", param=param, code="invalid_value")
         await _admit(conn, tenant, body.model)
-        await fj.create_job(conn, row)
-        owner = await tenants.get_tenant(conn, tenant)
+        await finetune_store.create_job(conn, row)
+        owner = await tenant_store.get_tenant(conn, tenant)
     try:
         await svc.temporal.start_workflow(
             FineTuneWorkflow.run,
@@ -153,15 +151,16 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     except Exception as err:  # the job must not sit in `validating_files` forever
         log.exception("could not start fine-tuning job %s", row["id"])
         async with svc.db.begin() as conn:
-            await fj.move_status(conn, row, "failed", finished_at=int(time.time()),
-                                 error=dict(code="unavailable", message=f"could not start: {err}", param=None))
+            await finetune_store.move_status(conn, row, "failed", finished_at=int(time.time()),
+                                             error=dict(code="unavailable", message=f"could not start: {err}",
+                                                        param=None))
         raise APIError(503, "The job could not be scheduled; try again shortly.", code="unavailable") from err
     return await _current(svc, row["id"])
 
 
 async def _current(svc: Services, job_id: str) -> dict[str, Any]:
     async with svc.db.connect() as conn:
-        row = await fj.get_job(conn, job_id)
+        row = await finetune_store.get_job(conn, job_id)
     assert row is not None, f"fine-tuning job {job_id} vanished"
     return job_object(row)
 
@@ -169,7 +168,7 @@ async def _current(svc: Services, job_id: str) -> dict[str, Any]:
 async def _owned(svc: Services, job_id: str, tenant: str) -> dict[str, Any]:
     require_id("fine-tuning job", job_id, "fine_tuning_job_id")
     async with svc.db.connect() as conn:
-        row = await fj.get_job(conn, job_id, tenant)
+        row = await finetune_store.get_job(conn, job_id, tenant)
     if row is None:
         raise not_found("fine-tuning job", job_id, "fine_tuning_job_id")
     return row
@@ -186,7 +185,7 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
     rows: list[dict[str, Any]] = []  # a cursor that cannot exist pages like one that does not
     if after is None or possible_id(after):
         async with svc.db.connect() as conn:
-            rows = await fj.list_jobs(conn, tenant, after, limit + 1)
+            rows = await finetune_store.list_jobs(conn, tenant, after, limit + 1)
     latest = await _latest(svc, rows[:limit])
     data = [job_object(r, latest[r["id"]]) for r in rows[:limit]]
     return dict(object="list", data=data, has_more=len(rows) > limit)
@@ -197,7 +196,7 @@ async def _latest(svc: Services, rows: list[dict[str, Any]]) -> dict[str, dict[s
     found: dict[str, dict[str, Any]] = {}
     if running := [r["id"] for r in rows if r["status"] == "running"]:
         async with svc.db.connect() as conn:
-            found = await fj.latest_checkpoints(conn, running)
+            found = await finetune_store.latest_checkpoints(conn, running)
     return {r["id"]: found.get(r["id"]) for r in rows}
 
 
@@ -241,7 +240,7 @@ async def events(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep, a
     """Newest first, as OpenAI lists them."""
     await _owned(svc, fine_tuning_job_id, tenant)
     async with svc.db.connect() as conn:
-        found = await fj.job_events(conn, fine_tuning_job_id)
+        found = await finetune_store.job_events(conn, fine_tuning_job_id)
     out = [dict(object="fine_tuning.job.event", id=f"ftevent-{e['position']}", created_at=e["at"], level=e["level"],
                 message=e["message"], type="message", data=e.get("data") or {}) for e in reversed(found)]
     if after is not None:
@@ -256,10 +255,10 @@ async def checkpoints(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantD
     """Newest first; each names the step, its training loss and its SHA-256."""
     row = await _owned(svc, fine_tuning_job_id, tenant)
     async with svc.db.connect() as conn:
-        found = await fj.checkpoints(conn, fine_tuning_job_id)
+        found = await finetune_store.checkpoints(conn, fine_tuning_job_id)
     out = [dict(object="fine_tuning.job.checkpoint", id=f"ftckpt-{c['position']}", created_at=c["at"],
                 fine_tuning_job_id=row["id"], step_number=c["step"],
-                fine_tuned_model_checkpoint=f"{fj.fine_tuned_name(row)}:ckpt-step-{c['step']}",
+                fine_tuned_model_checkpoint=f"{finetune_store.fine_tuned_name(row)}:ckpt-step-{c['step']}",
                 metrics=dict(step=c["step"], train_loss=c["losses"][-1] if c["losses"] else None),
                 sha256=c["sha256"]) for c in reversed(found)]
     if after is not None:

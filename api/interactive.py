@@ -34,8 +34,8 @@ from api.admission import Ticket
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
 from api.placer import Prompt
-from journal import finetunes as fj
-from journal.tenants import Principal
+from journal import finetune_store
+from journal.tenant_store import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
 from protocol import keys, responses, schema
@@ -100,7 +100,7 @@ async def _fine_tuned(svc: Services, tenant: str, model: Any) -> frozenset[str]:
     if not isinstance(model, str) or not model.startswith(keys.fine_tuned_prefix(svc.settings.model_name)):
         return frozenset()
     async with svc.db.connect() as conn:
-        return frozenset([model]) if await fj.owns_model(conn, tenant, model) else frozenset()
+        return frozenset([model]) if await finetune_store.owns_model(conn, tenant, model) else frozenset()
 
 
 # -- 1. the body --------------------------------------------------------------------
@@ -228,7 +228,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
                 prompt: Prompt | None = None) -> Run:
     s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
-    # (engine/fairness.py); `priority` stays for engine workers that predate it. The weight
+    # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=RANK[req.service_tier], tenant=tenant,
                tier=req.service_tier, weight=weight, api=svc.placer.me)

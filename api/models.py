@@ -15,7 +15,7 @@ from fastapi import APIRouter
 
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
-from journal import finetunes as fj
+from journal import finetune_store
 from protocol import keys
 from protocol.schema import errors
 
@@ -49,7 +49,7 @@ async def fine_tuned(svc: Services, tenant: str) -> list[dict[str, Any]]:
     OpenAI's are by the organization; `created` when the job finished."""
     try:
         async with svc.db.connect() as conn:
-            jobs = await fj.succeeded(conn, tenant)
+            jobs = await finetune_store.succeeded(conn, tenant)
     except Exception as err:  # Postgres is away: the served models still answer
         log.warning("model list without fine-tuned models: %s", err)
         return []

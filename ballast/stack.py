@@ -38,14 +38,14 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from ballast import affinity, procs
+from ballast import cpus, procs
 from ballast.pg import EmbeddedPostgres, kept_secret, set_password, write_secret
 from ballast.supervise import Supervisor
 from ballast.temporal_server import TemporalDevServer
 from ballast.tenants_cli import URL_FILE
 from config import Settings
 from config.database import as_role
-from journal import tenants
+from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
 from policy.restarts import RestartPolicy
@@ -76,7 +76,7 @@ def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
         try:
             supervisor, settings, keys = _start(settings, data, logs, stack)
             _wait_ready(settings, supervisor.children, logs, ready_timeout)
-            if settings.isolate_engine_cpus and (held := affinity.keep_off_model_workers(os.getpid())):
+            if settings.isolate_engine_cpus and (held := cpus.keep_off_model_workers(os.getpid())):
                 _step(f"the control plane keeps off cores {sorted(held)}: vLLM's model worker holds them")
             _banner(settings, data, logs, keys)
             while (gave_up := supervisor.tick()) is None:
@@ -110,7 +110,7 @@ def _start(settings: Settings, data: Path, logs: Path,
     supervisor = Supervisor(RestartPolicy(settings.restart_backoff_s, settings.restart_max_backoff_s,
                                           settings.restart_healthy_after_s, settings.restart_max_quick_crashes),
                             say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True),
-                            on_serving=(lambda _: affinity.keep_off_model_workers(os.getpid()))
+                            on_serving=(lambda _: cpus.keep_off_model_workers(os.getpid()))
                             if settings.isolate_engine_cpus else None)
     owner_url, service_url, service_password = _postgres(settings, data, stack, supervisor)
     if not settings.temporal_address:
@@ -185,7 +185,7 @@ def _engine_workers(settings: Settings, env: dict[str, str]) -> list[tuple[str, 
     regions = [r.strip() for r in (settings.engine_regions or settings.region).split(",") if r.strip()] or ["local"]
     if n == 1:
         return [("engine worker", ["worker", "engine"], dict(env, BALLAST_REGION=regions[0]), 0, "engine")]
-    binds = [None] * n if "VLLM_CPU_OMP_THREADS_BIND" in env else affinity.split_cores(
+    binds = [None] * n if "VLLM_CPU_OMP_THREADS_BIND" in env else cpus.split_cores(
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [], n)
     out = []
     for i, bind in enumerate(binds):
@@ -209,16 +209,16 @@ async def _keys(url: str, data: Path) -> list[Key]:
     db = connect(url, pool_size=1)
     try:
         async with db.begin() as conn:
-            await tenants.ensure_tenant(conn, TENANT)
+            await tenant_store.ensure_tenant(conn, TENANT)
             out = []
             for name, admin in KEY_FILES:
                 path = data / name
                 key = path.read_text().strip() if path.exists() else ""
-                found = await tenants.lookup(conn, key) if key else None
+                found = await tenant_store.lookup(conn, key) if key else None
                 if found is not None and found.admin == admin:
                     out.append(Key(path, key, admin, new=False))
                     continue
-                _, key = await tenants.create_key(conn, TENANT, f"ballast up ({name})", admin)
+                _, key = await tenant_store.create_key(conn, TENANT, f"ballast up ({name})", admin)
                 write_secret(path, key)
                 out.append(Key(path, key, admin, new=True))
             return out

@@ -19,7 +19,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from config import Settings
-from journal import tenants as jt
+from journal import tenant_store
 from journal.db import connect
 
 URL_FILE = "postgres-url"  # written by `ballast up` while its embedded Postgres runs
@@ -50,8 +50,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--anywhere", action="store_true", help="lift the fence")
     lim = cmds.add_parser("limits", help="show a tenant's limits, or set some (others stay; 'none' clears one)")
     lim.add_argument("name")
-    lim.add_argument("--model", default=jt.ANY_MODEL, help="the model they apply to (default '*': every model)")
-    for dim in jt.DIMENSIONS:
+    lim.add_argument("--model", default=tenant_store.ANY_MODEL,
+                     help="the model they apply to (default '*': every model)")
+    for dim in tenant_store.DIMENSIONS:
         # SUPPRESS: a dimension not given is absent from args, told apart from `none`.
         lim.add_argument("--" + dim.replace("_", "-"), dest=dim, type=_limit, metavar="N|none",
                          default=argparse.SUPPRESS)
@@ -102,8 +103,8 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 
 
 async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    await jt.create_tenant(conn, args.name, args.weight)
-    key_id, key = await jt.create_key(conn, args.name, admin=args.admin)
+    await tenant_store.create_tenant(conn, args.name, args.weight)
+    key_id, key = await tenant_store.create_key(conn, args.name, admin=args.admin)
     _say(f"created tenant {args.name} (weight {args.weight}) and {'admin ' if args.admin else ''}key {key_id}; "
          "the key is shown this once:")
     print(key)
@@ -112,12 +113,12 @@ async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 async def _list(conn: AsyncConnection, args: argparse.Namespace) -> int:
     _table(["TENANT", "WEIGHT", "CREATED"], [[t["id"], t["weight"], _when(t["created_at"])]
-                                             for t in await jt.list_tenants(conn)])
+                                             for t in await tenant_store.list_tenants(conn)])
     return 0
 
 
 async def _keys(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    rows = await jt.list_keys(conn, args.name)
+    rows = await tenant_store.list_keys(conn, args.name)
     _table(["KEY", "PREFIX", "NAME", "ADMIN", "CREATED", "REVOKED"],
            [[k["id"], k["prefix"] + "…", k["name"] or "-", "yes" if k["admin"] else "no", _when(k["created_at"]),
              _when(k["revoked_at"])] for k in rows])
@@ -125,14 +126,14 @@ async def _keys(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 
 async def _new_key(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    key_id, key = await jt.create_key(conn, args.name, args.key_name, args.admin)
+    key_id, key = await tenant_store.create_key(conn, args.name, args.key_name, args.admin)
     _say(f"created {'admin ' if args.admin else ''}key {key_id} for tenant {args.name}; the key is shown this once:")
     print(key)
     return 0
 
 
 async def _revoke(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    row = await jt.revoke(conn, args.key_id)
+    row = await tenant_store.revoke(conn, args.key_id)
     if row is None:
         raise LookupError(f"No key {args.key_id!r}.")
     print(f"revoked {row['id']} (tenant {row['tenant']}, {row['prefix']}…) at {_when(row['revoked_at'])}")
@@ -140,15 +141,15 @@ async def _revoke(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 
 async def _limits(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    given = {d: getattr(args, d) for d in jt.DIMENSIONS if hasattr(args, d)}
+    given = {d: getattr(args, d) for d in tenant_store.DIMENSIONS if hasattr(args, d)}
     if given:
-        await jt.set_limits(conn, args.name, args.model, **given)
-    rows = await jt.get_limits(conn, args.name)
+        await tenant_store.set_limits(conn, args.name, args.model, **given)
+    rows = await tenant_store.get_limits(conn, args.name)
     if not rows:
         print(f"tenant {args.name} has no limits")
         return 0
-    _table(["MODEL", *(d.upper() for d in jt.DIMENSIONS)],
-           [[r["model"], *("-" if r[d] is None else r[d] for d in jt.DIMENSIONS)] for r in rows])
+    _table(["MODEL", *(d.upper() for d in tenant_store.DIMENSIONS)],
+           [[r["model"], *("-" if r[d] is None else r[d] for d in tenant_store.DIMENSIONS)] for r in rows])
     return 0
 
 
@@ -157,8 +158,8 @@ async def _regions(conn: AsyncConnection, args: argparse.Namespace) -> int:
         regions = None if args.anywhere else [r.strip() for r in args.regions.split(",") if r.strip()]
         if regions is not None and not regions:
             raise ValueError("--set needs at least one region")
-        await jt.set_regions(conn, args.name, regions)
-    t = await jt.get_tenant(conn, args.name)
+        await tenant_store.set_regions(conn, args.name, regions)
+    t = await tenant_store.get_tenant(conn, args.name)
     if t is None:
         raise LookupError(f"No tenant {args.name!r}.")
     print(f"tenant {args.name}: " + ("anywhere" if t["regions"] is None else "only in " + ", ".join(t["regions"])))

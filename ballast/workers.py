@@ -20,8 +20,8 @@ from temporalio.worker import Worker
 from activities.batch import BatchActivities
 from activities.finetune import FineTuneActivities
 from activities.fleet import FleetActivities
+from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
-from activities.requests import RequestActivities
 from ballast import procs
 from config import Settings
 from journal.db import connect
@@ -132,8 +132,8 @@ async def engine_worker(settings: Settings) -> None:
     # vLLM is imported here, not at module level: the control plane never needs it.
     from activities.generate import GenerationActivities
     from engine.adapters import Adapters
-    from engine.fairness import FairShare
-    from engine.models import resolve_model
+    from engine.fair_share import FairShare
+    from engine.model_spec import resolve_model
     from engine.server import EmbeddedServer, create_app
     from engine.slots import EngineSlots
     from engine.trace import Trace
@@ -208,18 +208,18 @@ async def engine_worker(settings: Settings) -> None:
 async def list_or_drain(settings: Settings, drain: str | None) -> int:
     """`ballast worker list`: the engine workers seen lately. `ballast worker drain ID`:
     that one takes no new work (the API and Temporal stop sending it any)."""
-    from journal import engines as je
+    from journal import engine_registry
 
     db = connect(settings.require("database_url"), pool_size=1)
     try:
         async with db.begin() as conn:
             if drain is not None:
-                if not await je.drain(conn, drain):
+                if not await engine_registry.drain(conn, drain):
                     print(f"ballast: no engine worker {drain!r}; `ballast worker list` shows them", file=sys.stderr)
                     return 1
                 print(f"{drain}: draining. It takes no new work; its generations finish or move to the others.")
                 return 0
-            rows = await je.live(conn, within_s=60)
+            rows = await engine_registry.live(conn, within_s=60)
         print(f"{'id':<28} {'region':<10} {'model':<16} {'running':>7} {'waiting':>7} {'kv':>5}  state")
         for r in rows:
             st = r["stats"]
@@ -250,12 +250,12 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
     whether an operator is draining this engine (`drained` is set)."""
     from dataclasses import asdict
 
-    from journal import engines as je
+    from journal import engine_registry
 
     while True:
         try:
             async with db.begin() as conn:
-                cap, draining = await je.announce(
+                cap, draining = await engine_registry.announce(
                     conn, engine_id, url, model, settings.engine_queue,
                     dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
                          flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
@@ -278,11 +278,11 @@ def _logged(commit: asyncio.Future) -> None:
 
 
 async def _withdraw(db, engine_id: str, announcing: asyncio.Task) -> None:
-    from journal import engines as je
+    from journal import engine_registry
 
     announcing.cancel()
     async with db.begin() as conn:
-        await je.withdraw(conn, engine_id)
+        await engine_registry.withdraw(conn, engine_id)
 
 
 async def _stop_server(server, serving: asyncio.Task) -> None:

@@ -70,7 +70,7 @@ from bench.stack import ballast_up
 from bench.stats import pct
 from config import Settings
 from config.database import as_role, libpq_url
-from journal import tenants
+from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
 
@@ -113,9 +113,9 @@ async def costs(settings: Settings, db_url: str, service_url: str) -> dict:
     try:
         async with db.begin() as conn:
             for t in ("cost-local", "cost-sync"):
-                await tenants.ensure_tenant(conn, t)
-                await tenants.set_limits(conn, t, "*", **GENEROUS)
-                await tenants.set_limits(conn, t, settings.model_name, **GENEROUS)
+                await tenant_store.ensure_tenant(conn, t)
+                await tenant_store.set_limits(conn, t, "*", **GENEROUS)
+                await tenant_store.set_limits(conn, t, settings.model_name, **GENEROUS)
         local = await decision_cost(db, settings, "local", "cost-local", LOCAL_DECISIONS)
         with psycopg.connect(libpq_url(db_url), autocommit=True) as owner:  # statistics, as autovacuum keeps them
             owner.execute("ANALYZE ledger")
@@ -276,10 +276,10 @@ async def make_tenant(db_url: str, name: str, **limits: int) -> str:
     db = connect(db_url, pool_size=1)
     try:
         async with db.begin() as conn:
-            await tenants.ensure_tenant(conn, name)
+            await tenant_store.ensure_tenant(conn, name)
             if limits:
-                await tenants.set_limits(conn, name, "*", **limits)
-            return (await tenants.create_key(conn, name, "bench"))[1]
+                await tenant_store.set_limits(conn, name, "*", **limits)
+            return (await tenant_store.create_key(conn, name, "bench"))[1]
     finally:
         await db.dispose()
 

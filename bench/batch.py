@@ -53,12 +53,12 @@ from typing import Any
 
 import httpx
 
-from ballast import affinity, procs
+from ballast import cpus, procs
 from bench.stack import Stack, ballast_up
 from bench.stats import p50, ratio_ci
 from bench.timeline import VLLM_ROLES, CpuSampler, draw
 from config import Settings
-from engine.requests import Sampling
+from engine.sampling import Sampling
 
 SEED = 7
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,.ABCDEFGHIJ0123456789"
@@ -145,7 +145,7 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
     """Each batch through one in-process engine on `engine_args(spec, settings)`. With
     `long_s`, the "long" batch is sized from the short one's throughput to run that long
     (its requests are returned)."""
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
     from engine.vllm_engine import Engine, engine_args
 
     spec = resolve_model(settings)
@@ -153,7 +153,7 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
     engine = await Engine.from_args(spec, args, nice=settings.engine_nice)
     everywhere = os.sched_getaffinity(0)
     if settings.isolate_engine_cpus:  # as `ballast up` places its processes: the same for both arms
-        affinity.keep_off_model_workers(os.getpid())
+        cpus.keep_off_model_workers(os.getpid())
     out: dict[str, Any] = dict(args=args)
     try:
         async def one(i: int, r: dict, items: list) -> int:
@@ -199,7 +199,7 @@ async def raw_arm(settings: Settings, batches: dict[str, list[dict]], long_s: fl
 
 def run_batch_arm(settings: Settings, batches: dict[str, list[dict]], log=print) -> dict:
     """Each batch file through one `run_batch` process on the raw arm's engine arguments."""
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
     from engine.vllm_engine import engine_args
 
     spec = resolve_model(settings)
@@ -280,7 +280,7 @@ def _renice_vllm(root: int, nice: int) -> None:
     if nice <= 0:
         return
     target = os.getpriority(os.PRIO_PROCESS, 0) + nice
-    for pid in affinity.descendants(root):
+    for pid in cpus.descendants(root):
         try:
             if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
                 continue

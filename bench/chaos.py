@@ -719,7 +719,7 @@ class OracleFailed(RuntimeError):
 def oracle_flags(settings: Settings) -> list[str]:
     """vLLM's own flags for the model and the engine settings the engine worker starts
     vLLM with (ballast/workers.py, engine/vllm_engine.py)."""
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
     from engine.vllm_engine import _dtype
 
     spec = resolve_model(settings)
@@ -819,7 +819,7 @@ def run(settings: Settings, plan: Plan, log=print, at_rest_timeout: float | None
         **extra_env: str) -> Chaos:
     """The whole run; the Chaos, its report filled. With `oracle`, after the stack has
     stopped, the greedy items' texts are checked against vLLM's own."""
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
 
     model = resolve_model(settings).name
     with tmpfs(STORE_MIB) as (store, how), contextlib.ExitStack() as cleanup:

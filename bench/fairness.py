@@ -4,7 +4,7 @@ Two arms side by side in one run, the same load, each on a fresh `ballast up` (A
 engine worker → vLLM, its own embedded Postgres) with few sequence slots
 (BALLAST_MAX_NUM_SEQS, 8) so that the engine queues: `fcfs` (BALLAST_FAIR_SHARE=fcfs:
 served by arrival within a tier, as before) and `vtc` (the default: the Virtual Token
-Counter, engine/fairness.py). Two tenants of equal weight (1), made in the stack's
+Counter, engine/fair_share.py). Two tenants of equal weight (1), made in the stack's
 database, each with its own key; every request is a streaming chat completion of the
 `default` tier with `ignore_eos`, so its length is what it asks for.
 
@@ -62,7 +62,7 @@ from ballast import pg
 from bench.stack import ballast_up
 from bench.stats import p50, pct
 from config import Settings
-from journal import schema, tenants
+from journal import schema, tenant_store
 from journal.db import connect
 
 SEED = 7
@@ -113,8 +113,8 @@ async def make_tenants(db_url: str, names: list[str]) -> tuple[dict[str, str], s
         async with db.begin() as conn:
             keys = {}
             for n in names:
-                await tenants.ensure_tenant(conn, n, 1)
-                keys[n] = (await tenants.create_key(conn, n, "bench"))[1]
+                await tenant_store.ensure_tenant(conn, n, 1)
+                keys[n] = (await tenant_store.create_key(conn, n, "bench"))[1]
             url = (await conn.execute(select(schema.engines.c.url).limit(1))).scalar_one()
             return keys, url
     finally:

@@ -109,7 +109,7 @@ def run_arm(settings: Settings, env: dict[str, str], lines: list[dict], kv_gib: 
 
 
 def main(settings: Settings, rounds: int = 2) -> int:
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
 
     spec = resolve_model(settings)
     kv_gib = KV_CACHE_TOKENS * kv_bytes_per_token(spec.path) / 2**30

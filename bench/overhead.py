@@ -33,7 +33,7 @@ from typing import Any
 from bench.stack import Stack, ballast_up
 from bench.stats import diff_ci, p50, p99, pct, ratio_ci
 from config import Settings
-from engine.requests import Sampling
+from engine.sampling import Sampling
 
 REQUESTS = 500  # per pacing and arm: p99 is then the 5th-slowest
 MAX_TOKENS = 16
@@ -52,7 +52,7 @@ def prompts(n: int) -> list[str]:
 
 
 async def direct(settings: Settings, gap_s: float, n: int) -> list[float]:
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
     from engine.vllm_engine import Engine, engine_args
 
     spec = resolve_model(settings)  # vLLM as the engine worker configures it: like with like

@@ -272,7 +272,7 @@ def verdict(out: dict[str, Any]) -> dict[str, bool]:
 
 
 def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
 
     spec = resolve_model(settings)
     model, kv_gib = spec.name, KV_CACHE_TOKENS * kv_bytes_per_token(spec.path) / 2**30

@@ -30,7 +30,7 @@ class Stack:
 
 @contextmanager
 def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator[Stack]:
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
 
     spec = resolve_model(settings)
     port, temporal_port = procs.free_port(), procs.free_port()

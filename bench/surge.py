@@ -387,7 +387,7 @@ def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3, arms: 
          rounds: int = ROUNDS) -> int:
     from transformers import AutoTokenizer
 
-    from engine.models import resolve_model
+    from engine.model_spec import resolve_model
 
     names = [n for n in ARMS if arms is None or n in arms]  # alone and ballast always: the ratios need them
     names = sorted({"alone", "ballast", *names}, key=list(ARMS).index)

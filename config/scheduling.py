@@ -13,7 +13,7 @@ from config.section import Section
 class SchedulingSettings(Section):
     # Interactive requests' turn on an engine within a tier: "vtc", the tenant served least
     # (a Virtual Token Counter: input + 2 × output tokens over the tenant's weight) when a
-    # sequence slot frees; "fcfs": by arrival (engine/fairness.py).
+    # sequence slot frees; "fcfs": by arrival (engine/fair_share.py).
     fair_share: Literal["vtc", "fcfs"] = "vtc"
 
     # While more than one tenant is about, no tenant holds the last fair_headroom share

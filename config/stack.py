@@ -19,7 +19,7 @@ class StackSettings(Section):
     bookkeeping_nice: int = Field(5, ge=0, le=19)
 
     # `ballast up` on a CPU engine: every other process keeps off the cores vLLM binds its
-    # model worker to (ballast/affinity.py), as vLLM's own frontend and engine core do.
+    # model worker to (ballast/cpus.py), as vLLM's own frontend and engine core do.
     isolate_engine_cpus: bool = False
 
     # `ballast up` restarts a crashed child after restart_backoff_s, doubling (up to

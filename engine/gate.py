@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from engine.vllm_engine import Step
 from protocol.tiers import RANK, Tier
 

@@ -11,7 +11,7 @@ a failure after that ends the stream with an {"error": {...}, "status": 500} lin
 
 Interactive requests count against the engine's slots (`EngineSlots`), which is what makes
 batch work yield to them within an engine step, and take their turn by tenant fair share
-(`FairShare`, engine/fairness.py): the job names its `tenant`, `tier` and `weight`, and the
+(`FairShare`, engine/fair_share.py): the job names its `tenant`, `tier` and `weight`, and the
 engine worker sets the vLLM priority itself (a job without them: the API's `priority`).
 
 Every request must carry the engine token (BALLAST_ENGINE_TOKEN, shared by the API and the
@@ -38,9 +38,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine import requests as rq
+from engine import sampling
 from engine.adapters import AdapterMissing
-from engine.fairness import FairShare
+from engine.fair_share import FairShare
 from engine.slots import EngineSlots
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import Limits, parse
@@ -62,7 +62,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         endpoint, priority = job["endpoint"], int(job["priority"])
         tenant, tier, weight = str(job.get("tenant", "")), job.get("tier"), float(job.get("weight") or 1)
         req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len, any_adapter=True))
-        ready = req if isinstance(req, ProtocolError) else rq.prepare(engine, req)
+        ready = req if isinstance(req, ProtocolError) else sampling.prepare(engine, req)
         if isinstance(ready, ProtocolError):
             return JSONResponse({"error": ready.body()["error"], "status": ready.status_code})
         prompt, params = ready.prompt, ready.sampling

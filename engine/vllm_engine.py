@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
-from engine.models import ModelSpec
-from engine.requests import Sampling
+from engine.model_spec import ModelSpec
+from engine.sampling import Sampling
 
 if TYPE_CHECKING:
     from config import Settings

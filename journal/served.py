@@ -1,7 +1,7 @@
 """What the engines served, for the requests no API reported.
 
 An interactive request is journaled by its workflow, from the outcome its API process
-signals (`request_finished`, activities/requests.py). An API process that dies mid-stream
+signals (`request_finished`, activities/interactive.py). An API process that dies mid-stream
 signals nothing, and one that dies before its first token was out never started the
 workflow. So each engine worker also records every request it served, when its stream
 ends (`request_served`, stream `served:<id>`: tenant, tier, prompt and completion tokens

@@ -1,7 +1,7 @@
 """Which engine worker a batch page's items go to, so that a shared prefix is prefilled
 once per worker, not once per group. Pure.
 
-A page arrives sorted by prompt text (journal/batches.py), so items that share a prefix
+A page arrives sorted by prompt text (journal/batch_store.py), so items that share a prefix
 are neighbours. Then:
 
 1. Runs: neighbours whose prompts share at least `min_shared` leading characters form a

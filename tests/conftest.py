@@ -103,7 +103,7 @@ async def owner_db(db_url):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from engine.models import ModelSpec
+    from engine.model_spec import ModelSpec
     from engine.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("models"), max_model_len=1024)

@@ -19,7 +19,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.requests import RequestActivities
+    from activities.interactive import RequestActivities
     from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
 
 ABANDON_AFTER = timedelta(hours=1)

@@ -16,7 +16,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.generate import ITEM_TRIES, GenerationActivities
 from engine.slots import EngineSlots
-from journal import batches as jb
+from journal import batch_store
 from journal.checkpointer import Checkpointer
 from protocol import keys
 from protocol.batch import Item
@@ -53,10 +53,12 @@ async def _batch(db, bodies: list[dict], endpoint: str = "/v1/completions") -> s
     batch_id = "batch_" + uuid.uuid4().hex[:24]
     now = int(time.time())
     async with db.begin() as conn:
-        await jb.create_batch(conn, dict(id=batch_id, tenant="default", endpoint=endpoint, input_file_id="file-x",
-                                         completion_window="24h", metadata=None, status="in_progress",
-                                         created_at=now, expires_at=now + 86400))
-        await jb.add_items(conn, batch_id, "default", [Item(i, i + 1, f"c{i}", b) for i, b in enumerate(bodies)])
+        await batch_store.create_batch(conn, dict(id=batch_id, tenant="default", endpoint=endpoint,
+                                                  input_file_id="file-x",
+                                                  completion_window="24h", metadata=None, status="in_progress",
+                                                  created_at=now, expires_at=now + 86400))
+        await batch_store.add_items(conn, batch_id, "default", [Item(i, i + 1, f"c{i}", b) for i,
+                                                                b in enumerate(bodies)])
     return batch_id
 
 

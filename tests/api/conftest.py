@@ -18,10 +18,10 @@ import pytest
 from api.app import create_app
 from api.auth import KeyCache
 from api.deps import Services
-from api.engines import EngineDirectory
+from api.engine_directory import EngineDirectory
 from config import Settings
-from journal import tenants
-from journal.tenants import Principal
+from journal import tenant_store
+from journal.tenant_store import Principal
 from storage.objects import ObjectStore
 
 UPLOAD_LIMIT = 64 * 1024
@@ -73,8 +73,8 @@ def build(settings: Settings, db, temporal, key: str | None = None, keys: KeyCac
 async def new_key(db, tenant: str, *, admin: bool = False) -> str:
     """A key of `tenant` (created if new), made in the database as the admin API makes it."""
     async with db.begin() as conn:
-        await tenants.ensure_tenant(conn, tenant)
-        return (await tenants.create_key(conn, tenant, "tests", admin))[1]
+        await tenant_store.ensure_tenant(conn, tenant)
+        return (await tenant_store.create_key(conn, tenant, "tests", admin))[1]
 
 
 @pytest.fixture(scope="session")

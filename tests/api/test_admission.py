@@ -24,11 +24,11 @@ import pytest
 from sqlalchemy import text
 from temporalio.testing import ActivityEnvironment
 
+from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
-from activities.requests import RequestActivities
 from api import interactive
 from api.admission import Admission, Ticket
-from journal import tenants
+from journal import tenant_store
 from policy.admission import Refuse
 from policy.placement import EngineView
 from protocol import keys
@@ -91,7 +91,7 @@ class Harness:
 
     async def limit(self, model: str = "*", **dims: int | None) -> None:
         async with self.db.begin() as conn:
-            await tenants.set_limits(conn, self.tenant, model, **dims)
+            await tenant_store.set_limits(conn, self.tenant, model, **dims)
         await self.admission.refresh()
 
     async def chat(self, **kw) -> httpx.Response:
@@ -129,7 +129,7 @@ async def fresh_window(need_s: float = 8.0) -> None:
 async def harness(other_api, settings, db):
     key = other_api.headers["Authorization"].split()[1]
     async with db.connect() as conn:
-        principal = await tenants.lookup(conn, key)
+        principal = await tenant_store.lookup(conn, key)
     assert principal is not None
     svc = other_api._transport.app.state.services  # the `other_api` app's services, rewired here
     engine, workflows = FakeEngine(), Workflows()
@@ -319,7 +319,7 @@ async def test_another_processes_admissions_count_once_folded(harness, settings,
 
 async def test_a_killed_processes_reservations_expire(settings, db):
     async with db.begin() as conn:
-        await tenants.ensure_tenant(conn, "expiry")
+        await tenant_store.ensure_tenant(conn, "expiry")
     holder = f"doomed-{uuid.uuid4().hex[:8]}"
     a = await Admission(db, settings, holder=holder).start()
     tickets = [a.reserve_local(uuid.uuid4().hex, "expiry", MODEL, "default", 10, 20, 20) for _ in range(3)]

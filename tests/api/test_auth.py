@@ -15,8 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from api.auth import NO_KEY, KeyCache
-from journal import tenants as jt
-from journal.tenants import Principal
+from journal import tenant_store
+from journal.tenant_store import Principal
 from tests.api.conftest import Untouchable, assert_openai_error, build, new_key
 from tests.helpers import Clock
 
@@ -252,4 +252,4 @@ async def test_a_key_that_cannot_be_checked_is_503_not_let_in(settings):
 
 
 def test_the_hash_is_sha256_of_the_key():
-    assert jt.hash_key("sk-ballast-abc") == hashlib.sha256(b"sk-ballast-abc").hexdigest()
+    assert tenant_store.hash_key("sk-ballast-abc") == hashlib.sha256(b"sk-ballast-abc").hexdigest()

@@ -15,7 +15,7 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.batch import BatchActivities
-from journal import batches as jb
+from journal import batch_store
 from journal.leases import acquire
 from protocol import keys
 from protocol.requests import Limits
@@ -56,10 +56,10 @@ async def _settle(db, batch_id: str, idx: int, ok: bool = True) -> None:
     body = {"object": "chat.completion"} if ok else {"error": {"message": "no", "code": "x"}}
     async with db.begin() as conn:
         fence = await acquire(conn, keys.item(batch_id, idx), "test")
-    ev = (jb.item_completed_event(batch_id, idx, "default", body, fence=fence) if ok
-          else jb.item_failed_event(batch_id, idx, "default", 400, body, fence=fence))
+    ev = (batch_store.item_completed_event(batch_id, idx, "default", body, fence=fence) if ok
+          else batch_store.item_failed_event(batch_id, idx, "default", 400, body, fence=fence))
     async with db.begin() as conn:
-        await jb.append_one(conn, ev)
+        await batch_store.append_one(conn, ev)
 
 
 async def _cancel(api, batch_id: str, status: str) -> dict:
@@ -153,7 +153,7 @@ async def test_a_cancel_during_finalization_or_after_completion_is_refused(tempo
         await _settle(db, batch_id, i)
     # What finalize does first; the files are being written now.
     async with db.begin() as conn:
-        assert await jb.move_status(conn, batch_id, "finalizing", 1.0)
+        assert await batch_store.move_status(conn, batch_id, "finalizing", 1.0)
     await _refused(api, batch_id, "finalizing")
     assert await _finalize(acts, batch_id, "completed") == "completed"
     await _refused(api, batch_id, "completed")

@@ -13,7 +13,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from journal import finetunes as fj
+from journal import finetune_store
 from journal.events import append
 from journal.leases import acquire
 from protocol import keys
@@ -85,11 +85,11 @@ async def test_pause_resume_and_cancel_follow_the_status(client, db):
         await client.fine_tuning.jobs.resume(job.id)
     assert (await client.fine_tuning.jobs.pause(job.id)).id == job.id  # signalled
     async with db.begin() as c:
-        row = await fj.get_job(c, job.id)
-        await fj.move_status(c, row, "paused")
+        row = await finetune_store.get_job(c, job.id)
+        await finetune_store.move_status(c, row, "paused")
     assert (await client.fine_tuning.jobs.resume(job.id)).status == "paused"  # it moves once the workflow does
     async with db.begin() as c:
-        await fj.move_status(c, row, "cancelled")
+        await finetune_store.move_status(c, row, "cancelled")
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a fine-tuning job with status cancelled"):
         await client.fine_tuning.jobs.cancel(job.id)
 
@@ -100,10 +100,12 @@ async def test_events_and_checkpoints_list_what_the_journal_holds_newest_first(c
         fence = await acquire(c, keys.ftjob(job.id), "test")
     async with db.begin() as c:
         await append(c, [
-            fj.checkpoint_event(job.id, "default", 2, keys.checkpoint(job.id, 2), "a" * 64, [2.0, 1.5], fence),
-            fj.job_event(job.id, "default", "step:2", "Step 2/4: training loss=1.5000"),
-            fj.checkpoint_event(job.id, "default", 4, keys.checkpoint(job.id, 4), "b" * 64, [1.2, 1.0], fence),
-            fj.job_event(job.id, "default", "step:4", "Step 4/4: training loss=1.0000"),
+            finetune_store.checkpoint_event(job.id, "default", 2, keys.checkpoint(job.id, 2), "a" * 64, [2.0, 1.5],
+                                            fence),
+            finetune_store.job_event(job.id, "default", "step:2", "Step 2/4: training loss=1.5000"),
+            finetune_store.checkpoint_event(job.id, "default", 4, keys.checkpoint(job.id, 4), "b" * 64, [1.2, 1.0],
+                                            fence),
+            finetune_store.job_event(job.id, "default", "step:4", "Step 4/4: training loss=1.0000"),
         ])
     events = [e async for e in client.fine_tuning.jobs.list_events(job.id)]
     assert [e.message for e in events] == ["Step 4/4: training loss=1.0000", "Step 2/4: training loss=1.5000"]
@@ -128,7 +130,7 @@ async def test_active_jobs_past_the_tenants_limit_are_refused_at_creation(settin
     import asyncio
     import uuid
 
-    from journal import tenants as jt
+    from journal import tenant_store
     from tests.api.conftest import build, new_key
 
     tenant = "ft-limited-" + uuid.uuid4().hex[:8]
@@ -137,8 +139,8 @@ async def test_active_jobs_past_the_tenants_limit_are_refused_at_creation(settin
                                max_retries=0, http_client=http) as c:
         file_id = await upload(c)
         async with db.begin() as conn:
-            await jt.set_limits(conn, tenant, "*", concurrent_fine_tunes=3)
-            await jt.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=2)
+            await tenant_store.set_limits(conn, tenant, "*", concurrent_fine_tunes=3)
+            await tenant_store.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=2)
 
         async def create():
             return await c.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id)
@@ -157,11 +159,12 @@ async def test_active_jobs_past_the_tenants_limit_are_refused_at_creation(settin
             assert (await conn.execute(text("SELECT count(*) FROM fine_tuning_jobs WHERE tenant = :t"),
                                        dict(t=tenant))).scalar_one() == 2
         async with db.begin() as conn:  # one ends: its place is free
-            await fj.move_status(conn, await fj.get_job(conn, made[0].id), "cancelled")
+            await finetune_store.move_status(conn, await finetune_store.get_job(conn, made[0].id), "cancelled")
         await create()
         async with db.begin() as conn:  # the model's limit lifted: the tenant's own (3) binds
-            await jt.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=None)
-            await fj.move_status(conn, await fj.get_job(conn, made[1].id), "paused")  # paused still counts
+            await tenant_store.set_limits(conn, tenant, "ballast-tiny", concurrent_fine_tunes=None)
+            await finetune_store.move_status(conn, await finetune_store.get_job(conn, made[1].id),
+                                             "paused")  # paused still counts
         await create()
         with pytest.raises(openai.RateLimitError, match="for all models in tenant .*: Limit 3, Active 3"):
             await create()

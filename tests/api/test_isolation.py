@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from journal import batches as jb
+from journal import batch_store
 from tests.api.conftest import assert_openai_error, build, new_key
 
 LINE = dict(custom_id="c0", method="POST", url="/v1/completions", body=dict(model="ballast-tiny", prompt="hi"))
@@ -82,9 +82,10 @@ async def test_lists_hold_only_the_callers_own(a, b, db):
     # B's one batch, older than A's (journaled directly: B's client cannot reach Temporal).
     own = "batch_" + uuid.uuid4().hex[:24]
     async with db.begin() as conn:
-        await jb.create_batch(conn, dict(id=own, tenant=b.tenant, endpoint="/v1/completions", input_file_id="file-x",
-                                         completion_window="24h", metadata=None, status="validating",
-                                         created_at=0, expires_at=1))
+        await batch_store.create_batch(conn, dict(id=own, tenant=b.tenant, endpoint="/v1/completions",
+                                                  input_file_id="file-x",
+                                                  completion_window="24h", metadata=None, status="validating",
+                                                  created_at=0, expires_at=1))
     ids = [await batch(a, await upload(a)) for _ in range(2)]
     listed = (await a.get("/v1/batches")).json()
     assert [x["id"] for x in listed["data"]] == ids[::-1] and not listed["has_more"]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import uuid
 
-from journal import engines as je
+from journal import engine_registry
 from tests.api.conftest import assert_openai_error
 
 
 async def _announce(db, model: str) -> str:
     engine_id = f"test-{uuid.uuid4().hex[:8]}"
     async with db.begin() as conn:
-        await je.announce(conn, engine_id, "http://127.0.0.1:1", model, "q", {})
+        await engine_registry.announce(conn, engine_id, "http://127.0.0.1:1", model, "q", {})
     return engine_id
 
 
@@ -35,7 +35,7 @@ async def test_a_model_a_live_engine_serves_is_listed_and_retrievable(api, db):
         assert (await api.get("/v1/models/org/other-model")).json()["created"] == got["created"]
     finally:
         async with db.begin() as conn:
-            await je.withdraw(conn, engine_id)
+            await engine_registry.withdraw(conn, engine_id)
 
 
 async def test_an_unknown_model_is_404_model_not_found(api):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ballast import procs
 from journal.db import connect
-from journal.tenants import Principal
+from journal.tenant_store import Principal
 from tests.api.conftest import BARE_KEY, Untouchable, assert_openai_error, build, known_keys
 
 

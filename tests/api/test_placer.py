@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from api.placer import HEAD_CHARS_PER_TOKEN, Placer
 from config import Settings
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from policy.placement import EngineView
 from policy.prefix import MAX_BLOCKS, block_hashes
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Message

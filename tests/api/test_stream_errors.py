@@ -22,7 +22,7 @@ from api import interactive
 from api.app import create_app
 from api.deps import Services
 from config import Settings
-from journal.tenants import Principal
+from journal.tenant_store import Principal
 from policy.placement import EngineView
 from storage.objects import ObjectStore
 from tests.api.conftest import BARE_KEY, Untouchable, Workflows, assert_openai_error, known_keys

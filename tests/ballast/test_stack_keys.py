@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from ballast import stack
-from journal import tenants
+from journal import tenant_store
 from journal.db import connect
 
 
@@ -22,7 +22,7 @@ async def _principal(db_url, key):
     db = connect(db_url, pool_size=1)
     try:
         async with db.connect() as conn:
-            return await tenants.lookup(conn, key)
+            return await tenant_store.lookup(conn, key)
     finally:
         await db.dispose()
 
@@ -47,7 +47,7 @@ async def test_made_once_then_reused_and_replaced_when_revoked(db_url, data_dir)
     db = connect(db_url, pool_size=1)
     try:
         async with db.begin() as conn:
-            await tenants.revoke(conn, (await tenants.lookup(conn, first[0].key)).key_id)
+            await tenant_store.revoke(conn, (await tenant_store.lookup(conn, first[0].key)).key_id)
     finally:
         await db.dispose()
     third = await _keys(db_url, data_dir)

@@ -11,7 +11,7 @@ import pytest
 
 from bench import batch
 from config import Settings
-from engine.models import ModelSpec
+from engine.model_spec import ModelSpec
 from engine.vllm_engine import Engine, engine_args
 
 GiB = 1 << 30

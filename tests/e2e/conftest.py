@@ -32,8 +32,8 @@ import httpx
 import pytest
 
 from ballast import pg, procs
-from ballast.affinity import descendants
-from journal import tenants
+from ballast.cpus import descendants
+from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
 from tests.conftest import service_url_for
@@ -56,7 +56,7 @@ class Gate:
 
     def hold(self, budget: int | Mapping[str, int | None]) -> None:
         """`budget`: a token count for every batch item, or counts by item stream
-        (`journal.batches.item_stream`) with an optional "default" for the others."""
+        (`journal.batch_store.item_stream`) with an optional "default" for the others."""
         self._write(budget if isinstance(budget, int) else dict(budget))
 
     def release(self) -> None:
@@ -76,8 +76,8 @@ def make_key(db_url: str, tenant: str = "default") -> str:
         db = connect(db_url, pool_size=1)
         try:
             async with db.begin() as conn:
-                await tenants.ensure_tenant(conn, tenant)
-                return (await tenants.create_key(conn, tenant, "e2e"))[1]
+                await tenant_store.ensure_tenant(conn, tenant)
+                return (await tenant_store.create_key(conn, tenant, "e2e"))[1]
         finally:
             await db.dispose()
 

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from protocol import keys
 from tests.e2e.conftest import UPLOAD_LIMIT
 

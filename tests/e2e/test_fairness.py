@@ -1,4 +1,4 @@
-"""Tenant fair shares on a saturated engine (engine/fairness.py), on a stack of its own
+"""Tenant fair shares on a saturated engine (engine/fair_share.py), on a stack of its own
 with two sequence slots, so that interactive requests queue at the engine worker.
 
 The assertions are on order, not time: which requests the engine started first, as the

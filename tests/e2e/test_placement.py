@@ -37,7 +37,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ballast import procs
-from ballast.affinity import descendants
+from ballast.cpus import descendants
 from tests.e2e.test_batch import chat_line, greedy
 from tests.e2e.test_supervise import child, completed, sql, started, submit
 

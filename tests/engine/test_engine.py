@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from engine.tiny import build_tiny_model
 from engine.vllm_engine import Engine, Step
 

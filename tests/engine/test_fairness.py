@@ -1,4 +1,4 @@
-"""The Virtual Token Counter (policy/fairness.py) and its engine shell (engine/fairness.py)."""
+"""The Virtual Token Counter (policy/fairness.py) and its engine shell (engine/fair_share.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.fairness import FairShare
+from engine.fair_share import FairShare
 from policy import fairness as f
 from protocol.tiers import RANK
 from tests.helpers import Clock

@@ -13,7 +13,7 @@ import pytest
 
 from config import Settings
 from engine.gate import GatedEngine
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from engine.vllm_engine import Step
 from protocol.tiers import RANK
 

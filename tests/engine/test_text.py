@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from engine.requests import Sampling
+from engine.sampling import Sampling
 from engine.text import _check_stop_strings, completion_text, detokenize
 from engine.vllm_engine import Engine
 

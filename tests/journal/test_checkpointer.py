@@ -7,7 +7,7 @@ import time
 import psycopg
 from sqlalchemy.exc import OperationalError
 
-from journal.batches import journaled_tokens
+from journal.batch_store import journaled_tokens
 from journal.checkpointer import Checkpointer
 from journal.events import (
     IdempotencyConflict,

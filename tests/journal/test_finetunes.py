@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from journal.finetunes import estimated_finish
+from journal.finetune_store import estimated_finish
 
 LATEST = dict(step=10, total_steps=50, losses=[1.0] * 4, timing=dict(train_s=2.0), at_s=1_000.0)
 

@@ -11,7 +11,7 @@ import uuid
 
 from sqlalchemy import text
 
-from journal import batches as jb
+from journal import batch_store
 
 SYSTEMS = ["You are a pirate. " * 40, "You are a poet. " * 40, "You translate to French. " * 40]
 
@@ -40,7 +40,7 @@ async def test_pages_cover_every_pending_item_once_clustered_by_prompt(owner_db,
     seen: list[int] = []
     after, limit = -1, 12
     async with db.connect() as c:
-        while page := await jb.pending_items(c, bid, after, limit):
+        while page := await batch_store.pending_items(c, bid, after, limit):
             assert sorted(page) == pending[len(seen):len(seen) + limit]  # the next `limit` by index
             runs = [s for s, _ in itertools.groupby(system_of[i] for i in page)]
             assert len(runs) == len(set(runs))  # each system prompt in one run
@@ -58,7 +58,7 @@ async def test_a_page_sends_each_prompts_run_to_one_live_worker_of_the_batchs_qu
     worker polling that queue; a worker draining, gone quiet, or in another region gets
     none."""
     from activities.batch import BatchActivities
-    from journal import engines as je
+    from journal import engine_registry
     from policy.placement import region_queue
     from protocol.temporal import Page, PendingInput
 
@@ -66,8 +66,8 @@ async def test_a_page_sends_each_prompts_run_to_one_live_worker_of_the_batchs_qu
     async with owner_db.begin() as c:
         for id_, region in (("eu-1", "eu"), ("eu-2", "eu"), ("eu-3", "eu"), ("eu-drained", "eu"), ("eu-quiet", "eu"),
                             ("us-1", "us")):
-            await je.announce(c, f"{pool}-{id_}", "http://x", "m", pool, dict(region=region))
-        await je.drain(c, f"{pool}-eu-drained")
+            await engine_registry.announce(c, f"{pool}-{id_}", "http://x", "m", pool, dict(region=region))
+        await engine_registry.drain(c, f"{pool}-eu-drained")
         await c.execute(text("UPDATE engines SET seen_at = now() - interval '1 minute' WHERE id = :i"),
                         dict(i=f"{pool}-eu-quiet"))
     bid, system_of = await make_batch(owner_db, 30, set())

@@ -29,8 +29,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Replayer, Worker
 
 from activities.finetune import FineTuneActivities
-from journal import batches as jb
-from journal import finetunes as fj
+from journal import batch_store, finetune_store
 from journal.events import append_one
 from protocol import keys
 from protocol.temporal import FineTuneInput
@@ -69,9 +68,10 @@ async def make_job(db, store: ObjectStore) -> str:
     with store.writer(f"files/{file_id}") as f:
         f.write(body)
     async with db.begin() as c:
-        await jb.create_file(c, dict(id=file_id, tenant="ft", purpose="fine-tune", filename="train.jsonl",
-                                     bytes=len(body), object_key=f"files/{file_id}", created_at=int(time.time())))
-        await append_one(c, fj.created_event(dict(
+        await batch_store.create_file(c, dict(id=file_id, tenant="ft", purpose="fine-tune", filename="train.jsonl",
+                                              bytes=len(body), object_key=f"files/{file_id}",
+                                              created_at=int(time.time())))
+        await append_one(c, finetune_store.created_event(dict(
             id=job_id, tenant="ft", model="ballast-tiny", training_file=file_id, validation_file=None,
             hyperparameters=dict(n_epochs=2, batch_size=3, learning_rate=1e-3), seed=7, suffix="colours",
             metadata=None, status="validating_files", error=None, fine_tuned_model=None, trained_tokens=None,

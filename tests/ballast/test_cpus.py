@@ -1,4 +1,4 @@
-"""ballast/affinity.py on the real kernel: a process that calls itself VLLM::Worker and is
+"""ballast/cpus.py on the real kernel: a process that calls itself VLLM::Worker and is
 bound to some cores keeps them; every other process under the root is moved off them.
 Each test builds its own process tree (a root and its children), so nothing else that
 runs under pytest (e2e stacks' real vLLM workers) is looked at or moved."""
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ballast.affinity import descendants, keep_off_model_workers, model_worker_cpus
+from ballast.cpus import descendants, keep_off_model_workers, model_worker_cpus
 
 CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(len(CPUS) < 2 or not os.path.isdir("/proc"), reason="needs Linux and two cores")
@@ -73,7 +73,7 @@ def test_nothing_moves_where_no_model_worker_is_bound():
 
 
 def test_engines_on_one_machine_get_their_own_cores():
-    from ballast.affinity import split_cores
+    from ballast.cpus import split_cores
 
     assert split_cores([0, 1, 2, 3], 2) == ["0,1", "2,3"]
     assert split_cores([0, 1, 2, 3, 4], 2) == ["0,1", "2,3"]  # the odd core is left to the rest

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from journal import engines as je
+from journal import engine_registry
 from policy.placement import EngineView
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EngineDirectory:
 
     async def refresh(self) -> None:
         async with self.db.connect() as conn:
-            rows = await je.live(conn)
+            rows = await engine_registry.live(conn)
         self._views = [
             EngineView(r["id"], r["url"], r["model"], r["stats"].get("interactive", 0), r["stats"].get("batch", 0),
                        r["stats"].get("max_seqs", 1), r["stats"].get("flex", 0), r["stats"].get("flex_floor", 0),

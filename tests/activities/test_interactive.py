@@ -6,7 +6,7 @@ engine worker's record; whichever comes second changes nothing. Checked in SQL."
 from sqlalchemy import text
 from temporalio.testing import ActivityEnvironment
 
-from activities.requests import RequestActivities, account_unreported
+from activities.interactive import RequestActivities, account_unreported
 from journal import ledger
 from journal.events import append
 from journal.served import served_event
