@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 
 from activities.interactive import account_unreported
-from journal import ledger
+from journal import fold
 from protocol.temporal import ReconcileInput, ReconcileResult
 
 SWEEP_EVERY_S = 10.0
@@ -28,7 +28,7 @@ class QuotaActivities:
     async def reconcile_quota(self, inp: ReconcileInput) -> ReconcileResult:
         t0 = time.monotonic()
         async with self.db.begin() as conn:
-            folded = await ledger.reconcile(conn, inp.holder_ttl_s)
+            folded = await fold.reconcile(conn, inp.holder_ttl_s)
         if t0 >= self._next_sweep:
             self._next_sweep = t0 + min(SWEEP_EVERY_S, self.unreported_after_s)
             if n := await account_unreported(self.db, self.unreported_after_s):

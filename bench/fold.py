@@ -1,5 +1,5 @@
 """`ballast bench fold`: what one quota fold costs on a large ledger, the incremental fold
-(`journal.ledger.fold`, the QuotaReconciler's every tick) against the full refold it
+(`journal.fold.fold`, the QuotaReconciler's every tick) against the full refold it
 replaced (the same call with nothing kept: it folds every reservation of the 2-day
 horizon, as the fold did before it was incremental and as the first tick after
 migration 0006 still does), side by side on the same ledger in one run.
@@ -44,7 +44,7 @@ from ballast import pg
 from bench.stats import p50, p99, ratio_ci
 from config import Settings
 from config.database import libpq_url
-from journal import ledger
+from journal import fold, ledger
 from journal.db import connect
 from journal.ledger import Entry
 from journal.migrate import upgrade
@@ -129,21 +129,21 @@ async def build(db: AsyncEngine, owner_url: str, book: Ledger, rows: int) -> Non
     async with db.begin() as conn:  # the API processes are alive: nothing expires
         for h in book.holders:
             await ledger.seen(conn, h)
-    await fold(db, full=True)
+    await tick(db, full=True)
     with psycopg.connect(libpq_url(owner_url), autocommit=True) as owner:  # statistics, as autovacuum keeps them
         owner.execute("ANALYZE")
 
 
-async def fold(db: AsyncEngine, *, full: bool, ttl_s: float = 30.0) -> tuple[float, float]:
+async def tick(db: AsyncEngine, *, full: bool, ttl_s: float = 30.0) -> tuple[float, float]:
     """One reconciler tick in one transaction (expire, then fold); `full`: with what the
     fold keeps deleted first, so it folds the whole horizon. Seconds: (fold, tick)."""
     async with db.begin() as conn:
         t0 = time.perf_counter()
-        await ledger.expire(conn, ttl_s)
+        await fold.expire(conn, ttl_s)
         if full:
             await conn.execute(text("DELETE FROM quota_fold"))
         t1 = time.perf_counter()
-        await ledger.fold(conn)
+        await fold.fold(conn)
         t2 = time.perf_counter()
     return t2 - t1, t2 - t0
 
@@ -154,10 +154,10 @@ async def same_as_full(db: AsyncEngine) -> bool:
     async with db.connect() as conn:
         tx = await conn.begin()
         try:
-            await ledger.fold(conn)
+            await fold.fold(conn)
             incremental = (await conn.execute(_USAGE)).all()
             await conn.execute(text("DELETE FROM quota_fold"))
-            await ledger.fold(conn)
+            await fold.fold(conn)
             full = (await conn.execute(_USAGE)).all()
         finally:
             await tx.rollback()
@@ -181,7 +181,7 @@ async def measure(db: AsyncEngine, book: Ledger, ticks: int) -> dict[str, Any]:
     for i in range(ticks):
         new_rows.append(await book.tick_writes(db))
         arm = "full" if i % FULL_EVERY == FULL_EVERY - 1 else "incremental"
-        f, t = await fold(db, full=arm == "full")
+        f, t = await tick(db, full=arm == "full")
         folds[arm].append(f)
         whole[arm].append(t)
     inc, full = folds["incremental"], folds["full"]

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ballast import pg
 from config.database import SERVICE_ROLE, as_role
-from journal import ledger
+from journal import fold, ledger
 from journal.db import connect
 from journal.ledger import Entry
 from journal.migrate import upgrade
@@ -187,7 +187,7 @@ async def test_the_incremental_fold_is_the_full_recomputation(db, seed):
                 async with db.begin() as c:
                     await c.execute(text("DELETE FROM quota_fold"))
             async with db.begin() as c:
-                await ledger.reconcile(c, holder_ttl_s=3600)
+                await fold.reconcile(c, holder_ttl_s=3600)
                 got = await assert_folded_as_recomputed(c, world.tenants, None, f"seed {seed}, round {rnd}")
                 left = (await c.execute(text(
                     "SELECT count(*) FROM open_reservations WHERE holder = :h AND at >= now() - interval '2 days'"),
@@ -215,7 +215,7 @@ async def test_a_reservation_committed_after_a_later_one_is_folded(db):
 
     async def tick() -> tuple:
         async with db.begin() as c:
-            await ledger.fold(c)
+            await fold.fold(c)
         return await day_row(db, t)
 
     try:
@@ -256,11 +256,11 @@ async def test_what_the_folding_transaction_writes_after_the_fold_is_folded_next
         async with db.begin() as other:  # a later id, ended before the fold's snapshot
             await ledger.insert(other, [Entry(ledger.RESERVE, keys.request(uid("r")), uid("t"), "m",
                                               "default", 1, 1, "h-after")])
-        await ledger.fold(c)
+        await fold.fold(c)
         await ledger.insert(c, [Entry(ledger.RESERVE, keys.request(uid("r")), t, "m", "default", 3, 4,
                                       "h-after")])
     async with db.begin() as c:
-        await ledger.fold(c)
+        await fold.fold(c)
     assert await day_row(db, t) == (2, 4, 5, 2)
 
 
@@ -289,13 +289,13 @@ async def test_a_reservation_committed_while_a_fold_runs_is_folded_next(db):
         await ledger.insert(conn, [Entry(ledger.RESERVE, keys.request(uid("r")), t, "m", "default", 5, 6,
                                          "h-during")])
         async with db.begin() as c:
-            await ledger.fold(c)  # a tick (not the first: it reads since a snapshot)
+            await fold.fold(c)  # a tick (not the first: it reads since a snapshot)
         async with db.begin() as c:
-            await ledger.fold(Interleaved(c, ledger._TICK, tx.commit))
+            await fold.fold(Interleaved(c, fold._TICK, tx.commit))
     finally:
         await conn.close()
     async with db.begin() as c:
-        await ledger.fold(c)
+        await fold.fold(c)
     assert await day_row(db, t) == (1, 5, 6, 1)
 
 
@@ -309,11 +309,11 @@ async def test_a_holder_that_dies_after_its_reservations_were_folded_has_them_ex
         await ledger.insert(c, [Entry(ledger.RESERVE, s, t, "m", "default", 5, 5, holder) for s in subjects])
     for _ in range(2):  # folded, and folded again: no longer new to the fold
         async with db.begin() as c:
-            assert subjects[0] not in (await ledger.reconcile(c, holder_ttl_s=30)).expired
+            assert subjects[0] not in (await fold.reconcile(c, holder_ttl_s=30)).expired
     async with db.begin() as c:
         await c.execute(text("UPDATE admission_holders SET seen_at = now() - interval '1 minute' WHERE holder = :h"),
                         dict(h=holder))
-        assert sorted((await ledger.reconcile(c, holder_ttl_s=30)).expired) == sorted(subjects)
+        assert sorted((await fold.reconcile(c, holder_ttl_s=30)).expired) == sorted(subjects)
     assert await day_row(db, t) == (2, 0, 0, 0)
 
 
@@ -347,7 +347,7 @@ async def test_the_incremental_fold_crosses_midnight_as_the_full_recomputation(o
 
     async def tick() -> int:
         async with own_db.begin() as c:
-            await ledger.fold(c, now=clock)
+            await fold.fold(c, now=clock)
             await assert_folded_as_recomputed(c, world.tenants, clock, f"seed {seed}, at {clock:%H:%M:%S}")
             return (await c.execute(text("SELECT count(*) FROM quota_reservations WHERE at < :d"),
                                     dict(d=midnight))).scalar_one()

@@ -11,7 +11,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.quota import QuotaActivities
 from config.database import libpq_url
-from journal import ledger
+from journal import fold, ledger
 from journal.events import NewEvent, append
 from journal.leases import acquire_many
 from journal.ledger import Entry
@@ -172,7 +172,7 @@ async def test_the_fold_agrees_with_an_independent_query(db):
         await ledger.settle(c, Entry(ledger.SETTLE, subjects[4], b, "m", "default", 3, 4, "h-live"))
         await ledger.settle(c, Entry(ledger.SETTLE, subjects[6], b, "m", "default", 1, 1, "h-live"))
     async with db.begin() as c:
-        await ledger.reconcile(c, holder_ttl_s=3600)
+        await fold.reconcile(c, holder_ttl_s=3600)
         tenants = dict(tenants=[a, b])
         minutes = (await c.execute(text(
             "SELECT tenant, model, holder, starts_at, requests, input_tokens, output_tokens FROM quota_usage "
@@ -217,7 +217,7 @@ async def test_a_dead_holders_open_reservations_expire_and_a_late_settle_still_c
     # The request's outcome is journaled after all (its workflow ran elsewhere): it counts.
     async with db.begin() as c:
         await ledger.settle(c, Entry(ledger.SETTLE, s_dead, t, "m", "default", 10, 4, dead))
-        await ledger.reconcile(c, holder_ttl_s=30)
+        await fold.reconcile(c, holder_ttl_s=30)
         got = (await c.execute(text("SELECT requests, input_tokens, output_tokens, in_flight FROM quota_usage "
                                     "WHERE tenant = :t AND \"window\" = 'day' AND holder = :h"),
                                dict(t=t, h=dead))).one()
