@@ -11,10 +11,10 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from api import admin, batches, errors, files, fine_tuning, health, interactive, models
-from api.admission import Admission
-from api.auth import Authenticate, KeyCache
 from api.deps import REQUIRE_KEY, Services
-from api.engine_directory import EngineDirectory
+from api.services.admission import Admission
+from api.services.auth import Authenticate, KeyCache
+from api.services.engine_directory import EngineDirectory
 from config import Settings
 from journal.db import connect
 from protocol import schema

@@ -11,11 +11,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
 
-from api.admission import Admission
-from api.auth import KeyCache, authenticate
-from api.engine_directory import EngineDirectory
 from api.errors import APIError
-from api.placer import Placer
+from api.services.admission import Admission
+from api.services.auth import KeyCache, authenticate
+from api.services.engine_directory import EngineDirectory
+from api.services.placer import Placer
 from config import Settings
 from journal.tenant_store import Principal
 from storage.objects import ObjectStore
@@ -29,9 +29,9 @@ class Services:
     store: ObjectStore
     engines: EngineDirectory
     http: httpx.AsyncClient  # to engine workers' streaming endpoints
-    keys: KeyCache  # API key → tenant, bounded-stale (api/auth.py)
-    admission: Admission | None = None  # limits and the quota ledger (api/admission.py); None: admit all
-    placer: Placer = field(init=False)  # where requests go (api/placer.py)
+    keys: KeyCache  # API key → tenant, bounded-stale (api/services/auth.py)
+    admission: Admission | None = None  # limits and the quota ledger (api/services/admission.py); None: admit all
+    placer: Placer = field(init=False)  # where requests go (api/services/placer.py)
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.settings)
@@ -45,7 +45,7 @@ async def _services(request: Request) -> Services:
 
 # -- who is calling: `Authorization: Bearer <key>` -------------------------------------
 
-# For /openapi.json (the security scheme); the key itself is checked by `api.auth`.
+# For /openapi.json (the security scheme); the key itself is checked by `api.services.auth`.
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer sk-ballast-…`.")
 
 

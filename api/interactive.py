@@ -1,7 +1,7 @@
 """/v1/chat/completions and /v1/completions: interactive requests, streamed or not.
 
 The path of a request, one step per function: check it (`protocol.requests`) → admit it
-(`api/admission.py`: the tenant's limits against a local, bounded-stale view of usage; a
+(`api/services/admission.py`: the tenant's limits against a local, bounded-stale view of usage; a
 429 here happens before any engine work) → place it on an engine worker (local,
 bounded-stale view) and open its token stream there, correcting the reservation to the
 prompt's real size → relay the stream (SSE) or collect it (JSON) → release the
@@ -30,10 +30,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from temporalio.common import WorkflowIDReusePolicy
 
-from api.admission import Ticket
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
-from api.placer import Prompt
+from api.services.admission import Ticket
+from api.services.placer import Prompt
 from journal import finetune_store
 from journal.tenant_store import Principal
 from policy.admission import Refuse, describe, estimate
@@ -260,7 +260,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
 
 async def _connect(svc: Services, job: dict, req: GenerationRequest, regions: frozenset[str] | None = None,
                    prompt: Prompt | None = None) -> tuple[EngineView, httpx.Response]:
-    """Open the stream on the best engine (api/placer.py) inside the tenant's regions; one
+    """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions; one
     that went away since it last announced itself is skipped for the next best."""
     model = svc.settings.model_name
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.

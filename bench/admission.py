@@ -63,7 +63,7 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from api.admission import Admission, Ticket
+from api.services.admission import Admission, Ticket
 from ballast import pg, procs
 from bench.fairness import owner_url
 from bench.stack import ballast_up

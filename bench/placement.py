@@ -226,7 +226,7 @@ def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: 
 def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> dict[str, float]:
     """The API's placement of each turn, in-process, as it runs per request: the prompt
     rendered, tokenized and hashed, then ranked against a local snapshot (nothing called)."""
-    from api.placer import Placer
+    from api.services.placer import Placer
     from policy.placement import EngineView
     from protocol.requests import CHAT, GenerationRequest, Message
 

@@ -22,7 +22,7 @@ class ApiSettings(Section):
     max_request_bytes: int = 1024 * 1024  # any other request body (chat, batch create)
     max_batch_lines: int = 50_000
 
-    # Admission (api/admission.py, policy/admission.py): decisions from a local view of
+    # Admission (api/services/admission.py, policy/admission.py): decisions from a local view of
     # usage, re-read every admission_refresh_s (the reconciler folds the ledger as often);
     # reserve rows written every admission_flush_s; the reservations of a process not
     # seen for admission_holder_ttl_s expire. "sync": one transaction per decision (the

@@ -1,5 +1,5 @@
 """Who gets in: a tenant's limits against its usage. Pure: usage, limits and `now` are
-arguments; the shell (`api/admission.py`) keeps the usage and the limits in memory.
+arguments; the shell (`api/services/admission.py`) keeps the usage and the limits in memory.
 
 Limits (table `limits`, NULL = no limit) exist per tenant (model '*': all its models
 together) and per tenant × model; where both exist both apply. Dimensions:

@@ -118,7 +118,7 @@ class InteractiveInput:
     endpoint: str
     engine_id: str
     prompt_tokens: int
-    # The admission's reservation (api/admission.py), for the ledger rows the journaling
+    # The admission's reservation (api/services/admission.py), for the ledger rows the journaling
     # transaction writes: None where the request was not admitted through one.
     reserved_input: int | None = None
     reserved_output: int | None = None

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from api.app import create_app
-from api.auth import KeyCache
 from api.deps import Services
-from api.engine_directory import EngineDirectory
+from api.services.auth import KeyCache
+from api.services.engine_directory import EngineDirectory
 from config import Settings
 from journal import tenant_store
 from journal.tenant_store import Principal

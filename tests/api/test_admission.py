@@ -27,7 +27,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
 from api import interactive
-from api.admission import Admission, Ticket
+from api.services.admission import Admission, Ticket
 from journal import tenant_store
 from policy.admission import Refuse
 from policy.placement import EngineView

@@ -14,7 +14,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from api.auth import NO_KEY, KeyCache
+from api.services.auth import NO_KEY, KeyCache
 from journal import tenant_store
 from journal.tenant_store import Principal
 from tests.api.conftest import Untouchable, assert_openai_error, build, new_key

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from api.placer import HEAD_CHARS_PER_TOKEN, Placer
+from api.services.placer import HEAD_CHARS_PER_TOKEN, Placer
 from config import Settings
 from engine.sampling import Sampling
 from policy.placement import EngineView

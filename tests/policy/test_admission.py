@@ -186,7 +186,7 @@ def _most_within(times: list[float], span_s: float) -> int:
 
 def _simulate(processes: int, flush_s: float, refresh_s: float, limit: int, rate: float, seconds: float,
               rnd: random.Random, fold_overrun_s: float = 0.0):
-    """P admitting processes on the real schedule, in virtual time (api/admission.py,
+    """P admitting processes on the real schedule, in virtual time (api/services/admission.py,
     workflows/quota.py). Each process decides from its own admissions (exact) plus the
     others' in its view; flushes its reserves every `flush_s` at a phase of its own (one
     that the engine has not sized yet waits one tick: half of them here); the reconciler

@@ -1,7 +1,7 @@
 """The API's placement: a request's prompt hashed into the engine's blocks, ranked by
 policy/placement.py against the local engine directory and this process's prefix index,
 then remembered where it went. Nothing here calls anything: the directory is refreshed in
-the background (api/engine_directory.py) and the index is this process's memory.
+the background (api/services/engine_directory.py) and the index is this process's memory.
 
 The prompt is tokenized with the served model's own tokenizer files (engine/prompts.py
 renders it exactly as the engine worker will), loaded once, in the background from the
