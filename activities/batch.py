@@ -32,6 +32,7 @@ from policy.lifecycle import finalize_plan
 from policy.placement import region_queue
 from protocol import batch as batch_file
 from protocol import keys
+from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
 from protocol.requests import Limits, parse
 from protocol.temporal import (
@@ -156,7 +157,7 @@ class BatchActivities:
             live = [e for e in await engine_registry.live(conn, within_s=LIVE_S) if not e["draining"]]
         workers = {}
         for e in live:  # the ones polling the batch's queue: its pool's, or its region's
-            region = e["stats"].get("region", "")
+            region = EngineStats.from_json(e["stats"]).region
             if inp.queue in (e["queue"], region_queue(e["queue"], region)):
                 workers[e["id"]] = own_queue(e["queue"], region, e["id"])
         runs = assign([head for _, head in page], workers)

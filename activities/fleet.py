@@ -11,6 +11,7 @@ from temporalio import activity
 
 from journal import engine_registry
 from journal.events import NewEvent, append
+from protocol.engine_wire import EngineStats
 from protocol.fleet import EngineReport
 from protocol.temporal import ApplyFleetInput, ObserveFleetInput
 
@@ -34,10 +35,9 @@ class FleetActivities:
 
 
 def _report(row: dict) -> EngineReport:
-    s = row["stats"]
+    s = EngineStats.from_json(row["stats"])
     return EngineReport(
-        id=row["id"], pool=row["model"], max_seqs=int(s.get("max_seqs", 1)), interactive=int(s.get("interactive", 0)),
-        batch=int(s.get("batch", 0)), running=int(s.get("running", 0)), waiting=int(s.get("waiting", 0)),
-        kv_cache_usage=float(s.get("kv_cache_usage", 0.0)), fleet_cap=row.get("batch_cap"),
-        batch_queued=int(s.get("batch_queued", 0)),
+        id=row["id"], pool=row["model"], max_seqs=s.max_seqs, interactive=s.interactive, batch=s.batch,
+        running=s.running, waiting=s.waiting, kv_cache_usage=s.kv_cache_usage, fleet_cap=row.get("batch_cap"),
+        batch_queued=s.batch_queued,
     )

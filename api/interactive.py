@@ -38,7 +38,7 @@ from journal import finetune_store
 from journal.tenant_store import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
-from protocol import keys, responses, schema
+from protocol import engine_wire, keys, responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
@@ -172,26 +172,31 @@ class Run:
     def prompt_tokens(self) -> int:
         return self.record.prompt_tokens
 
-    async def events(self) -> AsyncGenerator[tuple[str | None, dict[str, Any] | None], None]:
+    async def events(self) -> AsyncGenerator[tuple[str | None, engine_wire.Finished | None], None]:
         """(text delta, None) while generating, then (None, the final line). Raises
         EngineFailed when the engine reports a failure or the stream breaks."""
         try:
             async for ln in self.lines:
-                msg = json.loads(ln)
-                if "error" in msg:
-                    raise EngineFailed(msg["error"].get("message", "The engine failed."))
-                if "finish_reason" in msg:
+                try:
+                    msg = engine_wire.decode(ln)
+                except ValueError as err:
+                    raise EngineFailed("The engine worker sent a line this API cannot read.") from err
+                if isinstance(msg, engine_wire.Failed):
+                    raise EngineFailed(msg.message)
+                if isinstance(msg, engine_wire.Finished):
                     yield None, msg
                     return
-                self.tokens += msg.get("tokens", 0)
-                yield msg["text"], None
+                if isinstance(msg, engine_wire.Delta):
+                    self.tokens += msg.tokens
+                    yield msg.text, None
             raise EngineFailed("The engine worker ended the stream early.")
         except httpx.HTTPError as err:
             raise EngineFailed(f"The engine worker's stream broke ({type(err).__name__}).") from err
         finally:
             await self.upstream.aclose()
 
-    def finished(self, final: dict[str, Any] | None, ttft: float | None, status: RequestStatus | None = None) -> None:
+    def finished(self, final: engine_wire.Finished | None, ttft: float | None,
+                 status: RequestStatus | None = None) -> None:
         """Once, however the request ended: release its reservation now, journal the outcome
         in the background. A request cut short records the tokens it had produced."""
         if self.done:
@@ -201,8 +206,8 @@ class Run:
         if final is None:
             outcome = RequestOutcome(status or "cancelled", self.tokens, ttft_ms=ttft)
         else:
-            outcome = RequestOutcome("completed", final["completion_tokens"], final["finish_reason"], ttft,
-                                     final.get("engine_ttft_ms"))
+            outcome = RequestOutcome("completed", final.completion_tokens, final.finish_reason, ttft,
+                                     final.engine_ttft_ms)
         if self.ticket is not None:
             self.ticket.release(self.prompt_tokens, outcome.completion_tokens)
         _spawn(_finish(self.svc, self.record, outcome, self.ticket))
@@ -230,35 +235,36 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
-    job = dict(request_id=rid, endpoint=req.endpoint, body=body, priority=RANK[req.service_tier], tenant=tenant,
-               tier=req.service_tier, weight=weight, api=svc.placer.me)
+    job = engine_wire.EngineJob(rid, req.endpoint, body, RANK[req.service_tier], tenant, req.service_tier, weight,
+                                svc.placer.me)
     engine, upstream = await _connect(svc, job, req, regions, prompt)
     lines = upstream.aiter_lines()
     try:
-        first = json.loads(await anext(lines)) if upstream.status_code == 200 else None
-    except (httpx.HTTPError, StopAsyncIteration, json.JSONDecodeError):
+        first = engine_wire.decode(await anext(lines)) if upstream.status_code == 200 else None
+    except (httpx.HTTPError, StopAsyncIteration, ValueError):  # JSONDecodeError is a ValueError
         first = None
-    if first is None or "error" in first:
+    if not isinstance(first, engine_wire.Accepted):
         svc.placer.done(engine.id)
         await upstream.aclose()
         if upstream.status_code == 401:  # a deployment error, not the client's: say so where operators look
             log.error("engine %s refused the engine token (401): BALLAST_ENGINE_TOKEN differs between the API "
                       "and that engine worker", engine.id)
-        if first is None:
+        if not isinstance(first, engine_wire.Failed):
             raise APIError(502, "The engine worker did not accept the request; try again.", code="engine_error")
-        e = first["error"]
-        raise APIError(first["status"], e["message"], param=e.get("param"), code=e.get("code"))
+        e = first.error
+        raise APIError(first.status, first.message, param=e.get("param"), code=e.get("code"))
     record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id,
-                              first["prompt_tokens"])
+                              first.prompt_tokens)
     if ticket is not None:
-        ticket.correct(first["prompt_tokens"])  # the engine's count replaces the estimate
+        ticket.correct(first.prompt_tokens)  # the engine's count replaces the estimate
         record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,
                                      holder=ticket.holder, admitted_at=ticket.at)
     meta = dict(id=rid, created=int(time.time()), model=req.model, service_tier=req.service_tier)
     return Run(svc, record, meta, lines, upstream, t0, ticket)
 
 
-async def _connect(svc: Services, job: dict, req: GenerationRequest, regions: frozenset[str] | None = None,
+async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest,
+                   regions: frozenset[str] | None = None,
                    prompt: Prompt | None = None) -> tuple[EngineView, httpx.Response]:
     """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions; one
     that went away since it last announced itself is skipped for the next best."""
@@ -269,7 +275,7 @@ async def _connect(svc: Services, job: dict, req: GenerationRequest, regions: fr
     ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt)
     for engine in ranked:
         try:
-            request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job, headers=headers)
+            request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job.to_json(), headers=headers)
             upstream = await svc.http.send(request, stream=True)
             svc.placer.sent(engine, blocks)
             return engine, upstream
@@ -315,9 +321,9 @@ async def _relay(run: Run, req: GenerationRequest) -> AsyncGenerator[bytes, None
             else:
                 final = end
         assert final is not None
-        yield chunks.finish(final["finish_reason"])
+        yield chunks.finish(final.finish_reason)
         if req.include_usage:
-            yield chunks.usage(run.prompt_tokens, final["completion_tokens"])
+            yield chunks.usage(run.prompt_tokens, final.completion_tokens)
         yield responses.done()
     except EngineFailed as err:
         status = "failed"
@@ -345,8 +351,8 @@ async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
         raise
     assert final is not None
     run.finished(final, ttft)
-    return JSONResponse(responses.completion(req.endpoint, run.meta, "".join(text), final["finish_reason"],
-                                             run.prompt_tokens, final["completion_tokens"]))
+    return JSONResponse(responses.completion(req.endpoint, run.meta, "".join(text), final.finish_reason,
+                                             run.prompt_tokens, final.completion_tokens))
 
 
 async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutcome,

@@ -28,6 +28,7 @@ from journal.db import connect
 from policy.grouping import own_queue
 from policy.placement import region_queue
 from policy.preemption import min_slots
+from protocol.engine_wire import EngineStats
 from protocol.fleet import SurgePolicy
 from protocol.requests import Limits
 from protocol.temporal import FleetInput, QuotaInput
@@ -222,10 +223,10 @@ async def list_or_drain(settings: Settings, drain: str | None) -> int:
             rows = await engine_registry.live(conn, within_s=60)
         print(f"{'id':<28} {'region':<10} {'model':<16} {'running':>7} {'waiting':>7} {'kv':>5}  state")
         for r in rows:
-            st = r["stats"]
+            st = EngineStats.from_json(r["stats"])
             state = "draining" if r["draining"] else "serving"
-            print(f"{r['id']:<28} {st.get('region', ''):<10} {r['model']:<16} {st.get('running', 0):>7} "
-                  f"{st.get('waiting', 0):>7} {st.get('kv_cache_usage', 0):>5.0%}  {state}  {r['url']}")
+            print(f"{r['id']:<28} {st.region:<10} {r['model']:<16} {st.running:>7} "
+                  f"{st.waiting:>7} {st.kv_cache_usage:>5.0%}  {state}  {r['url']}")
         return 0
     finally:
         await db.dispose()
@@ -257,9 +258,9 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
             async with db.begin() as conn:
                 cap, draining = await engine_registry.announce(
                     conn, engine_id, url, model, settings.engine_queue,
-                    dict(slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
-                         flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
-                         block_size=engine.block_size, region=settings.region))
+                    EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
+                                flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
+                                block_size=engine.block_size, region=settings.region).to_json())
             await slots.direct(cap)
             if draining:
                 drained.set()

@@ -1,13 +1,8 @@
 """The engine worker's streaming endpoint for interactive requests.
 
 Interactive tokens must not cross Temporal (one history event per token, tens of ms per
-dispatch), so the API streams them straight from the engine worker over HTTP, as NDJSON:
-
-    {"prompt_tokens": 12}                       accepted: generation starts now
-    {"text": "Hel", "tokens": 1}                 as the engine produces them
-    {"finish_reason": "stop", "completion_tokens": 17}
-or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted;
-a failure after that ends the stream with an {"error": {...}, "status": 500} line.
+dispatch), so the API streams them straight from the engine worker over HTTP, as NDJSON
+lines (protocol/engine_wire.py: the job it is posted, the lines it streams back).
 
 Interactive requests count against the engine's slots (`EngineSlots`), which is what makes
 batch work yield to them within an engine step, and take their turn by tenant fair share
@@ -24,10 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 import uvicorn
 from starlette.applications import Starlette
@@ -42,6 +37,7 @@ from engine import sampling
 from engine.adapters import AdapterMissing
 from engine.fair_share import FairShare
 from engine.slots import EngineSlots
+from protocol import engine_wire as wire
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import Limits, parse
 
@@ -58,47 +54,46 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
 
     async def generate(request: Request):
         t0 = time.perf_counter()
-        job = await request.json()
-        endpoint, priority = job["endpoint"], int(job["priority"])
-        tenant, tier, weight = str(job.get("tenant", "")), job.get("tier"), float(job.get("weight") or 1)
-        req = parse(endpoint, job["body"], Limits(engine.spec.name, engine.spec.max_model_len, any_adapter=True))
+        job = wire.EngineJob.from_json(await request.json())
+        tenant, tier = job.tenant or "default", job.tier or "default"
+        req = parse(job.endpoint, job.body, Limits(engine.spec.name, engine.spec.max_model_len, any_adapter=True))
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(engine, req)
         if isinstance(ready, ProtocolError):
-            return JSONResponse({"error": ready.body()["error"], "status": ready.status_code})
+            return JSONResponse(asdict(wire.Failed(ready.body()["error"], ready.status_code)))
         prompt, params = ready.prompt, ready.sampling
 
         async def lines():
             ids, reason, ttft = [], None, None
             try:
-                yield _line(prompt_tokens=len(prompt))
+                yield wire.encode(wire.Accepted(len(prompt)))
                 try:
                     # Counted before vLLM sees it: batch yields its slots first.
-                    async with (slots.interactive_request(str(job.get("api", ""))),
-                                fair.turn(tenant, tier, weight, len(prompt), priority) as turn):
-                        async for step in engine.generate(job["request_id"], prompt, params, priority=turn.priority,
+                    async with (slots.interactive_request(job.api),
+                                fair.turn(job.tenant, job.tier, job.weight, len(prompt), job.priority) as turn):
+                        async for step in engine.generate(job.request_id, prompt, params, priority=turn.priority,
                                                           detokenize=True):
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
                             reason = step.finish_reason
                             if step.text or step.token_ids:
                                 ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                                yield _line(text=step.text, tokens=len(step.token_ids))
+                                yield wire.encode(wire.Delta(step.text, len(step.token_ids)))
                 except AdapterMissing as err:  # a fine-tuned model whose adapter is gone
-                    yield _line(**error_body(404, str(err), "model", "model_not_found"), status=404)
+                    yield _failed(404, str(err), "model", "model_not_found")
                     return
                 except Exception as err:  # the client gets an error event, not a cut stream
-                    log.exception("generation %s failed", job["request_id"])
-                    yield _line(**error_body(500, f"The engine failed while generating: {type(err).__name__}.",
-                                             None, "engine_error"), status=500)
+                    log.exception("generation %s failed", job.request_id)
+                    yield _failed(500, f"The engine failed while generating: {type(err).__name__}.", None,
+                                  "engine_error")
                     return
                 # One uninterrupted run: text, finish reason and count are vLLM's own.
-                yield _line(finish_reason=reason or "stop", completion_tokens=len(ids), engine_ttft_ms=ttft,
-                            engine_ms=round(1000 * (time.perf_counter() - t0), 2))
+                yield wire.encode(wire.Finished(reason or "stop", len(ids), ttft,
+                                                round(1000 * (time.perf_counter() - t0), 2)))
             finally:  # however it ended, the API gone mid-stream included
                 if served is not None:
-                    served(dict(request_id=job["request_id"], tenant=tenant or "default", tier=tier or "default",
-                                model=engine.spec.name, endpoint=endpoint, prompt_tokens=len(prompt),
-                                completion_tokens=len(ids), finish_reason=reason))
+                    served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
+                                endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=len(ids),
+                                finish_reason=reason))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -139,8 +134,8 @@ class RequireToken:
         await response(scope, receive, send)
 
 
-def _line(**fields) -> bytes:
-    return (json.dumps(fields, ensure_ascii=False) + "\n").encode()
+def _failed(status: int, message: str, param: str | None, code: str) -> bytes:
+    return wire.encode(wire.Failed(error_body(status, message, param, code)["error"], status))
 
 
 class EmbeddedServer(uvicorn.Server):

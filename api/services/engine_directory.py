@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from journal import engine_registry
 from policy.placement import EngineView
+from protocol.engine_wire import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,11 @@ class EngineDirectory:
     async def refresh(self) -> None:
         async with self.db.connect() as conn:
             rows = await engine_registry.live(conn)
-        self._views = [
-            EngineView(r["id"], r["url"], r["model"], r["stats"].get("interactive", 0), r["stats"].get("batch", 0),
-                       r["stats"].get("max_seqs", 1), r["stats"].get("flex", 0), r["stats"].get("flex_floor", 0),
-                       r["stats"].get("region", ""), r["draining"], r["stats"].get("block_size", 16),
-                       self._others(r["stats"]))
-            for r in rows
-        ]
+        self._views = []
+        for r in rows:
+            s = EngineStats.from_json(r["stats"])
+            self._views.append(EngineView(r["id"], r["url"], r["model"], s.interactive, s.batch, s.max_seqs, s.flex,
+                                          s.flex_floor, s.region, r["draining"], s.block_size, self._others(s)))
         self._at = time.monotonic()
         now = int(time.time())
         for v in self._views:
@@ -51,9 +50,9 @@ class EngineDirectory:
         if self.on_refresh is not None:
             self.on_refresh(self._views)
 
-    def _others(self, stats: dict) -> int | None:
+    def _others(self, stats: EngineStats) -> int | None:
         """What other API processes have in flight there (None: an engine too old to say)."""
-        by = stats.get("interactive_by")
+        by = stats.interactive_by
         return None if by is None else sum(n for api, n in by.items() if api != self.me)
 
     async def follow(self) -> None:

@@ -1,0 +1,136 @@
+"""The API ↔ engine worker wire: the job the API posts to `/v1/generate`, the NDJSON lines
+the engine streams back, and the stats report each engine worker announces (table
+`engines`, read by every API process and the fleet controller).
+
+Lines are told apart by their keys, as they always were, so an API and an engine worker of
+different versions still understand each other; a field an older peer does not send takes
+its default here.
+
+    {"prompt_tokens": 12}                       Accepted: generation starts now
+    {"text": "Hel", "tokens": 1}                Delta: as the engine produces them
+    {"finish_reason": "stop", "completion_tokens": 17, ...}    Finished
+or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted; a
+failure after that ends the stream with an {"error": {...}, "status": 500} line (Failed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One interactive request, as the API hands it to an engine worker. The worker orders
+    requests by tenant fair share within `tier`; `priority` is for workers that predate
+    that. `api`: which API process sent it (its in-flight count per API is reported)."""
+
+    request_id: str
+    endpoint: str
+    body: dict[str, Any]
+    priority: int
+    tenant: str = ""
+    tier: str | None = None
+    weight: float = 1.0
+    api: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineJob:
+        return cls(**dict(_known(cls, d), weight=float(d.get("weight") or 1), priority=int(d["priority"])))
+
+
+@dataclass(frozen=True)
+class Accepted:
+    prompt_tokens: int  # the engine's own count, which replaces the API's estimate
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    completion_tokens: int
+    engine_ttft_ms: float | None = None
+    engine_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: dict[str, Any]  # OpenAI's error object: message, type, param, code
+    status: int
+
+    @property
+    def message(self) -> str:
+        return str(self.error.get("message", "The engine failed."))
+
+
+Line = Accepted | Delta | Finished | Failed
+
+
+def encode(line: Line) -> bytes:
+    return (json.dumps(asdict(line), ensure_ascii=False) + "\n").encode()
+
+
+def decode(raw: str | bytes) -> Line:
+    """One line of the stream; ValueError for anything that is none of them."""
+    d = json.loads(raw)
+    if not isinstance(d, dict):
+        raise ValueError(f"not an engine line: {raw!r}")
+    if "error" in d:
+        return Failed(d["error"], int(d.get("status", 500)))
+    if "finish_reason" in d:
+        return Finished(**_known(Finished, d))
+    if "prompt_tokens" in d:
+        return Accepted(int(d["prompt_tokens"]))
+    if "text" in d:
+        return Delta(**_known(Delta, d))
+    raise ValueError(f"not an engine line: {raw!r}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an engine worker announces about itself every `announce_s`. Readers get the
+    defaults for what an older engine worker does not say."""
+
+    max_seqs: int = 1
+    interactive: int = 0  # the most interactive requests in flight at once over its last few reports
+    # In flight per API process (None: an engine too old to say).
+    interactive_by: dict[str, int] | None = None
+    batch: int = 0  # batch generations holding slots
+    batch_queued: int = 0  # batch generations waiting for a slot
+    batch_cap: int | None = None
+    fleet_cap: int | None = None
+    preemptions: int = 0
+    flex: int = 0  # flex requests in flight
+    flex_floor: int = 0  # the slots flex gets back once starved
+    running: int = 0  # vLLM's running sequences
+    waiting: int = 0  # requests queued inside vLLM
+    kv_cache_usage: float = 0.0
+    prefix_queries: int = 0  # vLLM's prefix-cache counters since start, in prompt tokens
+    prefix_hits: int = 0
+    block_size: int = 16
+    region: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return dict(d.pop("extra"), **d)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineStats:
+        known = _known(cls, d)
+        known.pop("extra", None)
+        return cls(**known, extra={k: v for k, v in d.items() if k not in known})

@@ -1,0 +1,52 @@
+"""The API ↔ engine wire keeps its shape: each line is the JSON object it always was (an
+API and an engine worker of different versions still read each other), and what an older
+peer leaves out takes a default."""
+
+import json
+
+import pytest
+
+from protocol import engine_wire as wire
+
+LINES = [
+    ('{"prompt_tokens": 12}', wire.Accepted(12)),
+    ('{"text": "Hel", "tokens": 1}', wire.Delta("Hel", 1)),
+    ('{"finish_reason": "stop", "completion_tokens": 17, "engine_ttft_ms": 4.5, "engine_ms": 80.0}',
+     wire.Finished("stop", 17, 4.5, 80.0)),
+    ('{"error": {"message": "no", "type": "invalid_request_error", "param": null, "code": "x"}, "status": 400}',
+     wire.Failed({"message": "no", "type": "invalid_request_error", "param": None, "code": "x"}, 400)),
+]
+
+
+@pytest.mark.parametrize("raw, line", LINES)
+def test_each_line_is_the_json_it_always_was(raw, line):
+    assert wire.decode(raw) == line
+    assert json.loads(wire.encode(line)) == json.loads(raw)
+    assert wire.encode(line).endswith(b"\n") and wire.encode(line).count(b"\n") == 1
+
+
+def test_what_an_older_engine_leaves_out_takes_its_default():
+    assert wire.decode('{"finish_reason": "length", "completion_tokens": 3}') == wire.Finished("length", 3)
+    assert wire.decode('{"text": "a"}') == wire.Delta("a", 0)
+    assert wire.decode('{"error": {"message": "m"}}').status == 500
+
+
+@pytest.mark.parametrize("raw", ['{"what": 1}', "[1, 2]", "not json"])
+def test_anything_else_is_refused(raw):
+    with pytest.raises(ValueError):
+        wire.decode(raw)
+
+
+def test_a_job_from_an_older_api_gets_the_defaults():
+    old = dict(request_id="r", endpoint="/v1/chat/completions", body={"model": "m"}, priority="1")
+    job = wire.EngineJob.from_json(old)
+    assert (job.priority, job.tenant, job.tier, job.weight, job.api) == (1, "", None, 1.0, "")
+    assert wire.EngineJob.from_json(job.to_json()) == job
+
+
+def test_stats_keep_what_they_do_not_name_and_default_the_rest():
+    raw = {"interactive": 3, "region": "eu", "something_new": [1]}
+    s = wire.EngineStats.from_json(raw)
+    assert (s.interactive, s.region, s.max_seqs, s.interactive_by) == (3, "eu", 1, None)
+    assert s.extra == {"something_new": [1]}
+    assert wire.EngineStats.from_json(s.to_json()) == s and s.to_json()["something_new"] == [1]
