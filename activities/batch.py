@@ -34,6 +34,7 @@ from protocol import batch as batch_file
 from protocol import keys
 from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
+from protocol.events import EventType
 from protocol.requests import Limits, parse
 from protocol.temporal import (
     FailBatchInput,
@@ -223,7 +224,7 @@ class BatchActivities:
         if ev is None:  # never ran: the batch was cancelled or expired first
             error = dict(code=f"batch_{final}", message=f"This request was not executed because the batch was {final}.")
             return "error", (json.dumps(dict(head, response=None, error=error), ensure_ascii=False) + "\n").encode()
-        status = 200 if ev.type == "item_completed" else ev.payload["status_code"]
+        status = 200 if ev.type == EventType.ITEM_COMPLETED else ev.payload["status_code"]
         req_id = batch_store.stable_id("", batch_id, item["idx"], "request")
         # The body is spliced in as the JSON text the generation wrote (see body_json).
         line = (

@@ -40,6 +40,7 @@ from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
 from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
+from protocol.events import EventType
 from protocol.requests import Limits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
@@ -226,8 +227,8 @@ class Attempt:
         self.progress[self.idx] = self.saved
         payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset, token_ids=self.tokens[offset:],
                        runner=self.runner)
-        return [NewEvent(self.stream, "item_chunk", payload, f"{self.stream}:chunk:{offset}", self.batch["tenant"],
-                         fence=self.fence)]
+        return [NewEvent(self.stream, EventType.ITEM_CHUNK, payload, f"{self.stream}:chunk:{offset}",
+                         self.batch["tenant"], fence=self.fence)]
 
     def committed(self, commit: asyncio.Future) -> None:
         """A checkpoint nobody awaits: remember if the journal refused it."""
@@ -243,8 +244,9 @@ class Attempt:
             raise self._refused
 
     def preempted(self, offset: int) -> NewEvent:
-        return NewEvent(self.stream, "item_preempted", dict(batch_id=self.batch["id"], idx=self.idx, offset=offset),
-                        f"{self.stream}:preempted:{offset}", self.batch["tenant"], fence=self.fence)
+        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset)
+        return NewEvent(self.stream, EventType.ITEM_PREEMPTED, payload, f"{self.stream}:preempted:{offset}",
+                        self.batch["tenant"], fence=self.fence)
 
     def completed(self, body: dict[str, Any]) -> NewEvent:
         return batch_store.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body,

@@ -21,6 +21,7 @@ from temporalio import activity
 from journal import ledger, served
 from journal.events import IdempotencyConflict, NewEvent, append_one
 from protocol import keys
+from protocol.events import EventType
 from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
 
 
@@ -43,7 +44,7 @@ async def journal_outcome(conn: AsyncConnection, r: InteractiveInput, outcome: R
     payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
     payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
     stream = keys.request(r.request_id)
-    await append_one(conn, NewEvent(stream, "request_finished", payload, f"{stream}:finished", r.tenant))
+    await append_one(conn, NewEvent(stream, EventType.REQUEST_FINISHED, payload, f"{stream}:finished", r.tenant))
     used, reservation = ledger_rows(r, outcome)
     await ledger.settle(conn, used, reservation)
 

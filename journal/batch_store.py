@@ -18,6 +18,7 @@ from journal.leases import acquire_many
 from journal.schema import batch_items, batches, events, files
 from policy.lifecycle import can_move
 from protocol import keys
+from protocol.events import EventType
 
 PREFIX_SORT_CHARS = 16_384  # of a prompt, to cluster a page by: a 4k-token system prompt
 
@@ -33,8 +34,8 @@ def stable_id(prefix: str, *parts: object, n: int = 24) -> str:
 
 
 async def create_file(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await append_one(conn, NewEvent(f"file:{row['id']}", "file_created", row, f"file:{row['id']}:created",
-                                    row["tenant"]))
+    stream = keys.file_stream(row["id"])
+    await append_one(conn, NewEvent(stream, EventType.FILE_CREATED, row, f"{stream}:created", row["tenant"]))
 
 
 async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str, Any] | None:
@@ -46,8 +47,8 @@ async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str
 
 
 async def create_batch(conn: AsyncConnection, row: dict[str, Any]) -> None:
-    await append_one(conn, NewEvent(keys.batch(row["id"]), "batch_created", row, f"{keys.batch(row['id'])}:created",
-                                    row["tenant"]))
+    stream = keys.batch(row["id"])
+    await append_one(conn, NewEvent(stream, EventType.BATCH_CREATED, row, f"{stream}:created", row["tenant"]))
 
 
 async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = None, *,
@@ -104,7 +105,8 @@ async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: flo
         return False
     payload = dict(batch_id=batch_id, status=status, at=int(at), **fields)
     stream = keys.batch(batch_id)
-    await append_one(conn, NewEvent(stream, "batch_status", payload, f"{stream}:status:{status}", current["tenant"]))
+    await append_one(conn, NewEvent(stream, EventType.BATCH_STATUS, payload, f"{stream}:status:{status}",
+                                    current["tenant"]))
     return True
 
 
@@ -114,7 +116,7 @@ async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: flo
 async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Sequence[Any]) -> None:
     """Journal the parsed requests; those invalid on their own fail right away."""
     new = [
-        NewEvent(keys.item(batch_id, it.idx), "item_created",
+        NewEvent(keys.item(batch_id, it.idx), EventType.ITEM_CREATED,
                  dict(batch_id=batch_id, idx=it.idx, line=it.line, custom_id=it.custom_id, body=it.body),
                  f"{keys.item(batch_id, it.idx)}:created", tenant)
         for it in items
@@ -141,15 +143,15 @@ def result_key(stream: str) -> str:
 def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any],
                          fence: int | None = None) -> NewEvent:
     s = keys.item(batch_id, idx)
-    return NewEvent(s, "item_completed", dict(batch_id=batch_id, idx=idx, body_json=body_json(body)), result_key(s),
-                    tenant, fence=fence)
+    payload = dict(batch_id=batch_id, idx=idx, body_json=body_json(body))
+    return NewEvent(s, EventType.ITEM_COMPLETED, payload, result_key(s), tenant, fence=fence)
 
 
 def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any],
                       fence: int | None = None) -> NewEvent:
     s = keys.item(batch_id, idx)
     payload = dict(batch_id=batch_id, idx=idx, status_code=status_code, body_json=body_json(body))
-    return NewEvent(s, "item_failed", payload, result_key(s), tenant, fence=fence)
+    return NewEvent(s, EventType.ITEM_FAILED, payload, result_key(s), tenant, fence=fence)
 
 
 def body_json(body: dict[str, Any]) -> str:
@@ -177,7 +179,7 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
         raise LookupError(f"batch {batch_id} has no items {sorted(missing)}")
     streams = [keys.item(batch_id, i) for i, it in items.items() if it["status"] == "pending"]
     if streams:
-        q = select(events.c.payload).where(events.c.stream.in_(streams), events.c.type == "item_chunk")
+        q = select(events.c.payload).where(events.c.stream.in_(streams), events.c.type == EventType.ITEM_CHUNK)
         chunks: dict[int, list[dict]] = {}
         for (p,) in (await conn.execute(q)).all():
             chunks.setdefault(p["idx"], []).append(p)

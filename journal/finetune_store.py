@@ -24,8 +24,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from journal.events import NewEvent, append_one, read_stream
 from journal.schema import events, fine_tuning_jobs
 from protocol import keys
+from protocol.events import EventType
 
-CREATED, STATUS, CHECKPOINT, EVENT = "ft_job_created", "ft_status", "ft_checkpoint", "ft_event"
+CREATED, STATUS, CHECKPOINT, EVENT = (EventType.FT_JOB_CREATED, EventType.FT_STATUS, EventType.FT_CHECKPOINT,
+                                      EventType.FT_EVENT)
 FINAL = ("succeeded", "failed", "cancelled")
 
 

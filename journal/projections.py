@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal import ledger
 from journal.schema import batch_items, batches, files, fine_tuning_jobs
+from protocol.events import EventType
 
 if TYPE_CHECKING:
     from journal.events import Event
@@ -50,12 +51,12 @@ async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
             await fn(conn, list(run))
 
 
-@projects("file_created")
+@projects(EventType.FILE_CREATED)
 async def _file_created(conn, evs):
     await conn.execute(insert(files).on_conflict_do_nothing(), [e.payload for e in evs])
 
 
-@projects("batch_created")
+@projects(EventType.BATCH_CREATED)
 async def _batch_created(conn, evs):
     await conn.execute(insert(batches).on_conflict_do_nothing(), [dict(e.payload, seq=e.position) for e in evs])
 
@@ -64,7 +65,7 @@ async def _batch_created(conn, evs):
 _STATUS_FIELDS = ("errors", "output_file_id", "error_file_id")
 
 
-@projects("batch_status")
+@projects(EventType.BATCH_STATUS)
 async def _batch_status(conn, evs):
     for e in evs:
         p = e.payload
@@ -73,7 +74,7 @@ async def _batch_status(conn, evs):
         await conn.execute(update(batches).where(batches.c.id == p["batch_id"]).values(**values))
 
 
-@projects("item_created")
+@projects(EventType.ITEM_CREATED)
 async def _item_created(conn, evs):
     rows = [dict(e.payload, status="pending") for e in evs]
     await conn.execute(insert(batch_items).on_conflict_do_nothing(), rows)
@@ -90,13 +91,13 @@ async def _item_finished(conn, evs, status: str):
     )
 
 
-@projects("item_completed")
+@projects(EventType.ITEM_COMPLETED)
 async def _item_completed(conn, evs):
     await _item_finished(conn, evs, "completed")
     await ledger.settle_items(conn, [_used(e, _usage(e.payload.get("body_json"))) for e in evs])
 
 
-@projects("item_failed")
+@projects(EventType.ITEM_FAILED)
 async def _item_failed(conn, evs):
     await _item_finished(conn, evs, "failed")
     await ledger.settle_items(conn, [_used(e, {}) for e in evs])
@@ -117,7 +118,7 @@ def _used(e: Event, usage: dict) -> ledger.ItemUsage:
                             int(usage.get("completion_tokens", 0)))
 
 
-@projects("item_preempted")
+@projects(EventType.ITEM_PREEMPTED)
 async def _item_preempted(conn, evs):
     stmt = (
         update(batch_items)
@@ -127,7 +128,7 @@ async def _item_preempted(conn, evs):
     await conn.execute(stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"]) for e in evs])
 
 
-@projects("ft_job_created")
+@projects(EventType.FT_JOB_CREATED)
 async def _ft_job_created(conn, evs):
     await conn.execute(insert(fine_tuning_jobs).on_conflict_do_nothing(),
                        [dict(e.payload, seq=e.position) for e in evs])
@@ -136,7 +137,7 @@ async def _ft_job_created(conn, evs):
 _FT_STATUS_FIELDS = ("error", "fine_tuned_model", "trained_tokens", "result_files", "finished_at")
 
 
-@projects("ft_status")
+@projects(EventType.FT_STATUS)
 async def _ft_status(conn, evs):
     for e in evs:
         p = e.payload

@@ -21,8 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.events import NewEvent
 from protocol import keys
+from protocol.events import EventType
 
-SERVED = "request_served"
+SERVED = EventType.REQUEST_SERVED
 LOOKBACK_S = 600  # each record is looked at for this long after it ages past `after_s`
 
 

@@ -2,7 +2,7 @@
 subjects and Temporal workflow ids), object store keys, fine-tuned model names. Audits,
 workflows and SQL join on these, so each is built here and nowhere else.
 
-`batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`, and
+`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`, and
 `ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens);
 `files/<id>`, `fine-tuning/<job>/checkpoints/step-<n>.pt`, `fine-tuning/<job>/adapter`;
 `ft:<base>:<suffix>:<job>`.
@@ -38,7 +38,13 @@ def ftjob_step(job_id: str, step: int) -> str:
 
 
 def file(file_id: str) -> str:
+    """The object store key of a file's bytes."""
     return f"files/{file_id}"
+
+
+def file_stream(file_id: str) -> str:
+    """The journal stream of a file's record."""
+    return f"file:{file_id}"
 
 
 def checkpoint(job_id: str, step: int) -> str:

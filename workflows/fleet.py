@@ -20,6 +20,8 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 
+from protocol.events import EventType
+
 with workflow.unsafe.imports_passed_through():
     from activities.fleet import FleetActivities
     from policy.preemption import pool_step
@@ -69,12 +71,12 @@ def decide(reports: list[EngineReport], pools: dict[str, Surge], members: list[s
         engines = [id for id, _ in d.caps]
         stream = f"fleet:{pool}"
         if d.started:
-            events.append(FleetEvent(stream, "surge_started", dict(pressure=d.pressure, engines=engines,
+            events.append(FleetEvent(stream, EventType.SURGE_STARTED, dict(pressure=d.pressure, engines=engines,
                                                                    batch_cap=dict(d.caps)),
                                      f"{stream}:surge:{now}:started"))
         if d.ended:
             since = pools[pool].since or now
-            events.append(FleetEvent(stream, "surge_ended", dict(pressure=d.pressure, engines=engines,
+            events.append(FleetEvent(stream, EventType.SURGE_ENDED, dict(pressure=d.pressure, engines=engines,
                                                                  duration_s=round(now - since, 3)),
                                      f"{stream}:surge:{since}:ended"))
     return next_pools, live, ApplyFleetInput(caps, events)
