@@ -26,7 +26,7 @@ from temporalio.exceptions import ApplicationError
 
 from journal import batch_store, engine_registry, finetune_store, ledger
 from journal.leases import acquire
-from policy.admission import ANY_MODEL, Refuse, admit_batch, describe_batch, estimate
+from policy.admission import Refuse, admit_batch, describe_batch, estimate
 from policy.grouping import assign, own_queue
 from policy.lifecycle import finalize_plan
 from policy.placement import region_queue
@@ -35,6 +35,7 @@ from protocol import keys
 from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
 from protocol.events import EventType
+from protocol.limits import ANY_MODEL
 from protocol.requests import Limits, parse
 from protocol.temporal import (
     FailBatchInput,

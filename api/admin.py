@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from api.deps import AdminDep, ServicesDep
 from api.errors import APIError, check_text, not_found, possible_id
 from journal import tenant_store
+from protocol.limits import ANY_MODEL, LIMITS
 from protocol.schema import errors
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(401, 403))
@@ -38,7 +39,7 @@ class Limits(BaseModel):
     """The tenant's limits for `model` ('*': every model), replaced whole: an absent or
     null dimension is no limit."""
 
-    model: str = Field(default=tenant_store.ANY_MODEL, min_length=1, max_length=256)
+    model: str = Field(default=ANY_MODEL, min_length=1, max_length=256)
     requests_per_min: int | None = _LIMIT
     input_tokens_per_min: int | None = _LIMIT
     output_tokens_per_min: int | None = _LIMIT
@@ -63,7 +64,7 @@ def key_object(row: dict[str, Any], plaintext: str | None = None) -> dict[str, A
 
 
 def limits_object(row: dict[str, Any]) -> dict[str, Any]:
-    return dict(tenant=row["tenant"], model=row["model"], **{d: row[d] for d in tenant_store.DIMENSIONS},
+    return dict(tenant=row["tenant"], model=row["model"], **{d: row[d] for d in LIMITS},
                 updated_at=_epoch(row["updated_at"]))
 
 

@@ -25,8 +25,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, check_text, not_found, possible_id, require_id
 from journal import batch_store, finetune_store, ledger, tenant_store
-from policy.admission import ANY_MODEL, Refuse, admit_fine_tune, describe_fine_tune
+from policy.admission import Refuse, admit_fine_tune, describe_fine_tune
 from protocol import keys
+from protocol.limits import ANY_MODEL
 from protocol.schema import errors
 from protocol.temporal import FineTuneInput
 from workflows.finetune import FineTuneWorkflow

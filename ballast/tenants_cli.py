@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from config import Settings
 from journal import tenant_store
 from journal.db import connect
+from protocol.limits import ANY_MODEL, LIMITS
 
 URL_FILE = "postgres-url"  # written by `ballast up` while its embedded Postgres runs
 
@@ -50,9 +51,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--anywhere", action="store_true", help="lift the fence")
     lim = cmds.add_parser("limits", help="show a tenant's limits, or set some (others stay; 'none' clears one)")
     lim.add_argument("name")
-    lim.add_argument("--model", default=tenant_store.ANY_MODEL,
+    lim.add_argument("--model", default=ANY_MODEL,
                      help="the model they apply to (default '*': every model)")
-    for dim in tenant_store.DIMENSIONS:
+    for dim in LIMITS:
         # SUPPRESS: a dimension not given is absent from args, told apart from `none`.
         lim.add_argument("--" + dim.replace("_", "-"), dest=dim, type=_limit, metavar="N|none",
                          default=argparse.SUPPRESS)
@@ -141,15 +142,15 @@ async def _revoke(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 
 async def _limits(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    given = {d: getattr(args, d) for d in tenant_store.DIMENSIONS if hasattr(args, d)}
+    given = {d: getattr(args, d) for d in LIMITS if hasattr(args, d)}
     if given:
         await tenant_store.set_limits(conn, args.name, args.model, **given)
     rows = await tenant_store.get_limits(conn, args.name)
     if not rows:
         print(f"tenant {args.name} has no limits")
         return 0
-    _table(["MODEL", *(d.upper() for d in tenant_store.DIMENSIONS)],
-           [[r["model"], *("-" if r[d] is None else r[d] for d in tenant_store.DIMENSIONS)] for r in rows])
+    _table(["MODEL", *(d.upper() for d in LIMITS)],
+           [[r["model"], *("-" if r[d] is None else r[d] for d in LIMITS)] for r in rows])
     return 0
 
 

@@ -31,8 +31,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.schema import admission_holders, limits, quota_usage
-from policy.admission import ANY_MODEL, LimitSet
 from protocol import keys
+from protocol.limits import ANY_MODEL, LIMITS, LimitSet
 
 RESERVE, SETTLE, REFUND, EXPIRE = "reserve", "settle", "refund", "expire"
 CLOSING = (SETTLE, REFUND, EXPIRE)
@@ -223,9 +223,7 @@ async def settle_items(conn: AsyncConnection, items: Sequence[ItemUsage]) -> Non
 
 def limit_set(row: Any) -> LimitSet:
     m = row._mapping
-    return LimitSet(m["model"], m["requests_per_min"], m["input_tokens_per_min"], m["output_tokens_per_min"],
-                    m["concurrent_requests"], m["tokens_per_day"], m["batch_queue_tokens"],
-                    m["concurrent_fine_tunes"])
+    return LimitSet(m["model"], **{name: m[name] for name in LIMITS})
 
 
 async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[str, tuple[LimitSet, ...]]:

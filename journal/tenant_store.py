@@ -19,13 +19,11 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.schema import api_keys, limits, tenants
+from protocol.limits import ANY_MODEL, LIMITS
 
 KEY_PREFIX = "sk-ballast-"
 SHOWN = 14  # characters of a key kept for display: "sk-ballast-" and 3 random ones
 TENANT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # as the tenants_id_format constraint
-DIMENSIONS = ("requests_per_min", "input_tokens_per_min", "output_tokens_per_min", "concurrent_requests",
-              "tokens_per_day", "batch_queue_tokens", "concurrent_fine_tunes")
-ANY_MODEL = "*"
 
 
 @dataclass(frozen=True)
@@ -167,9 +165,9 @@ async def get_limits(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]
 async def set_limits(conn: AsyncConnection, tenant: str, model: str = ANY_MODEL, **dims: int | None) -> dict[str, Any]:
     """Upsert the tenant's limits for `model`: each dimension given is set (None clears it,
     no limit), the others stay as they are. Returns the row."""
-    unknown = set(dims) - set(DIMENSIONS)
+    unknown = set(dims) - set(LIMITS)
     if unknown:
-        raise ValueError(f"Unknown limit {sorted(unknown)[0]!r}; limits are {', '.join(DIMENSIONS)}.")
+        raise ValueError(f"Unknown limit {sorted(unknown)[0]!r}; limits are {', '.join(LIMITS)}.")
     for k, v in dims.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"Invalid {k} {v!r}: a non-negative integer, or None for no limit.")

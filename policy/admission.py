@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from protocol.limits import ANY_MODEL, LABELS, LimitSet
 from protocol.tiers import Tier
 
 if TYPE_CHECKING:
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 
 MINUTE_S = 60
 DAY_S = 86_400
-ANY_MODEL = "*"
 CONCURRENCY_RETRY_S = 1
 FINE_TUNE_RETRY_S = 60  # a job takes minutes at least to end
 FLEET_RETRY_S = 1
@@ -69,15 +69,6 @@ Dimension = Literal["requests_per_min", "input_tokens_per_min", "output_tokens_p
 # The order a request's dimensions are checked in: the first refusal is the one reported.
 DIMENSIONS: tuple[Dimension, ...] = ("concurrent_requests", "requests_per_min", "input_tokens_per_min",
                                      "output_tokens_per_min", "tokens_per_day")
-LABELS = {
-    "requests_per_min": "requests per min (RPM)",
-    "input_tokens_per_min": "input tokens per min (ITPM)",
-    "output_tokens_per_min": "output tokens per min (OTPM)",
-    "concurrent_requests": "concurrent requests",
-    "tokens_per_day": "tokens per day (TPD)",
-    "batch_queue_tokens": "enqueued batch tokens",
-    "concurrent_fine_tunes": "active fine-tuning jobs",
-}
 
 # The estimate of a prompt before the engine has tokenized it (`estimate`): every token
 # is at least one byte for byte-level BPE tokenizers (and the tiny model's), so UTF-8
@@ -86,19 +77,6 @@ LABELS = {
 PER_MESSAGE_TOKENS = 16
 PER_REQUEST_TOKENS = 32
 
-
-@dataclass(frozen=True)
-class LimitSet:
-    """One row of `limits`: a tenant's limits for `model` ('*': all its models together)."""
-
-    model: str = ANY_MODEL
-    requests_per_min: int | None = None
-    input_tokens_per_min: int | None = None
-    output_tokens_per_min: int | None = None
-    concurrent_requests: int | None = None
-    tokens_per_day: int | None = None
-    batch_queue_tokens: int | None = None
-    concurrent_fine_tunes: int | None = None
 
 
 @dataclass(frozen=True)

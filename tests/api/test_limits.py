@@ -150,3 +150,4 @@ async def test_over_a_real_socket(settings, db, default_key):
         # And the connection is still good for the next request.
         assert_openai_error(await http.get("/v1/files/file-%00/content"), 404, "file_id")
         assert_openai_error(await http.get("/v1/files/%00"), 404, "file_id")
+

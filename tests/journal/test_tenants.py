@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from journal import tenant_store
 from journal.schema import api_keys
+from protocol.limits import LIMITS
 
 
 @pytest.fixture
@@ -105,8 +106,8 @@ async def test_limits_upsert_a_dimension_at_a_time(db, name):
     async with db.connect() as conn:
         got = await tenant_store.get_limits(conn, name)
     assert [r["model"] for r in got] == ["*", "ballast-tiny"]
-    assert {d: got[1][d] for d in tenant_store.DIMENSIONS} == {d: 2 if d == "concurrent_requests" else None
-                                                               for d in tenant_store.DIMENSIONS}
+    assert {d: got[1][d] for d in LIMITS} == {d: 2 if d == "concurrent_requests" else None
+                                                               for d in LIMITS}
 
 
 @pytest.mark.parametrize("dims, match", [

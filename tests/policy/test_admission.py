@@ -15,7 +15,6 @@ from policy.admission import (
     DAY_S,
     Demand,
     Headroom,
-    LimitSet,
     Refuse,
     Usage,
     admit,
@@ -27,6 +26,7 @@ from policy.admission import (
     overshoot_bound,
     staleness_s,
 )
+from protocol.limits import LimitSet
 from protocol.requests import CHAT, COMPLETIONS, Limits, parse
 
 NOW = 1_700_000_040 + 17.25  # 17.25 s into a UTC minute
