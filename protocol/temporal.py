@@ -124,8 +124,8 @@ class InteractiveInput:
     reserved_output: int | None = None
     holder: str | None = None  # the admitting process
     admitted_at: float | None = None  # unix seconds: the reservation's window
-    # How it ended, where the workflow starts once it has (APIs since session 10); None:
-    # started mid-stream, the outcome comes by the `finished` signal.
+    # How it ended: the API starts the workflow once the request has ended. None: a
+    # workflow an older API started mid-stream, whose outcome comes by the `finished` signal.
     outcome: RequestOutcome | None = None
 
 

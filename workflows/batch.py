@@ -221,9 +221,9 @@ class BatchWorkflow:
 
     async def _settle(self, inp: BatchInput, idxs: list[int], handle: workflow.ActivityHandle, on: str) -> list[int]:
         """The items of a finished group that must run again: unclaimed where it waited
-        (the next queue of the geography takes them), or preempted (engine workers since
-        session 10 resume a preempted item in place and never return it here; an older
-        worker, mid-upgrade, still may)."""
+        (the next queue of the geography takes them), or preempted (engine workers resume a
+        preempted item in place and never return it here; an older worker, mid-upgrade,
+        still may)."""
         batch_id = inp.batch_id
         try:
             results: list[GenerateResult] = await handle

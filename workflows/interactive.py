@@ -7,8 +7,8 @@ length, and none of its bookkeeping runs while any token of it is streaming. A r
 whose API process dies before that is journaled by the quota reconciler from the engine
 worker's record of it (journal/served.py).
 
-Histories from APIs before session 10 start the workflow mid-stream with no outcome: it
-then comes by the `finished` signal, or the abandon timer journals the request abandoned.
+Older APIs started the workflow mid-stream with no outcome (their histories still replay):
+it then comes by the `finished` signal, or the abandon timer journals the request abandoned.
 """
 
 from __future__ import annotations
