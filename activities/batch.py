@@ -36,7 +36,7 @@ from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
 from protocol.events import EventType
 from protocol.limits import ANY_MODEL
-from protocol.requests import Limits, parse
+from protocol.requests import RequestLimits, parse
 from protocol.temporal import (
     FailBatchInput,
     FailItemInput,
@@ -54,7 +54,7 @@ LIVE_S = 10.0  # an engine worker that has not announced itself for this long ge
 
 
 class BatchActivities:
-    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: Limits, max_lines: int):
+    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: RequestLimits, max_lines: int):
         self.db = db
         self.store = store
         self.limits = limits
@@ -115,7 +115,7 @@ class BatchActivities:
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
 
-    def _estimate(self, endpoint: str, item: batch_file.Item, limits: Limits) -> tuple[int, int]:
+    def _estimate(self, endpoint: str, item: batch_file.Item, limits: RequestLimits) -> tuple[int, int]:
         """(input, output) tokens the item may take; 0 for one that will not run."""
         if item.error is not None:
             return 0, 0

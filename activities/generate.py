@@ -41,7 +41,7 @@ from journal.leases import acquire_many
 from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
 from protocol.events import EventType
-from protocol.requests import Limits, parse
+from protocol.requests import RequestLimits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
 
@@ -115,7 +115,7 @@ class GenerationActivities:
         item, idx, endpoint = at.item, at.idx, at.batch["endpoint"]
         if item["status"] != "pending":
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
-        req = parse(endpoint, item["body"], Limits(self.engine.spec.name, self.engine.spec.max_model_len,
+        req = parse(endpoint, item["body"], RequestLimits(self.engine.spec.name, self.engine.spec.max_model_len,
                                                    any_adapter=True), batch=True)
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(self.engine, req)
         if isinstance(ready, ProtocolError):

@@ -40,7 +40,7 @@ from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
 from protocol import engine_wire, keys, responses, schema
 from protocol.errors import ProtocolError
-from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, parse
+from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
 from protocol.tiers import RANK, Tier
 from workflows.interactive import InteractiveWorkflow
@@ -76,7 +76,7 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     tenant = who.tenant
     t0 = time.perf_counter()
     body = await _body(request)
-    req = parse(endpoint, body, Limits(svc.settings.model_name, svc.settings.max_model_len,
+    req = parse(endpoint, body, RequestLimits(svc.settings.model_name, svc.settings.max_model_len,
                                        adapters=await _fine_tuned(svc, tenant, body.get("model"))))
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
@@ -155,7 +155,7 @@ async def _fleet_busy(svc: Services) -> bool:
 
 
 @dataclass
-class Run:
+class OpenRequest:
     """One accepted request: its engine stream, and what its workflow records."""
 
     svc: Services
@@ -230,7 +230,7 @@ class EngineFailed(Exception):
 
 async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
                 ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None,
-                prompt: Prompt | None = None) -> Run:
+                prompt: Prompt | None = None) -> OpenRequest:
     s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
@@ -260,7 +260,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
         record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,
                                      holder=ticket.holder, admitted_at=ticket.at)
     meta = dict(id=rid, created=int(time.time()), model=req.model, service_tier=req.service_tier)
-    return Run(svc, record, meta, lines, upstream, t0, ticket)
+    return OpenRequest(svc, record, meta, lines, upstream, t0, ticket)
 
 
 async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest,
@@ -294,7 +294,7 @@ class _Streamed(StreamingResponse):
     `finally` finishes it, and where the relay never ran (the client left first) or was
     left waiting at a `yield`, closing it here does."""
 
-    def __init__(self, run: Run, relay: AsyncGenerator[bytes, None]):
+    def __init__(self, run: OpenRequest, relay: AsyncGenerator[bytes, None]):
         super().__init__(relay, media_type="text/event-stream")
         self.run, self.relay = run, relay
 
@@ -306,7 +306,7 @@ class _Streamed(StreamingResponse):
             await self.run.abandon()
 
 
-async def _relay(run: Run, req: GenerationRequest) -> AsyncGenerator[bytes, None]:
+async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[bytes, None]:
     chunks = responses.Chunks(req.endpoint, run.meta)
     events = run.events()
     final, ttft = None, None
@@ -334,7 +334,7 @@ async def _relay(run: Run, req: GenerationRequest) -> AsyncGenerator[bytes, None
         run.finished(final, ttft, status)
 
 
-async def _collect(run: Run, req: GenerationRequest) -> JSONResponse:
+async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
     text: list[str] = []
     final, ttft = None, None
     try:

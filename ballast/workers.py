@@ -30,7 +30,7 @@ from policy.placement import region_queue
 from policy.preemption import min_slots
 from protocol.engine_wire import EngineStats
 from protocol.fleet import SurgePolicy
-from protocol.requests import Limits
+from protocol.requests import RequestLimits
 from protocol.temporal import FleetInput, QuotaInput
 from protocol.tiers import Tier
 from storage.objects import ObjectStore
@@ -80,7 +80,7 @@ async def control_worker(settings: Settings) -> None:
     acts = BatchActivities(
         db,
         ObjectStore(settings.object_store_url),
-        Limits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
+        RequestLimits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
     )
     fleet = FleetActivities(db)
     quota = QuotaActivities(db, settings.unreported_after_s)

@@ -39,7 +39,7 @@ from engine.fair_share import FairShare
 from engine.slots import EngineSlots
 from protocol import engine_wire as wire
 from protocol.errors import ProtocolError, error_body
-from protocol.requests import Limits, parse
+from protocol.requests import RequestLimits, parse
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         t0 = time.perf_counter()
         job = wire.EngineJob.from_json(await request.json())
         tenant, tier = job.tenant or "default", job.tier or "default"
-        req = parse(job.endpoint, job.body, Limits(engine.spec.name, engine.spec.max_model_len, any_adapter=True))
+        req = parse(job.endpoint, job.body, RequestLimits(engine.spec.name, engine.spec.max_model_len,
+                                                          any_adapter=True))
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(engine, req)
         if isinstance(ready, ProtocolError):
             return JSONResponse(asdict(wire.Failed(ready.body()["error"], ready.status_code)))

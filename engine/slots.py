@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from policy.preemption import Demand, Floor, Running, SlotState, batch_slots, min_slots, starvation_floor, victims
+from policy.preemption import Floor, Running, SlotDemand, SlotState, batch_slots, min_slots, starvation_floor, victims
 
 
 @dataclass
@@ -151,7 +151,7 @@ class EngineSlots:
         return min(5.0, max(0.01, min(pending))) if pending else None
 
     def _update_cap(self) -> None:
-        demand = Demand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)
+        demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)
         now = self.clock()
         self.state = batch_slots(demand, self.state, now, self.cool_down_s)
         cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)

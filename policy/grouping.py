@@ -32,7 +32,7 @@ MIN_SHARED = 128  # characters, ~2 of vLLM's 16-token KV blocks of English text
 
 
 @dataclass(frozen=True)
-class Run:
+class PrefixRun:
     count: int  # consecutive items of the page
     queue: str  # "": the batch's shared queue (any worker of it)
 
@@ -70,40 +70,40 @@ def order(key: str, workers: list[str]) -> list[str]:
 
 
 def assign(prompts: list[str], workers: dict[str, str], bound: float = 1.25,
-           min_shared: int = MIN_SHARED) -> list[Run]:
+           min_shared: int = MIN_SHARED) -> list[PrefixRun]:
     """The page's items, in page order, as runs bound for a worker's own queue or the shared
     one. `workers`: worker id → its own queue (the live ones the batch may run on)."""
     runs = runs_of(prompts, min_shared)
     if not workers:
-        return [Run(len(prompts), "")] if prompts else []
+        return [PrefixRun(len(prompts), "")] if prompts else []
     cap = math.ceil(bound * sum(n for n, key in runs if key is not None) / len(workers))  # 3.
     room = dict.fromkeys(workers, cap)
-    out: list[Run] = []
+    out: list[PrefixRun] = []
     for n, key in runs:
         if key is None:
-            out.append(Run(n, ""))
+            out.append(PrefixRun(n, ""))
             continue
         ranked = order(key, list(workers))  # 4.
         whole = next((w for w in ranked if room[w] >= n), None)
         for w in [whole] if whole is not None else ranked:
             take = min(n, room[w])
             if take:
-                out.append(Run(take, workers[w]))
+                out.append(PrefixRun(take, workers[w]))
                 room[w] -= take
                 n -= take
             if not n:
                 break
         if n:  # only with bound < 1: more than every worker's room
-            out.append(Run(n, ""))
+            out.append(PrefixRun(n, ""))
     return _merged(out)
 
 
-def _merged(runs: list[Run]) -> list[Run]:
+def _merged(runs: list[PrefixRun]) -> list[PrefixRun]:
     """Neighbouring runs bound for the same queue, as one."""
-    out: list[Run] = []
+    out: list[PrefixRun] = []
     for r in runs:
         if out and out[-1].queue == r.queue:
-            out[-1] = Run(out[-1].count + r.count, r.queue)
+            out[-1] = PrefixRun(out[-1].count + r.count, r.queue)
         else:
             out.append(r)
     return out

@@ -42,7 +42,7 @@ class Running:
 
 
 @dataclass(frozen=True)
-class Demand:
+class SlotDemand:
     """Interactive load on the engine, as its worker sees it."""
 
     interactive: int  # running + waiting interactive requests
@@ -59,7 +59,7 @@ class SlotState:
     calm_since: float | None = None
 
 
-def batch_slots(d: Demand, prev: SlotState, now: float, cool_down_s: float = 2.0) -> SlotState:
+def batch_slots(d: SlotDemand, prev: SlotState, now: float, cool_down_s: float = 2.0) -> SlotState:
     room = d.max_seqs - d.interactive
     if d.interactive:
         room = min(room, d.busy_cap)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ProtocolError
-from protocol.requests import Invalid, Limits, parse, unstorable
+from protocol.requests import Invalid, RequestLimits, parse, unstorable
 
 MAX_ERRORS = 100  # OpenAI reports a bounded number of line errors, so do we
 MAX_CUSTOM_ID = 512
@@ -44,7 +44,7 @@ class Item:
 @dataclass(frozen=True)
 class FileLimits:
     endpoint: str
-    request: Limits
+    request: RequestLimits
     max_lines: int = 50_000
 
 

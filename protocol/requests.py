@@ -34,7 +34,7 @@ INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     model: str  # the served model's name
     max_model_len: int
     adapters: frozenset[str] = frozenset()  # fine-tuned models served on it (the caller's own)
@@ -76,7 +76,7 @@ class Invalid(Exception):
         self.message, self.code, self.param, self.status = message, code, param, status
 
 
-def parse(endpoint: str, body: Any, limits: Limits, *, batch: bool = False) -> GenerationRequest | ProtocolError:
+def parse(endpoint: str, body: Any, limits: RequestLimits, *, batch: bool = False) -> GenerationRequest | ProtocolError:
     """The request, or why it cannot run (never an exception, whatever `body` holds)."""
     try:
         return _parse(endpoint, body, limits, batch)
@@ -84,7 +84,7 @@ def parse(endpoint: str, body: Any, limits: Limits, *, batch: bool = False) -> G
         return ProtocolError(e.status, e.code, e.message, e.param)
 
 
-def _parse(endpoint: str, body: Any, limits: Limits, batch: bool) -> GenerationRequest:
+def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> GenerationRequest:
     if endpoint not in ENDPOINTS:
         raise Invalid(f"Unsupported endpoint {endpoint!r}; use one of {', '.join(ENDPOINTS)}.", param="url")
     if not isinstance(body, dict):

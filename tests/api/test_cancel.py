@@ -18,7 +18,7 @@ from activities.batch import BatchActivities
 from journal import batch_store
 from journal.leases import acquire
 from protocol import keys
-from protocol.requests import Limits
+from protocol.requests import RequestLimits
 from protocol.temporal import BatchOutcome, FinalizeInput, ValidateInput
 from storage.objects import ObjectStore
 from tests.api.conftest import assert_openai_error
@@ -29,7 +29,7 @@ CUSTOM_IDS = [f"c{i}" for i in range(N)]
 
 @pytest.fixture
 def acts(settings, db):
-    return BatchActivities(db, ObjectStore(settings.object_store_url), Limits("ballast-tiny", 1024), 100)
+    return BatchActivities(db, ObjectStore(settings.object_store_url), RequestLimits("ballast-tiny", 1024), 100)
 
 
 async def _create(api) -> str:

@@ -27,7 +27,7 @@ from policy.admission import (
     staleness_s,
 )
 from protocol.limits import LimitSet
-from protocol.requests import CHAT, COMPLETIONS, Limits, parse
+from protocol.requests import CHAT, COMPLETIONS, RequestLimits, parse
 
 NOW = 1_700_000_040 + 17.25  # 17.25 s into a UTC minute
 MINUTE_LEFT = 43  # ⌈60 − 17.25⌉
@@ -152,14 +152,15 @@ def test_the_batch_queue_limit():
 
 
 def test_the_estimate_bounds_bytes_and_reserves_the_rest_of_the_context():
-    chat = parse(CHAT, dict(model="m", messages=[dict(role="user", content="héllo")], max_tokens=7), Limits("m", 100))
+    chat = parse(CHAT, dict(model="m", messages=[dict(role="user", content="héllo")], max_tokens=7),
+                 RequestLimits("m", 100))
     assert estimate(chat, 100) == (len("userhéllo".encode()) + 16 + 32, 7)
-    open_ended = parse(CHAT, dict(model="m", messages=[dict(role="user", content="hi")]), Limits("m", 100))
+    open_ended = parse(CHAT, dict(model="m", messages=[dict(role="user", content="hi")]), RequestLimits("m", 100))
     i, o = estimate(open_ended, 100)
     assert i + o == 100
-    ids = parse(COMPLETIONS, dict(model="m", prompt=[1, 2, 3], max_tokens=5), Limits("m", 100))
+    ids = parse(COMPLETIONS, dict(model="m", prompt=[1, 2, 3], max_tokens=5), RequestLimits("m", 100))
     assert estimate(ids, 100) == (3, 5)
-    huge = parse(COMPLETIONS, dict(model="m", prompt="x" * 500, max_tokens=5), Limits("m", 100))
+    huge = parse(COMPLETIONS, dict(model="m", prompt="x" * 500, max_tokens=5), RequestLimits("m", 100))
     assert estimate(huge, 100)[0] == 100  # capped at the context: the engine refuses the rest
     assert estimate_input(["abc"], 0) == 5
 

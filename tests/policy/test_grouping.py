@@ -9,7 +9,7 @@ import zlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policy.grouping import MIN_SHARED, Run, assign, order, own_queue, runs_of
+from policy.grouping import MIN_SHARED, PrefixRun, assign, order, own_queue, runs_of
 
 SYS = {name: f"You are {name}. " + "Answer briefly and well. " * 8 for name in ("Ada", "Brin", "Cole")}
 
@@ -46,12 +46,12 @@ def test_a_run_goes_whole_to_its_first_worker_in_rendezvous_order():
     key = runs_of(prompts)[0][1]
     assert key is not None and SYS["Ada"].startswith(key)
     first = max(workers, key=lambda w: zlib.crc32(f"{key}\0{w}".encode()))  # the highest hash wins
-    assert assign(prompts, workers)[0] == Run(4, f"q/{first}")  # Ada's run, first in the page
+    assert assign(prompts, workers)[0] == PrefixRun(4, f"q/{first}")  # Ada's run, first in the page
 
 
 def test_loose_items_go_to_the_shared_queue():
-    assert assign(["alone one", "alone two"], {"w1": "q/w1"}) == [Run(2, "")]
-    assert assign(page(("Ada", 2)), {}) == [Run(2, "")]  # no live worker: the shared queue
+    assert assign(["alone one", "alone two"], {"w1": "q/w1"}) == [PrefixRun(2, "")]
+    assert assign(page(("Ada", 2)), {}) == [PrefixRun(2, "")]  # no live worker: the shared queue
 
 
 def test_no_worker_takes_more_than_the_bound_and_a_run_moves_whole_where_it_fits():
@@ -70,7 +70,7 @@ def test_a_run_bigger_than_any_room_is_split_down_its_order():
     prompts = page(("Ada", 10))  # cap ceil(1.25·5) = 7: 7 on its first worker, 3 on the next
     [(_, key)] = runs_of(prompts)
     first, second = order(key, list(workers))
-    assert assign(prompts, workers) == [Run(7, f"q/{first}"), Run(3, f"q/{second}")]
+    assert assign(prompts, workers) == [PrefixRun(7, f"q/{first}"), PrefixRun(3, f"q/{second}")]
 
 
 def test_a_leaving_worker_moves_only_its_own_keys():

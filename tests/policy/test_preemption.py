@@ -1,4 +1,4 @@
-from policy.preemption import Demand, Running, SlotState, batch_slots, victims
+from policy.preemption import Running, SlotDemand, SlotState, batch_slots, victims
 
 
 def r(id, tier=10, unsaved=0, generated=0, started=0.0):
@@ -6,8 +6,8 @@ def r(id, tier=10, unsaved=0, generated=0, started=0.0):
 
 
 def test_cap_drops_at_once_and_recovers_only_after_cool_down():
-    calm = Demand(interactive=0, max_seqs=8, busy_cap=1)
-    busy = Demand(interactive=2, max_seqs=8, busy_cap=1)
+    calm = SlotDemand(interactive=0, max_seqs=8, busy_cap=1)
+    busy = SlotDemand(interactive=2, max_seqs=8, busy_cap=1)
     s = SlotState(cap=8)
     s = batch_slots(busy, s, now=0.0)
     assert s.cap == 1
@@ -23,15 +23,15 @@ def test_cap_drops_at_once_and_recovers_only_after_cool_down():
 
 
 def test_interactive_is_never_capped_but_batch_never_goes_negative():
-    s = batch_slots(Demand(interactive=20, max_seqs=8, busy_cap=4), SlotState(8), now=0)
+    s = batch_slots(SlotDemand(interactive=20, max_seqs=8, busy_cap=4), SlotState(8), now=0)
     assert s.cap == 0
 
 
 def test_a_static_partition_holds_batch_to_its_share_idle_or_busy():
-    assert batch_slots(Demand(0, max_seqs=8, busy_cap=8, batch_max=4), SlotState(8), now=0).cap == 4
-    assert batch_slots(Demand(3, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 4
+    assert batch_slots(SlotDemand(0, max_seqs=8, busy_cap=8, batch_max=4), SlotState(8), now=0).cap == 4
+    assert batch_slots(SlotDemand(3, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 4
     # chat beyond its half takes slots from batch
-    assert batch_slots(Demand(6, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 2
+    assert batch_slots(SlotDemand(6, max_seqs=8, busy_cap=8, batch_max=4), SlotState(4), now=0).cap == 2
 
 
 def test_victims_lowest_tier_then_least_progress_then_newest_then_id():

@@ -3,9 +3,9 @@
 import json
 
 from protocol.batch import FileLimits, Item, LineError, file_errors, scan
-from protocol.requests import Limits
+from protocol.requests import RequestLimits
 
-LIMITS = FileLimits("/v1/chat/completions", Limits("ballast-tiny", 1024), max_lines=5)
+LIMITS = FileLimits("/v1/chat/completions", RequestLimits("ballast-tiny", 1024), max_lines=5)
 
 
 def line(custom_id="a", url="/v1/chat/completions", **body) -> bytes:
@@ -14,7 +14,7 @@ def line(custom_id="a", url="/v1/chat/completions", **body) -> bytes:
     return json.dumps(dict(custom_id=custom_id, method="POST", url=url, body=b)).encode()
 
 
-def parse(lines, limits=FileLimits("/v1/chat/completions", Limits("ballast-tiny", 1024), max_lines=50)):
+def parse(lines, limits=FileLimits("/v1/chat/completions", RequestLimits("ballast-tiny", 1024), max_lines=50)):
     got = list(scan(lines, limits))
     return [g for g in got if isinstance(g, Item)], [g for g in got if isinstance(g, LineError)]
 

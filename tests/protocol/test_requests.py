@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import ProtocolError
-from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, Limits, fit_context, parse
+from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, fit_context, parse
 
-LIMITS = Limits("ballast-tiny", 1024)
+LIMITS = RequestLimits("ballast-tiny", 1024)
 CHAT_OK = dict(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}])
 COMPLETION_OK = dict(model="ballast-tiny", prompt="hello")
 
