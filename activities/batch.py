@@ -34,7 +34,7 @@ from protocol import batch as batch_file
 from protocol import keys
 from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
-from protocol.events import EventType
+from protocol.events import ItemFailed, item_result
 from protocol.limits import ANY_MODEL
 from protocol.requests import RequestLimits, parse
 from protocol.temporal import (
@@ -225,12 +225,13 @@ class BatchActivities:
         if ev is None:  # never ran: the batch was cancelled or expired first
             error = dict(code=f"batch_{final}", message=f"This request was not executed because the batch was {final}.")
             return "error", (json.dumps(dict(head, response=None, error=error), ensure_ascii=False) + "\n").encode()
-        status = 200 if ev.type == EventType.ITEM_COMPLETED else ev.payload["status_code"]
+        result = item_result(ev.type, ev.payload)
+        status = result.status_code if isinstance(result, ItemFailed) else 200
         req_id = batch_store.stable_id("", batch_id, item["idx"], "request")
         # The body is spliced in as the JSON text the generation wrote (see body_json).
         line = (
             json.dumps(head, ensure_ascii=False)[:-1]
-            + f', "response": {{"status_code": {status}, "request_id": "{req_id}", "body": {ev.payload["body_json"]}}}'
+            + f', "response": {{"status_code": {status}, "request_id": "{req_id}", "body": {result.body_json}}}'
             + ', "error": null}\n'
         )
         return ("output" if status == 200 else "error"), line.encode()

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -40,7 +40,7 @@ from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
 from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
-from protocol.events import EventType
+from protocol.events import EventType, ItemChunk, ItemPreempted
 from protocol.requests import RequestLimits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
@@ -225,9 +225,8 @@ class Attempt:
         if self.saved == offset:
             return []
         self.progress[self.idx] = self.saved
-        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset, token_ids=self.tokens[offset:],
-                       runner=self.runner)
-        return [NewEvent(self.stream, EventType.ITEM_CHUNK, payload, f"{self.stream}:chunk:{offset}",
+        chunk = ItemChunk(self.batch["id"], self.idx, offset, self.tokens[offset:], self.runner)
+        return [NewEvent(self.stream, EventType.ITEM_CHUNK, asdict(chunk), f"{self.stream}:chunk:{offset}",
                          self.batch["tenant"], fence=self.fence)]
 
     def committed(self, commit: asyncio.Future) -> None:
@@ -244,9 +243,9 @@ class Attempt:
             raise self._refused
 
     def preempted(self, offset: int) -> NewEvent:
-        payload = dict(batch_id=self.batch["id"], idx=self.idx, offset=offset)
-        return NewEvent(self.stream, EventType.ITEM_PREEMPTED, payload, f"{self.stream}:preempted:{offset}",
-                        self.batch["tenant"], fence=self.fence)
+        yielded = ItemPreempted(self.batch["id"], self.idx, offset)
+        return NewEvent(self.stream, EventType.ITEM_PREEMPTED, asdict(yielded),
+                        f"{self.stream}:preempted:{offset}", self.batch["tenant"], fence=self.fence)
 
     def completed(self, body: dict[str, Any]) -> NewEvent:
         return batch_store.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy import func, select
@@ -18,7 +19,7 @@ from journal.leases import acquire_many
 from journal.schema import batch_items, batches, events, files
 from policy.lifecycle import can_move
 from protocol import keys
-from protocol.events import EventType
+from protocol.events import EventType, ItemCompleted, ItemFailed
 
 PREFIX_SORT_CHARS = 16_384  # of a prompt, to cluster a page by: a 4k-token system prompt
 
@@ -143,15 +144,15 @@ def result_key(stream: str) -> str:
 def item_completed_event(batch_id: str, idx: int, tenant: str, body: dict[str, Any],
                          fence: int | None = None) -> NewEvent:
     s = keys.item(batch_id, idx)
-    payload = dict(batch_id=batch_id, idx=idx, body_json=body_json(body))
-    return NewEvent(s, EventType.ITEM_COMPLETED, payload, result_key(s), tenant, fence=fence)
+    done = ItemCompleted(batch_id, idx, body_json(body))
+    return NewEvent(s, EventType.ITEM_COMPLETED, asdict(done), result_key(s), tenant, fence=fence)
 
 
 def item_failed_event(batch_id: str, idx: int, tenant: str, status_code: int, body: dict[str, Any],
                       fence: int | None = None) -> NewEvent:
     s = keys.item(batch_id, idx)
-    payload = dict(batch_id=batch_id, idx=idx, status_code=status_code, body_json=body_json(body))
-    return NewEvent(s, EventType.ITEM_FAILED, payload, result_key(s), tenant, fence=fence)
+    failed = ItemFailed(batch_id, idx, status_code, body_json(body))
+    return NewEvent(s, EventType.ITEM_FAILED, asdict(failed), result_key(s), tenant, fence=fence)
 
 
 def body_json(body: dict[str, Any]) -> str:

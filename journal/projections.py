@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal import ledger
 from journal.schema import batch_items, batches, files, fine_tuning_jobs
-from protocol.events import EventType
+from protocol.events import EventType, ItemPayload, item_payload, item_result
 
 if TYPE_CHECKING:
     from journal.events import Event
@@ -87,20 +87,21 @@ async def _item_finished(conn, evs, status: str):
         .values(status=status, result_position=bindparam("b_pos"))
     )
     await conn.execute(
-        stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"], b_pos=e.position) for e in evs]
+        stmt, [dict(b_batch=p.batch_id, b_idx=p.idx, b_pos=e.position) for e, p in _items(evs)]
     )
 
 
 @projects(EventType.ITEM_COMPLETED)
 async def _item_completed(conn, evs):
     await _item_finished(conn, evs, "completed")
-    await ledger.settle_items(conn, [_used(e, _usage(e.payload.get("body_json"))) for e in evs])
+    done = [(e, item_result(e.type, e.payload)) for e in evs]
+    await ledger.settle_items(conn, [_used(e, p, _usage(p.body_json)) for e, p in done])
 
 
 @projects(EventType.ITEM_FAILED)
 async def _item_failed(conn, evs):
     await _item_finished(conn, evs, "failed")
-    await ledger.settle_items(conn, [_used(e, {}) for e in evs])
+    await ledger.settle_items(conn, [_used(e, p, {}) for e, p in _items(evs)])
 
 
 def _usage(body_json: str | None) -> dict:
@@ -113,8 +114,12 @@ def _usage(body_json: str | None) -> dict:
     return usage if isinstance(usage, dict) else {}
 
 
-def _used(e: Event, usage: dict) -> ledger.ItemUsage:
-    return ledger.ItemUsage(e.tenant, e.payload["batch_id"], e.payload["idx"], int(usage.get("prompt_tokens", 0)),
+def _items(evs: Sequence[Event]) -> list[tuple[Event, ItemPayload]]:
+    return [(e, item_payload(e.type, e.payload)) for e in evs]
+
+
+def _used(e: Event, p: ItemPayload, usage: dict) -> ledger.ItemUsage:
+    return ledger.ItemUsage(e.tenant, p.batch_id, p.idx, int(usage.get("prompt_tokens", 0)),
                             int(usage.get("completion_tokens", 0)))
 
 
@@ -125,7 +130,7 @@ async def _item_preempted(conn, evs):
         .where(batch_items.c.batch_id == bindparam("b_batch"), batch_items.c.idx == bindparam("b_idx"))
         .values(preemptions=batch_items.c.preemptions + 1)
     )
-    await conn.execute(stmt, [dict(b_batch=e.payload["batch_id"], b_idx=e.payload["idx"]) for e in evs])
+    await conn.execute(stmt, [dict(b_batch=p.batch_id, b_idx=p.idx) for _, p in _items(evs)])
 
 
 @projects(EventType.FT_JOB_CREATED)

@@ -4,7 +4,9 @@ names; `SELECT type, count(*) FROM events GROUP BY 1` lists them."""
 
 from __future__ import annotations
 
+from dataclasses import MISSING, dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 
 class EventType(StrEnum):
@@ -29,3 +31,65 @@ class EventType(StrEnum):
     # The fleet controller (workflows/fleet.py).
     SURGE_STARTED = "surge_started"  # pressure, engines, caps
     SURGE_ENDED = "surge_ended"
+
+
+# -- the payloads of a batch item's events ---------------------------------------------
+#
+# Their keys are what the journal has always held: an append retried from newer code
+# compares its payload with the row already there, so a field is never added to an event
+# type once written (a new fact is a new event type). `dataclasses.asdict` writes them.
+
+
+@dataclass(frozen=True)
+class ItemChunk:
+    """Tokens a generation produced since the item's last chunk: `token_ids` from `offset`."""
+
+    batch_id: str
+    idx: int
+    offset: int
+    token_ids: list[int]
+    runner: str  # the attempt that wrote it (its lease holder)
+
+
+@dataclass(frozen=True)
+class ItemPreempted:
+    batch_id: str
+    idx: int
+    offset: int  # tokens journaled when it yielded
+
+
+@dataclass(frozen=True)
+class ItemCompleted:
+    batch_id: str
+    idx: int
+    body_json: str = ""  # the response body, as the JSON text the output file splices in ("": none kept)
+
+
+@dataclass(frozen=True)
+class ItemFailed:
+    batch_id: str
+    idx: int
+    status_code: int
+    body_json: str = ""
+
+
+ItemPayload = ItemChunk | ItemPreempted | ItemCompleted | ItemFailed
+_ITEM: dict[str, type[ItemChunk] | type[ItemPreempted] | type[ItemCompleted] | type[ItemFailed]] = {
+    EventType.ITEM_CHUNK: ItemChunk, EventType.ITEM_PREEMPTED: ItemPreempted,
+    EventType.ITEM_COMPLETED: ItemCompleted, EventType.ITEM_FAILED: ItemFailed,
+}
+
+
+def item_payload(type_: str, d: dict[str, Any]) -> ItemPayload:
+    """A journaled item event's payload, typed (KeyError if it lacks a field that has no
+    default)."""
+    cls = _ITEM[type_]
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.default is MISSING})
+
+
+def item_result(type_: str, d: dict[str, Any]) -> ItemCompleted | ItemFailed:
+    """An item's result event's payload (ValueError for any other event)."""
+    p = item_payload(type_, d)
+    if not isinstance(p, ItemCompleted | ItemFailed):
+        raise ValueError(f"{type_} is not an item's result")
+    return p

@@ -16,3 +16,34 @@ def test_the_fenced_types_of_the_migrations_are_event_types():
 
 def test_every_projected_type_is_an_event_type():
     assert projections._projectors and set(projections._projectors) <= set(EventType)
+
+
+def test_item_payloads_keep_the_keys_the_journal_holds():
+    """A retried append compares payloads with the row already there: the keys an item
+    event has always had (written out here, not read from the classes) stay exactly so."""
+    from dataclasses import asdict
+
+    from protocol.events import ItemChunk, ItemCompleted, ItemFailed, ItemPreempted, item_payload, item_result
+
+    held = {
+        EventType.ITEM_CHUNK: {"batch_id", "idx", "offset", "token_ids", "runner"},
+        EventType.ITEM_PREEMPTED: {"batch_id", "idx", "offset"},
+        EventType.ITEM_COMPLETED: {"batch_id", "idx", "body_json"},
+        EventType.ITEM_FAILED: {"batch_id", "idx", "status_code", "body_json"},
+    }
+    made = {
+        EventType.ITEM_CHUNK: ItemChunk("b", 1, 0, [1, 2], "r"),
+        EventType.ITEM_PREEMPTED: ItemPreempted("b", 1, 2),
+        EventType.ITEM_COMPLETED: ItemCompleted("b", 1, "{}"),
+        EventType.ITEM_FAILED: ItemFailed("b", 1, 400, "{}"),
+    }
+    for type_, p in made.items():
+        assert set(asdict(p)) == held[type_]
+        assert item_payload(type_, asdict(p)) == p
+    assert item_result(EventType.ITEM_FAILED, asdict(made[EventType.ITEM_FAILED])).status_code == 400
+    try:
+        item_result(EventType.ITEM_CHUNK, asdict(made[EventType.ITEM_CHUNK]))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a chunk is not a result")
