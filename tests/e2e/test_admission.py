@@ -183,7 +183,9 @@ def test_a_request_whose_api_process_dies_mid_stream_is_still_accounted_for(stac
         doomed.proc.wait(10)
     rid = chunk["id"]
     finished = "SELECT payload FROM events WHERE idempotency_key = %(k)s"
-    deadline = time.monotonic() + 90  # the unreported delay (15 s here), a sweep, the holder TTL (30 s)
+    # The unreported delay (15 s here), a sweep, the holder TTL (30 s); on a loaded machine the
+    # reconciler's ticks wait on the shared control worker (bench/RESULTS.md, admission).
+    deadline = time.monotonic() + 180
     while not _sql(db_url, finished, k=f"{subject}:finished"):
         assert time.monotonic() < deadline, f"never accounted for: ledger {_kinds(db_url, subject)}"
         time.sleep(0.5)
