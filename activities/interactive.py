@@ -13,6 +13,7 @@ whichever of the two comes second finds the outcome journaled and leaves it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -23,6 +24,8 @@ from journal.events import IdempotencyConflict, NewEvent, append_one
 from protocol import keys
 from protocol.events import EventType
 from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
+
+log = logging.getLogger(__name__)
 
 
 class RequestActivities:
@@ -56,7 +59,11 @@ async def account_unreported(db: AsyncEngine, after_s: float) -> int:
         records = await served.unreported(conn, after_s)
     done = 0
     for record in records:
-        request, outcome = from_engine(record)
+        try:
+            request, outcome = from_engine(record)
+        except (KeyError, TypeError) as err:  # one unreadable record must not hold up the rest
+            log.error("cannot account for the engine's record %s (%s): %r", record.get("request_id"), err, record)
+            continue
         try:
             async with db.begin() as conn:
                 await journal_outcome(conn, request, outcome)

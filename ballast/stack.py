@@ -69,6 +69,9 @@ def _raise_stop(*_):
 
 def up(settings: Settings, *, ready_timeout: float = READY_TIMEOUT_S) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
+    # Ctrl-C stops it even where it was started with SIGINT ignored (`nohup … &`, or any
+    # background job of a script), which Python would otherwise keep.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     data = settings.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
     logs = data / "logs"

@@ -78,3 +78,15 @@ async def test_a_reported_request_is_left_alone_and_a_late_outcome_changes_nothi
     [got] = await finished(db, late)
     assert (got["status"], got["completion_tokens"]) == ("abandoned", 7)
     assert await ledger_rows(db, late) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+
+
+async def test_an_unreadable_record_does_not_hold_up_the_others(db):
+    """A record an engine did not write whole (hand-made, or from a broken worker) is
+    skipped and logged; every other is still accounted for."""
+    tenant, bad, good = uid("t"), uid("r"), uid("r")
+    async with db.begin() as c:
+        await append(c, [served_event("engine-1", dict(request_id=bad))])
+    await reserved_by_api(db, good, tenant)
+    await engine_served(db, good, tenant)
+    assert await account_unreported(db, after_s=0) >= 1
+    assert await finished(db, bad) == [] and len(await finished(db, good)) == 1

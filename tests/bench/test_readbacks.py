@@ -8,17 +8,22 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import psycopg
 import pytest
 
 from bench import overhead, placement, surge
 from config.database import libpq_url
+from tests.conftest import migrated_database
 
 
-@pytest.fixture
-def url(db_url) -> str:
-    return libpq_url(db_url)
+@pytest.fixture(scope="module")
+def url(pg_server_url) -> Iterator[str]:
+    """A database of its own: the hand-made records below are not what an engine writes,
+    and the session's test stack reconciles everything in the shared one."""
+    with migrated_database(pg_server_url, "ballast_readbacks") as owner:
+        yield libpq_url(owner)
 
 
 def served(url: str, request_id: str, engine_id: str) -> None:
