@@ -81,7 +81,9 @@ Line = Accepted | Delta | Finished | Failed
 
 
 def encode(line: Line) -> bytes:
-    return (json.dumps(asdict(line), ensure_ascii=False) + "\n").encode()
+    # Once per token delta on the engine's stream: the fields as they are (asdict copies
+    # them recursively).
+    return (json.dumps(vars(line), ensure_ascii=False) + "\n").encode()
 
 
 def decode(raw: str | bytes) -> Line:
