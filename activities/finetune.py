@@ -326,6 +326,8 @@ class FineTuneActivities:
         import tempfile
         from pathlib import Path
 
+        # Saved on this host's scratch, then into the store: the engine workers that serve it
+        # may be on other hosts (engine/adapters.py).
         with tempfile.TemporaryDirectory() as d:
             trainer.save_adapter(d)
             for path in sorted(Path(d).iterdir()):

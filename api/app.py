@@ -16,6 +16,7 @@ from api.services.admission import Admission
 from api.services.auth import Authenticate, KeyCache
 from api.services.engine_directory import EngineDirectory
 from config import Settings
+from config.temporal import connect_temporal
 from journal.db import connect
 from protocol import schema
 from storage.objects import ObjectStore
@@ -31,8 +32,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         db = connect(settings.require("service_db_url"))
-        client = temporal or await Client.connect(settings.require("temporal_address"),
-                                                  namespace=settings.temporal_namespace)
+        client = temporal or await connect_temporal(settings)
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)
         following = asyncio.create_task(directory.follow())

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
@@ -15,6 +16,7 @@ from api.errors import APIError, check_text, not_found, require_id
 from journal import batch_store
 from protocol import keys
 from protocol.schema import errors
+from storage.objects import ObjectStore
 
 log = logging.getLogger("ballast.api")
 
@@ -55,15 +57,10 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
     filename = check_text(file.filename or "upload.jsonl", "file", "The file name")
     file_id = "file-" + uuid.uuid4().hex[:24]
     key = keys.file(file_id)
-    size = 0
-    # Copy under a temporary name; only a complete upload within the limit becomes an object.
+    # In a thread: the store may be a bucket across the network (the body is already
+    # spooled here, so reading it there blocks on nothing else).
     try:
-        with svc.store.writer(key) as out:
-            while chunk := await file.read(_COPY):
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit)
-                out.write(chunk)
+        size = await asyncio.to_thread(_store, svc.store, key, file.file, limit)
     except OSError as err:  # the store is full or unwritable: nothing was kept, and it may pass
         log.warning("the object store refused an upload: %s", err)
         raise APIError(503, f"The file store cannot take the file right now ({err.strerror or err}); "
@@ -75,6 +72,19 @@ async def upload(request: Request, svc: ServicesDep, tenant: TenantDep, file: Up
     async with svc.db.begin() as conn:
         await batch_store.create_file(conn, row)
     return file_object(row)
+
+
+def _store(store: ObjectStore, key: str, body: BinaryIO, limit: int) -> int:
+    """Copy an upload into the store; only a complete upload within the limit becomes an
+    object. Returns its size."""
+    size = 0
+    with store.writer(key) as out:
+        while chunk := body.read(_COPY):
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            out.write(chunk)
+    return size
 
 
 def too_large(limit: int) -> APIError:
@@ -100,7 +110,7 @@ async def content(file_id: str, svc: ServicesDep, tenant: TenantDep):
         row = await batch_store.get_file(conn, file_id, tenant)
     if row is None:
         raise not_found("file", file_id, "file_id")
-    f = svc.store.open(row["object_key"])
+    f = await asyncio.to_thread(svc.store.open, row["object_key"])  # on S3, a request
 
     def chunks():
         with f:

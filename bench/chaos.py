@@ -62,7 +62,7 @@ import psycopg
 from ballast import procs
 from bench.stack import Stack, ballast_up
 from bench.stats import p50, pct
-from config import Settings
+from config import CPU_KV_CACHE_GIB, Settings
 from config.database import libpq_url
 from journal.invariants import Finding, audit, examined, passed, report
 
@@ -725,7 +725,7 @@ def oracle_flags(settings: Settings) -> list[str]:
     spec = resolve_model(settings)
     flags = ["--model", spec.path, "--served-model-name", spec.name, "--max-model-len", str(spec.max_model_len),
              "--dtype", _dtype(spec.path), "--seed", "0", "--enforce-eager", "--enable-prefix-caching",
-             "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * (1 << 30))),
+             "--kv-cache-memory-bytes", str(int((settings.kv_cache_gib or CPU_KV_CACHE_GIB) * (1 << 30))),
              "--max-num-seqs", str(settings.max_num_seqs),
              "--long-prefill-token-threshold", str(settings.long_prefill_tokens), "--disable-log-stats"]
     if settings.max_num_batched_tokens:
@@ -805,7 +805,8 @@ def tmpfs(mib: int) -> Iterator[tuple[Path | None, str]]:
 def engine_env(settings: Settings) -> dict[str, str]:
     """The engine settings of `settings` as the stack's environment: the engine worker runs
     with the very settings the greedy oracle is given."""
-    env = dict(BALLAST_MAX_MODEL_LEN=str(settings.max_model_len), BALLAST_KV_CACHE_GIB=str(settings.kv_cache_gib),
+    env = dict(BALLAST_MAX_MODEL_LEN=str(settings.max_model_len),
+               BALLAST_KV_CACHE_GIB=str(settings.kv_cache_gib or CPU_KV_CACHE_GIB),
                BALLAST_MAX_NUM_SEQS=str(settings.max_num_seqs),
                BALLAST_LONG_PREFILL_TOKENS=str(settings.long_prefill_tokens),
                BALLAST_SERVE_FINE_TUNED=str(settings.serve_fine_tuned).lower(),

@@ -12,7 +12,7 @@ from typing import Literal
 
 from config.api import ApiSettings
 from config.database import DatabaseSettings
-from config.engine import TINY_MODEL_NAME, EngineSettings
+from config.engine import CPU_KV_CACHE_GIB, TINY_MODEL_NAME, EngineSettings
 from config.paths import PathSettings
 from config.placement import PlacementSettings
 from config.scheduling import SchedulingSettings
@@ -20,7 +20,7 @@ from config.stack import StackSettings
 from config.temporal import TemporalSettings
 from config.work import WorkSettings
 
-__all__ = ["TINY_MODEL_NAME", "Settings"]
+__all__ = ["CPU_KV_CACHE_GIB", "TINY_MODEL_NAME", "Settings"]
 
 # The sections in the order a reference lists them.
 SECTIONS = (PathSettings, DatabaseSettings, TemporalSettings, ApiSettings, PlacementSettings, EngineSettings,

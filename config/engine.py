@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr
 from config.section import Section
 
 TINY_MODEL_NAME = "ballast-tiny"
+CPU_KV_CACHE_GIB = 1.0
 
 
 class EngineSettings(Section):
@@ -17,8 +18,19 @@ class EngineSettings(Section):
     model: str | None = None
     served_model_name: str | None = None
     max_model_len: int = 2048
-    kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
+
+    # KV-cache memory. Unset: CPU_KV_CACHE_GIB on CPU, where vLLM's gpu_memory_utilization
+    # would mean a share of all host memory; on a GPU, what vLLM sizes from
+    # gpu_memory_utilization (set it in vllm_args).
+    kv_cache_gib: float | None = Field(None, gt=0)
+
+    # vLLM's own engine flags, as `vllm serve` takes them ("--tensor-parallel-size 2
+    # --quantization fp8 --gpu-memory-utilization 0.92", or "--config vllm.yaml" for vLLM's
+    # YAML form). vLLM's parser reads them when an engine worker starts, so a bad flag
+    # fails there naming itself. The flags Ballast sets from the settings above (which the
+    # API and control plane read too) are refused with the setting to use instead.
+    vllm_args: str = ""
 
     # One engine step's token budget (None: vLLM's), and the prompt tokens one request may
     # put in a step beside others (0: no cap): a giant prompt is then prefilled across

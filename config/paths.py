@@ -10,9 +10,14 @@ from config.section import Section
 
 
 class PathSettings(Section):
-    # Where embedded state lives: Temporal's sqlite file, embedded Postgres, objects, models.
+    # Where this host's state lives: Temporal's sqlite file, embedded Postgres, the objects
+    # (unless BALLAST_OBJECT_STORE), models, the cache of fine-tuned adapters an engine serves.
     data_dir: Path = Path(".ballast")
-    # Uploads, outputs, checkpoints.
+    # Uploads, batch outputs, fine-tuning checkpoints and adapters: what every host must reach.
+    # A local directory suits one host; with separate hosts, `s3://bucket/prefix` (AWS or any
+    # S3-compatible store, `pip install 'ballast[s3]'`; the bucket must exist), set by the
+    # standard AWS variables: AWS_ENDPOINT_URL_S3 (an S3-compatible store), AWS_DEFAULT_REGION,
+    # AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the instance's role.
     object_store: str | None = None  # fsspec URL; unset: data_dir/objects
 
     @cached_property

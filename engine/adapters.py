@@ -37,6 +37,8 @@ def lora_id(model: str) -> int:
 
 class Adapters:
     def __init__(self, store: ObjectStore, cache_dir: Path):
+        # The cache is this host's own (vLLM loads an adapter from a local directory); the
+        # adapter itself lives in the store, which every host reaches.
         self.store, self.cache_dir = store, cache_dir
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -61,6 +63,10 @@ class Adapters:
             for name, key in zip(FILES, objects, strict=True):
                 with self.store.open(key) as src, open(tmp / name, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-            os.replace(tmp, path)  # whole or not at all: a reader never sees half an adapter
+            try:
+                os.replace(tmp, path)  # whole or not at all: a reader never sees half an adapter
+            except OSError:  # unless another worker sharing this cache placed it first
+                if not (path / FILES[-1]).exists():
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

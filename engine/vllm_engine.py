@@ -7,15 +7,18 @@ resumed exactly: with greedy decoding, resubmitting `prompt + produced` with
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import os
+import shlex
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+from config import CPU_KV_CACHE_GIB
 from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
 from engine.model_spec import ModelSpec
@@ -53,7 +56,7 @@ class Load:
 def vllm_args(
     spec: ModelSpec,
     *,
-    kv_cache_gib: float = 1.0,
+    kv_cache_gib: float | None = None,
     max_num_seqs: int = 256,
     seed: int = 0,
     max_num_batched_tokens: int | None = None,
@@ -61,27 +64,30 @@ def vllm_args(
     lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 8,
+    cpu: bool | None = None,
 ) -> dict[str, Any]:
     """vLLM's engine arguments (`AsyncEngineArgs` keywords, as `vllm serve` names its
     flags) for an engine serving `spec`: what Engine.start hands vLLM (its docstring says
-    what each knob does)."""
+    what each knob does). `cpu` None: whether vLLM's platform here is the CPU."""
     args: dict[str, Any] = dict(
         model=spec.path,
         served_model_name=spec.name,
         max_model_len=spec.max_model_len,
         dtype=_dtype(spec.path),
         seed=seed,
-        enforce_eager=True,  # no graph capture/compile: halves CPU start-up
         enable_prefix_caching=True,  # resumed requests re-use their prompt's KV
         scheduling_policy="priority",  # lower value is served (and kept) first
-        # An explicit KV budget; on CPU gpu_memory_utilization would mean a share
-        # of all host memory.
-        kv_cache_memory_bytes=int(kv_cache_gib * GiB),
         max_num_seqs=max_num_seqs,
         long_prefill_token_threshold=long_prefill_tokens,
         disable_log_stats=True,
         enable_log_requests=False,
     )
+    if on_cpu() if cpu is None else cpu:
+        # No graph capture or compile: it halves start-up and buys nothing on CPU. An
+        # explicit KV budget: gpu_memory_utilization would mean a share of all host memory.
+        args.update(enforce_eager=True, kv_cache_memory_bytes=int((kv_cache_gib or CPU_KV_CACHE_GIB) * GiB))
+    elif kv_cache_gib:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
     if max_num_batched_tokens:
         args["max_num_batched_tokens"] = max_num_batched_tokens
     if lora:
@@ -91,11 +97,56 @@ def vllm_args(
 
 def engine_args(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     """The vLLM engine arguments of an engine worker run with `settings`: one source for the
-    product and for every benchmark arm that must compare like with like."""
+    product and for every benchmark arm that must compare like with like. The operator's
+    own vLLM flags (`vllm_args`) win over Ballast's defaults."""
     return vllm_args(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                      max_num_batched_tokens=settings.max_num_batched_tokens,
                      long_prefill_tokens=settings.long_prefill_tokens, lora=settings.serve_fine_tuned,
-                     max_loras=settings.max_loras)
+                     max_loras=settings.max_loras) | parse_vllm_flags(settings.vllm_args)
+
+
+# vLLM's arguments that Ballast sets from its own settings, which the API and the control
+# plane read too (a request is checked against max_model_len, slots are counted against
+# max_num_seqs): a value given to vLLM alone would disagree with them.
+OWNED = dict(
+    model="BALLAST_MODEL", served_model_name="BALLAST_SERVED_MODEL_NAME", max_model_len="BALLAST_MAX_MODEL_LEN",
+    max_num_seqs="BALLAST_MAX_NUM_SEQS", max_num_batched_tokens="BALLAST_MAX_NUM_BATCHED_TOKENS",
+    long_prefill_token_threshold="BALLAST_LONG_PREFILL_TOKENS", kv_cache_memory_bytes="BALLAST_KV_CACHE_GIB",
+    enable_lora="BALLAST_SERVE_FINE_TUNED", max_loras="BALLAST_MAX_LORAS",
+    scheduling_policy="nothing: preemption needs vLLM's priority scheduling",
+)
+
+
+class BadVllmFlags(ValueError):
+    pass
+
+
+def parse_vllm_flags(flags: str) -> dict[str, Any]:
+    """The engine arguments named in `flags` (as `vllm serve` takes them), read by vLLM's
+    own parser: only those given, so Ballast's defaults stand for the rest."""
+    if not flags.strip():
+        return {}
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise BadVllmFlags(f"BALLAST_VLLM_ARGS: {message}")
+
+    parser = AsyncEngineArgs.add_cli_args(Parser(prog="BALLAST_VLLM_ARGS", add_help=False))
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS  # what was not given stays out of the namespace
+    given = vars(parser.parse_args(shlex.split(flags)))
+    if owned := sorted(set(given) & OWNED.keys()):
+        raise BadVllmFlags("BALLAST_VLLM_ARGS: " + "; ".join(
+            f"--{k.replace('_', '-')} is Ballast's to set: use {OWNED[k]}" for k in owned))
+    return given
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class Engine:

@@ -5,14 +5,19 @@ resolved), `${VAR:-default}` is read as its default and a required `${VAR:?…}`
 which have no default) as the value a .env file of this test's gives it, and every
 cross-reference is checked:
 service names and ports in the URLs, BALLAST_* variables against `config.Settings`,
-commands against the CLI, the GPU reservation and image extras against pyproject.toml, and
-Temporal's persistence and fairness setting. Roles: only `migrate` sees the owner's password;
-the api and the workers see the service role's URL alone. Where a compose CLI exists, it
-validates the file too.
+commands against the CLI's own argparse parser, the GPU reservation and image extras against
+pyproject.toml, and Temporal's persistence and fairness setting. Roles: only `migrate` sees the
+owner's password; the api and the workers see the service role's URL alone. The whole file is
+held to the deployment contract, ballast/topology.py (the Helm chart's test and a multi-host
+harness hold theirs to the same): every process there, with its command and what it needs,
+the model the same everywhere. Where a compose CLI exists, it validates the file too.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
 import re
 import secrets
@@ -20,13 +25,17 @@ import shlex
 import shutil
 import subprocess
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
 from pydantic import AliasChoices
 
-from config import Settings
+from ballast import cli, topology
+from ballast.procs import READY_FILE_ENV
+from config import TINY_MODEL_NAME, Settings
 
 yaml = pytest.importorskip("yaml")
 
@@ -35,8 +44,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 REQUIRED_SERVICES = {"postgres", "temporal", "migrate", "api", "control", "engine"}
-BALLAST_COMMANDS = {("migrate",), ("api",), ("worker", "control"), ("worker", "engine")}
-LONG_RUNNING = {("api",), ("worker", "control"), ("worker", "engine")}
+BALLAST_COMMANDS = {p.command for p in topology.PROCESSES.values()}
+LONG_RUNNING = {p.command for p in topology.PROCESSES.values() if p.long_running}
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 
 # What an operator's .env would hold: the secrets compose demands (no defaults), each a
@@ -47,7 +56,9 @@ DOTENV = {
     "TEMPORAL_DB_PASSWORD": "temporal-" + secrets.token_hex(8),
     "BALLAST_ENGINE_TOKEN": "engine-" + secrets.token_hex(8),
 }
-SERVICE_ROLE_CONTAINERS = ("api", "control", "engine")
+SERVICE_ROLE_CONTAINERS = tuple(n for n, p in topology.PROCESSES.items() if p.database == "service")
+# A variable named so holds a secret: it must never have a default.
+SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|(^|_)API_KEY$|(^|_)KEY$|PRIVATE")
 
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$\$")
 
@@ -158,6 +169,33 @@ def _is_bind(source: str) -> bool:
 def _ballast_services(services: dict) -> dict[str, dict]:
     """The services that run the Ballast image: built from this repository's Dockerfile."""
     return {name: s for name, s in services.items() if "build" in s}
+
+
+def cli_accepts(argv: Sequence[str]) -> argparse.Namespace | None:
+    """What ballast/cli.py's own parser makes of `argv` (None: it refuses it), running
+    nothing: the command each subcommand dispatches to is replaced by one that records."""
+    if argv and argv[0] in ("bench", "chaos"):  # handed whole to `python -m bench`: not deployable
+        return None
+    seen: list[argparse.Namespace] = []
+
+    def record(*args) -> int:
+        seen.append(next(a for a in args if isinstance(a, argparse.Namespace)))
+        return 0
+
+    with mock.patch.dict(cli.COMMANDS, {name: record for name in cli.COMMANDS}), \
+            mock.patch.object(cli.tenants_cli, "main", record):
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage, on a refusal
+                code = cli.main(list(argv))
+        except SystemExit:
+            return None
+    return seen[0] if code == 0 and seen else None
+
+
+def settings_env_names() -> set[str]:
+    """Every environment variable config.Settings reads, and the one the process supervisor
+    reads beside it (ballast/procs.py's readiness file)."""
+    return _settings_env_names() | {READY_FILE_ENV}
 
 
 def _settings_env_names() -> set[str]:
@@ -471,7 +509,7 @@ def test_dockerfile():
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
     assert re.search(r"^ARG EXTRA=gpu$", text, re.M)
-    assert re.search(r"""pip install\b[^\n]*["']?\.\[\$\{?EXTRA\}?\]""", text)
+    assert re.search(r"""pip install\b[^\n]*["']?\.\[\$\{?EXTRA\}?(,s3)?\]""", text)
     assert re.search(r'^ENTRYPOINT \["ballast"\]$', text, re.M)
     cpu_cleanup = re.search(r'"\$EXTRA" = "cpu".*pip uninstall -y ([^;]*)', text)
     assert cpu_cleanup and {"torchvision", "torchaudio", "torchcodec"} <= set(cpu_cleanup[1].split())
@@ -522,3 +560,136 @@ def test_the_api_and_the_engines_share_the_engine_token_and_no_one_else_has_it(s
     assert tokens["api"] and tokens["api"] == tokens["engine"], tokens
     assert {name for name, t in tokens.items() if t} == {"api", "engine"}, tokens
     assert "BALLAST_ENGINE_TOKEN" not in (_raw().get("x-ballast-env") or {})
+
+
+# --- the deployment contract (ballast/topology.py) and what broke before it -----------------
+
+
+def test_every_process_of_the_contract_runs_with_what_it_needs(services):
+    """The file starts each process of ballast/topology.py with its command and everything it
+    needs; none is handed what it must not have; all agree on where they meet and the model."""
+    envs = {name: _env(s) for name, s in _ballast_services(services).items()}
+    assert topology.problems(envs) == []
+    for name, process in topology.PROCESSES.items():
+        assert _command(services[name]) == process.command, name
+
+
+def test_the_contract_catches_a_model_set_on_the_engine_only(services):
+    """The bug this file had: BALLAST_MODEL on the engine alone, so the api and the control
+    worker expected the tiny model (the api waited for an engine serving it; every batch line
+    failed validation). The contract check names it."""
+    envs = {name: _env(s) for name, s in _ballast_services(services).items()}
+    for name in ("api", "control", "migrate"):
+        envs[name] = {k: v for k, v in envs[name].items() if k not in topology.MODEL_ENV}
+    found = topology.problems(envs)
+    assert "api: BALLAST_MODEL is not set" in found and "control: BALLAST_MODEL is not set" in found, found
+    assert any(p.startswith("the served model differs") for p in found), found
+
+
+def test_every_ballast_service_sees_the_same_model(services, monkeypatch):
+    """One block, x-ballast-model, reaches every Ballast service unchanged; each one's
+    Settings then expects the model the engine serves, never the tiny default."""
+    raw = _raw()
+    model = raw.get("x-ballast-model")
+    assert isinstance(model, dict) and {"BALLAST_MODEL", "BALLAST_MAX_MODEL_LEN", "HF_HOME"} <= set(model), model
+    for name, service in _ballast_services(raw["services"]).items():
+        env = service["environment"]
+        for key, value in model.items():
+            assert env.get(key) == value, f"{name}: {key} is {env.get(key)!r}, not x-ballast-model's {value!r}"
+    seen = {}
+    for name, service in _ballast_services(services).items():
+        settings = _settings_of(service, monkeypatch)
+        seen[name] = (settings.model, settings.model_name, settings.max_model_len)
+    assert len(set(seen.values())) == 1, seen
+    assert TINY_MODEL_NAME not in {v[1] for v in seen.values()}, seen
+
+
+def test_the_api_and_the_control_worker_read_the_engines_tokenizer(services):
+    """The api tokenizes prompts to place requests by their cached prefix: it needs the
+    model's tokenizer files, and its image has no model. They come from the volume the engine
+    downloads the model into (same volume, same HF_HOME), read-only and offline, so the control
+    plane never fetches from the hub."""
+    engine = services["engine"]
+    hf_home = _env(engine)["HF_HOME"]
+
+    def cache_volume(service: dict) -> tuple[str, bool]:
+        for entry in service.get("volumes") or []:
+            source, target, *mode = str(entry).split(":")
+            if hf_home == target.rstrip("/") or hf_home.startswith(target.rstrip("/") + "/"):
+                return source, "ro" in mode
+        raise AssertionError(f"{hf_home} is on no volume")
+
+    engine_volume, engine_ro = cache_volume(engine)
+    assert not engine_ro, "the engine downloads the model into its cache"
+    for name in ("api", "control"):
+        env = _env(services[name])
+        assert env.get("HF_HOME") == hf_home, name
+        assert cache_volume(services[name]) == (engine_volume, True), name
+        assert env.get("HF_HUB_OFFLINE") == "1", name
+    # The control-plane image can load a tokenizer (transformers without torch), in the range
+    # the engines' vLLM accepts; this machine's install, vLLM's choice, lies in it.
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    text = DOCKERFILE.read_text()
+    m = re.search(r'^ARG TOKENIZER_REQUIREMENTS="([^"]+)"', text, re.M)
+    assert m, "the control-plane image installs no tokenizer"
+    reqs = {}
+    for req in m[1].split():
+        name, spec = re.fullmatch(r"([A-Za-z0-9_.-]+)(.*)", req).groups()
+        reqs[name] = spec
+    assert {"transformers", "jinja2"} <= set(reqs), reqs
+    assert version("transformers") in SpecifierSet(reqs["transformers"]), (version("transformers"), reqs)
+    assert re.search(r'"\$EXTRA" = "none" \]; then for r in \$TOKENIZER_REQUIREMENTS', text)
+
+
+def test_no_secret_has_a_default():
+    """Every interpolation of a password, token or key is `${VAR:?message}`, and no variable
+    named so is set to a literal: compose refuses to start without them."""
+    raw_text = COMPOSE_FILE.read_text()
+    for m in _INTERPOLATION.finditer(raw_text):
+        if m.group(1) and SECRET_NAME.search(m.group(1)):
+            assert m.group(2) == ":?" and m.group(3), f"{m.group(0)} has a default or no message"
+    for name, service in _raw()["services"].items():
+        env = service.get("environment") or {}
+        for key, value in env.items():
+            if SECRET_NAME.search(key) or key in topology.SECRET_ENV:
+                assert "${" in str(value) and ":?" in str(value), f"{name}: {key} is a literal"
+
+
+def test_no_long_running_service_gets_the_owners_url(services):
+    """The owner (POSTGRES_USER, the superuser of the image) logs in nowhere but `migrate`."""
+    owner = _env(services["postgres"])["POSTGRES_USER"]
+    for name, service in _ballast_services(services).items():
+        if _command(service) not in LONG_RUNNING:
+            continue
+        for key, value in _env(service).items():
+            if "://" in value:
+                assert urlsplit(value).username not in (owner, "postgres"), f"{name}: {key}"
+
+
+def test_every_ballast_command_is_a_subcommand_of_the_cli():
+    """Each service's command, and each `docker compose run` in the file's comments, is what
+    ballast/cli.py's parser accepts."""
+    for name, service in _ballast_services(_raw()["services"]).items():
+        args = cli_accepts(_command(service))
+        assert args is not None, f"{name}: `ballast {' '.join(_command(service))}` is not a command"
+    runs = re.findall(r"docker compose run --rm (\S+) ([^\n#]+)", COMPOSE_FILE.read_text())
+    assert runs
+    for service, rest in runs:
+        assert service in _ballast_services(_raw()["services"]), service
+        assert cli_accepts(shlex.split(rest)) is not None, rest
+    assert cli_accepts(["worker", "gpu"]) is None and cli_accepts(["serve"]) is None  # the parser is real
+
+
+def test_every_ballast_variable_is_a_setting(services):
+    """BALLAST_* names anywhere in the file (environments, comments, interpolations) are
+    config.Settings' (or the supervisor's readiness file)."""
+    known = settings_env_names()
+    named = set(re.findall(r"\bBALLAST_[A-Z0-9_]+", COMPOSE_FILE.read_text()))
+    deploy_only = {"BALLAST_TAG", "BALLAST_API_PUBLISH_PORT"}  # compose's own knobs, interpolated only
+    for key in named - deploy_only:
+        assert key in known, f"{key} is not a setting of config.Settings"
+    for key in deploy_only:
+        assert all(key not in _env(s) for s in services.values()), key
