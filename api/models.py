@@ -1,9 +1,10 @@
-"""/v1/models: the models this deployment serves, in OpenAI's shape.
+"""/v1/models: the models a caller can call here, in OpenAI's shape.
 
-Served models are the deployment's own (`settings.model_name`) and whatever the live
-engines report, so an engine pool for another model shows up as soon as it announces
-itself. `created` is when this API process first saw the model (its start, for the
-deployment's own): stable for the life of the process, which is all a client can rely on.
+That is the deployment's own model (`settings.model_name`: the one its requests are checked,
+admitted and routed for) and the tenant's fine-tuned models. An engine pool serving another
+model does not make that model callable through this API, so it is not listed either: a
+listed model that answers 404 would be a lie. `created` is when this API process started
+(stable for its life, which is all a client can rely on), or when the fine-tune finished.
 """
 
 from __future__ import annotations
@@ -30,18 +31,7 @@ def model_object(id: str, created: int) -> dict[str, Any]:
 
 
 async def served(svc: Services) -> list[dict[str, Any]]:
-    """The deployment's model first, then the other models live engines serve, by name."""
-    directory = svc.engines
-    try:
-        live = {e.model for e in await directory.live()}
-    except Exception as err:  # Postgres is away: still answer with what we know for sure
-        log.warning("model list without the engine directory: %s", err)
-        live = set()
-    own = svc.settings.model_name
-    others = sorted(live - {own})
-    return [model_object(own, directory.started)] + [
-        model_object(m, directory.first_seen.get(m, directory.started)) for m in others
-    ]
+    return [model_object(svc.settings.model_name, svc.engines.started)]
 
 
 async def fine_tuned(svc: Services, tenant: str) -> list[dict[str, Any]]:

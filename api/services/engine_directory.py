@@ -25,7 +25,6 @@ class EngineDirectory:
         self._at = float("-inf")
         # For /v1/models' `created`: stable while this process lives.
         self.started = int(time.time())
-        self.first_seen: dict[str, int] = {}  # model → when an engine serving it was first seen
         self.on_refresh: Callable[[list[EngineView]], None] | None = None  # told each fresh view
         self.me = ""  # this API process, as engines count its requests (`api` in each job)
 
@@ -44,9 +43,6 @@ class EngineDirectory:
             self._views.append(EngineView(r["id"], r["url"], r["model"], s.interactive, s.batch, s.max_seqs, s.flex,
                                           s.flex_floor, s.region, r["draining"], s.block_size, self._others(s)))
         self._at = time.monotonic()
-        now = int(time.time())
-        for v in self._views:
-            self.first_seen.setdefault(v.model, now)
         if self.on_refresh is not None:
             self.on_refresh(self._views)
 

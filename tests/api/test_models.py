@@ -1,4 +1,4 @@
-"""/v1/models: the deployment's model plus what live engines serve, in OpenAI's shape."""
+"""/v1/models: exactly what a caller can call (the deployment's model), in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ async def test_lists_the_deployments_model_first_with_a_stable_created(api):
     assert (await api.get("/v1/models/ballast-tiny")).json() == own
 
 
-async def test_a_model_a_live_engine_serves_is_listed_and_retrievable(api, db):
+async def test_another_pools_model_is_not_listed_since_it_cannot_be_called(api, db):
     engine_id = await _announce(db, "org/other-model")  # hub ids have a slash
     try:
-        listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
-        assert "org/other-model" in listed and "ballast-tiny" in listed
-        got = (await api.get("/v1/models/org/other-model")).json()
-        assert got == listed["org/other-model"]
-        assert (await api.get("/v1/models/org/other-model")).json()["created"] == got["created"]
+        listed = [m["id"] for m in (await api.get("/v1/models")).json()["data"]]
+        assert listed == ["ballast-tiny"]
+        assert_openai_error(await api.get("/v1/models/org/other-model"), 404, "model", "model_not_found")
+        got = await api.post("/v1/chat/completions", json=dict(model="org/other-model", max_tokens=1,
+                                                               messages=[dict(role="user", content="hi")]))
+        assert got.status_code == 404, got.text
     finally:
         async with db.begin() as conn:
             await engine_registry.withdraw(conn, engine_id)

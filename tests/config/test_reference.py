@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ballast import procs
 from config import Settings
 from config.reference import render
 
@@ -35,8 +36,9 @@ def test_the_docs_name_only_settings_that_exist():
     root = SETTINGS_MD.parents[1]
     for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         for env in re.findall(r"BALLAST_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)", doc.read_text()):
-            assert env in fields or env in TEST_ONLY, f"{doc.name} names {env}, which config.Settings does not read"
+            assert env in fields or env in NOT_SETTINGS, f"{doc.name} names {env}, which config.Settings does not read"
 
 
-# Read by the test suite, not by a Ballast process.
-TEST_ONLY = {"BALLAST_RECORD_HISTORIES"}
+# Read by the test suite (histories), or by a supervisor's child before any settings are (the
+# readiness file ballast/procs.py writes): never a setting.
+NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV}
