@@ -13,6 +13,7 @@ result is journaled (journal/projections.py); the batch's end refunds the reserv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -50,6 +51,7 @@ from protocol.tiers import Tier
 from storage.objects import ObjectStore
 
 PREFIX_KEY_CHARS = 4096  # of each prompt, to find the runs that share a prefix by
+MiB = 1 << 20
 LIVE_S = 10.0  # an engine worker that has not announced itself for this long gets no group
 
 
@@ -76,10 +78,11 @@ class BatchActivities:
             raise ApplicationError(f"The input file {batch['input_file_id']} is missing.", non_retryable=True)
         limits = batch_file.FileLimits(batch["endpoint"], own, self.max_lines)
         # Two passes over the stored file, never all of it in memory: is it usable at
-        # all, then its items, in pages, in one transaction.
+        # all, then its items, in pages, in one transaction. The reads run in a thread: on
+        # S3 each is a network round trip, which would stall every other activity (and their
+        # heartbeats) on this worker's event loop.
         try:
-            with self.store.open(file["object_key"]) as f:
-                errors = batch_file.file_errors(f, limits)
+            errors = await asyncio.to_thread(self._file_errors, file["object_key"], limits)
         except FileNotFoundError as err:  # the object store lost it: no retry brings it back
             raise ApplicationError(f"The input file {batch['input_file_id']} is missing from the object store.",
                                    non_retryable=True) from err
@@ -102,8 +105,9 @@ class BatchActivities:
                                               errors=dict(object="list", data=[e.as_openai() for e in errors]))
                 return ValidateResult(0, True)
             total, input_tokens, output_tokens = 0, 0, 0
-            with self.store.open(key) as f:
-                for page in _pages(batch_file.scan(f, limits), 1000):
+            with await asyncio.to_thread(self.store.open, key) as f:
+                pages = _pages(batch_file.scan(f, limits), 1000)
+                while page := await asyncio.to_thread(next, pages, None):
                     await batch_store.add_items(conn, ref.batch_id, batch["tenant"], page)
                     total += len(page)
                     for item in page:
@@ -114,6 +118,10 @@ class BatchActivities:
             await batch_store.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
+
+    def _file_errors(self, key: str, limits: batch_file.FileLimits) -> list[batch_file.LineError]:
+        with self.store.open(key) as f:
+            return batch_file.file_errors(f, limits)
 
     def _estimate(self, endpoint: str, item: batch_file.Item, limits: RequestLimits) -> tuple[int, int]:
         """(input, output) tokens the item may take; 0 for one that will not run."""
@@ -197,20 +205,27 @@ class BatchActivities:
         out_id, err_id = (batch_store.stable_id("file-", inp.batch_id, kind) for kind in ("output", "error"))
         counts = {"output": 0, "error": 0}
         with self.store.writer(keys.file(out_id)) as out, self.store.writer(keys.file(err_id)) as err:
+            # Written in a thread a MiB at a time: on S3 a write may upload a part.
+            files, held = dict(output=out, error=err), dict(output=bytearray(), error=bytearray())
             async with self.db.connect() as conn:
                 async for item, ev in batch_store.results(conn, inp.batch_id):
                     kind, line = self._result_line(inp.batch_id, final, item, ev)
-                    (out if kind == "output" else err).write(line)
+                    held[kind] += line
                     counts[kind] += 1
+                    if len(held[kind]) >= MiB:
+                        await asyncio.to_thread(files[kind].write, bytes(held[kind]))
+                        held[kind].clear()
+            for kind, rest in held.items():
+                await asyncio.to_thread(files[kind].write, bytes(rest))
         now = int(time.time())
         fields: dict[str, Any] = {}
         async with self.db.begin() as conn:
             for kind, file_id in (("output", out_id), ("error", err_id)):
                 if counts[kind]:
                     key = keys.file(file_id)
+                    size = await asyncio.to_thread(self.store.size, key)
                     made = dict(id=file_id, tenant=batch["tenant"], purpose="batch_output",
-                                filename=f"{inp.batch_id}_{kind}.jsonl", bytes=self.store.size(key), object_key=key,
-                                created_at=now)
+                                filename=f"{inp.batch_id}_{kind}.jsonl", bytes=size, object_key=key, created_at=now)
                     await batch_store.create_file(conn, made)
                     fields[f"{kind}_file_id"] = file_id
             # The interim status admits no other writer (the API refuses to cancel a

@@ -76,15 +76,17 @@ class LimitBody:
     """Caps every request body while it is read: an upload (`POST /v1/files`) at
     `upload_limit` plus multipart framing, anything else at `request_limit`.
 
-    A Content-Length over the cap is refused before a byte is read. A body without one
-    (chunked) is counted as `receive()` hands it over, and the request is answered 413 the
-    moment the count passes the cap; the rest is never buffered. Whatever the app made of
-    the cut-off (a parse error, a 500) is replaced by the 413, unless it had already begun
-    a response, which cannot be taken back.
+    A Content-Length over the cap is refused before a byte is read. Every body is counted
+    as `receive()` hands it over, and the request is answered 413 the moment the count passes
+    the cap; the rest is never buffered. A Content-Length within the cap is not trusted: sent
+    beside `Transfer-Encoding: chunked`, the server (h11) reads the chunks, however many.
+    Whatever the app made of the cut-off (a parse error, a 500) is replaced by the 413,
+    unless it had already begun a response, which cannot be taken back. Only a multipart
+    upload gets the upload's allowance: a form-urlencoded or JSON body to the same path is
+    parsed in memory, and gets what any request gets.
 
     Plain ASGI: Starlette's BaseHTTPMiddleware would put a task group and a memory stream
-    between every streamed token and the client. A body with a Content-Length within the
-    cap passes untouched, since the server reads exactly that many bytes."""
+    between every streamed token and the client."""
 
     def __init__(self, app, upload_limit: int, request_limit: int):
         self.app, self.upload_limit, self.request_limit = app, upload_limit, request_limit
@@ -92,13 +94,13 @@ class LimitBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+        headers = dict(scope["headers"])
+        upload = (scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+                  and headers.get(b"content-type", b"").lower().startswith(b"multipart/form-data"))
         limit = self.upload_limit + UPLOAD_SLACK if upload else self.request_limit
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None:
-            if length.isdigit() and int(length) > limit:
-                return await self._refuse(upload, scope, receive, send)
-            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._refuse(upload, scope, receive, send)
 
         received, over, started = 0, False, False
 

@@ -16,7 +16,8 @@ from ballast import tenants_cli
 from config import Settings
 
 # What to set for each setting a command needs: the services need only their own role's URL.
-_ENV = dict(service_db_url="BALLAST_SERVICE_DATABASE_URL (or BALLAST_DATABASE_URL)")
+_ENV = dict(service_db_url="BALLAST_SERVICE_DATABASE_URL (or BALLAST_DATABASE_URL)",
+            temporal_address="TEMPORAL_ADDRESS (or BALLAST_TEMPORAL_ADDRESS, or a Temporal profile)")
 
 
 def _need(settings: Settings, *names: str) -> None:

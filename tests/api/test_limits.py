@@ -116,14 +116,53 @@ async def test_a_response_already_begun_is_not_followed_by_a_second():
     assert len(body) == 2  # stopped reading at the cap
 
 
+async def test_a_small_declared_length_does_not_let_a_larger_body_through():
+    """Content-Length 10 beside a body of 125 bytes (what h11 reads when Transfer-Encoding:
+    chunked is sent too): the count, not the declaration, decides."""
+    sent, read = [], []
+
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            read.append(len(message["body"]))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    body = [{"type": "http.request", "body": b"x" * 25, "more_body": True}] * 5
+
+    async def receive():
+        return body.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-length", b"10"), (b"transfer-encoding", b"chunked")]}
+    await LimitBody(app, upload_limit=1000, request_limit=60)(scope, receive, send)
+    assert sent[0]["status"] == 413 and sum(read) <= 75
+
+
+async def test_only_a_multipart_upload_gets_the_uploads_allowance(api):
+    """A form-urlencoded body is parsed in memory whole: to /v1/files it gets what any
+    request gets, not the upload's allowance."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = await api.post("/v1/files", content=chunked(REQUEST_LIMIT + 1), headers=form)
+    assert_openai_error(r, 413, code="request_too_large")
+    r = await api.post("/v1/files", content=b"a=" + b"x" * REQUEST_LIMIT, headers=form)
+    assert_openai_error(r, 413, code="request_too_large")
+
+
 @contextlib.asynccontextmanager
-async def serve(settings, db, temporal, key):
+async def serve(settings, db, temporal, key, http="auto"):
     """The app behind a real uvicorn socket: chunked transfer encoding, HTTP framing."""
     import uvicorn
 
     in_process = build(settings, db, temporal, key)
     app, headers = in_process._transport.app, in_process.headers
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning",
+                                           http=http))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -151,3 +190,30 @@ async def test_over_a_real_socket(settings, db, default_key):
         assert_openai_error(await http.get("/v1/files/file-%00/content"), 404, "file_id")
         assert_openai_error(await http.get("/v1/files/%00"), 404, "file_id")
 
+
+
+async def test_content_length_beside_chunked_over_a_real_socket(settings, db, default_key):
+    """The request smuggling shape: a small Content-Length and Transfer-Encoding: chunked.
+    h11 (uvicorn's pure-Python parser) reads the chunks; the cap still holds."""
+    from tests.api.conftest import Untouchable
+
+    async with serve(settings, db, Untouchable("temporal"), default_key, http="h11") as http:
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: {http.headers['authorization']}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(head.encode())
+        chunk = b" " * 65536
+        try:
+            for _ in range(4 * REQUEST_LIMIT // len(chunk) + 1):
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass  # the server answered and closed before the rest was sent
+        status = (await asyncio.wait_for(reader.readline(), 30)).decode()
+        writer.close()
+    # Not the app's 400 for a body it read whole (4x the cap of spaces is not JSON): the cap's.
+    assert status.split()[1] == "413", status
