@@ -424,19 +424,23 @@ def run(fleet: Fleet, *, items: int, chats: int, max_tokens: int = 160, say=prin
     batch = clients["api1"].batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                            completion_window="24h")
     t = time.monotonic()
-    cut_at = None
+    cut_at, cut = None, None
     while True:
         batch = clients["api2"].batches.retrieve(batch.id)
-        if cut_at is None and _batch_slots(fleet).get("engine1", 0) > 0:
+        # The batch's prompts share a prefix, so placement may keep it on one engine host:
+        # cut whichever holds its generations.
+        busy = sorted(h for h, n in _batch_slots(fleet).items() if n > 0 and h.startswith("engine"))
+        if cut_at is None and busy:
             done_then = batch.request_counts.completed if batch.request_counts else 0
-            fleet.net.cut("engine1")
+            cut = busy[0]
+            fleet.net.cut(cut)
             cut_at = time.monotonic() - t
-            say(f"engine1's link cut {cut_at:.1f} s into the batch ({done_then}/{items} items done)")
+            say(f"{cut}'s link cut {cut_at:.1f} s into the batch ({done_then}/{items} items done)")
         if batch.status in ("completed", "failed", "expired", "cancelled"):
             break
         if time.monotonic() - t > 900:
             raise TimeoutError(f"batch {batch.id} still {batch.status} after 900 s")
-        time.sleep(1)
+        time.sleep(1 if cut_at is not None else 0.2)  # engines announce every second: watch closely until the cut
     took = time.monotonic() - t
     texts: dict[str, int] = {}
     if batch.output_file_id:
@@ -446,7 +450,7 @@ def run(fleet: Fleet, *, items: int, chats: int, max_tokens: int = 160, say=prin
     results = _sql(fleet, "SELECT stream, count(*) FROM events WHERE type IN ('item_completed', 'item_failed') "
                           "AND stream LIKE %s GROUP BY stream", f"%{batch.id}%")
     out["batch"] = dict(
-        status=batch.status, items=items, seconds=round(took, 1), cut_after_s=cut_at and round(cut_at, 1),
+        status=batch.status, items=items, seconds=round(took, 1), cut=cut, cut_after_s=cut_at and round(cut_at, 1),
         output_lines=sum(texts.values()), custom_ids_once=sorted(texts) == sorted(sent) and set(texts.values()) == {1},
         journal_results=len(results), journal_results_once=all(n == 1 for _, n in results))
     say(f"batch: {batch.status} in {took:.1f} s; {sum(texts.values())} output lines for {items} items")

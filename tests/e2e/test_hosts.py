@@ -26,15 +26,17 @@ def test_seven_hosts_lose_nothing_when_an_engine_host_is_cut_off(tmp_path, capsy
     with hosts.fleet_up(tmp_path / "hosts", settings) as fleet:
         # Each process is handed its environment whole; none names loopback or another host's files.
         assert not hosts.crossings(fleet, fleet.placed)
-        report = hosts.run(fleet, items=16, chats=4, max_tokens=96)
+        # Long enough that both engine hosts hold generations for seconds (16 x 96 once finished
+        # in 4 s, before an engine host had announced any).
+        report = hosts.run(fleet, items=32, chats=4, max_tokens=256)
     print(json.dumps(report, indent=2))
     assert report["chats"] == dict(sent=4, answered=4)
     assert report["fine_tune"]["status"] == "succeeded", report["fine_tune"]
     assert report["fine_tune"]["fine_tuned_model_answered"]
     batch = report["batch"]
-    assert batch["cut_after_s"] is not None, "engine1 never held a batch item to be cut off from"
-    assert batch["status"] == "completed" and batch["output_lines"] == 16 and batch["custom_ids_once"]
-    assert batch["journal_results"] == 16 and batch["journal_results_once"]
+    assert batch["cut_after_s"] is not None, "no engine host held a batch item to be cut off from"
+    assert batch["status"] == "completed" and batch["output_lines"] == 32 and batch["custom_ids_once"]
+    assert batch["journal_results"] == 32 and batch["journal_results_once"]
     assert report["verify"]["exit"] == 0, report["verify"]
     # Every host ran what it was for, and nothing else.
     assert {h: [line.split()[0] for line in lines] for h, lines in report["hosts"].items()} == dict(
