@@ -41,6 +41,7 @@ import httpx
 import psycopg
 
 from ballast import procs, topology
+from ballast.temporal_server import temporal_cli
 from bench.tls import Pki, haproxy, haproxy_conf, make_pki
 from config import Settings
 from config.database import SERVICE_ROLE, as_role, libpq_url
@@ -194,7 +195,7 @@ def start(fleet: Fleet, settings: Settings, *, say=print) -> None:
     pg = fleet.spawn("postgres", "pg", [sys.executable, "-m", "bench.hosts", "postgres", str(fleet.dir("pg")),
                                         net.addr("pg"), str(net.subnet)], fleet.base_env("pg"))
     pki = make_pki(fleet.dir("temporal") / "pki", server_ips=[net.addr("temporal")])
-    temporal = fleet.spawn("temporal", "temporal", [procs_temporal_cli(), "server", "start-dev", "--ip", "127.0.0.1",
+    temporal = fleet.spawn("temporal", "temporal", [temporal_cli(), "server", "start-dev", "--ip", "127.0.0.1",
                                                     "--port", "7234", "--headless", "--log-level", "warn",
                                                     "--db-filename", str(fleet.dir("temporal") / "temporal.db")],
                            fleet.base_env("temporal"))
@@ -312,12 +313,6 @@ def _temporal_answers(address: str, pki: Pki) -> bool:
     return True
 
 
-def procs_temporal_cli() -> str:
-    from ballast.temporal_server import temporal_cli
-
-    return temporal_cli()
-
-
 def _s3_bucket(endpoint: str, key: str, secret: str) -> None:
     import fsspec
 
@@ -346,7 +341,7 @@ def fleet_up(root: Path, settings: Settings, say=print) -> Iterator[Fleet]:
         fleet.net.tear_down()
 
 
-def main(settings: Settings, *, items: int = 24, chats: int = 8, keep: bool = False) -> int:
+def main(settings: Settings, *, items: int = 24, chats: int = 8) -> int:
     root = Path(settings.data_dir) / "hosts"
     shutil.rmtree(root, ignore_errors=True)
     report: dict[str, Any] = {}
