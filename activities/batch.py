@@ -72,8 +72,8 @@ class BatchActivities:
                 return ValidateResult(counts["total"], batch["status"] == "failed")
             file = await batch_store.get_file(conn, batch["input_file_id"], batch["tenant"])
             # Items may name the tenant's own fine-tuned models, as its chats may.
-            own = replace(self.limits, adapters=frozenset(await finetune_store.fine_tuned_models(conn,
-                                                                                                 batch["tenant"])))
+            own = replace(await self._pool_limits(conn, ref.model),
+                          adapters=frozenset(await finetune_store.fine_tuned_models(conn, batch["tenant"])))
         if file is None:  # the API saw it when it created the batch: only lost data gets here
             raise ApplicationError(f"The input file {batch['input_file_id']} is missing.", non_retryable=True)
         limits = batch_file.FileLimits(batch["endpoint"], own, self.max_lines)
@@ -113,11 +113,23 @@ class BatchActivities:
                     for item in page:
                         i, o = self._estimate(batch["endpoint"], item, limits.request)
                         input_tokens, output_tokens = input_tokens + i, output_tokens + o
-            await self._enqueue(conn, ref.batch_id, batch["tenant"], input_tokens, output_tokens)
+            await self._enqueue(conn, ref.batch_id, batch["tenant"], limits.request.model, input_tokens,
+                                output_tokens)
             # Unless a cancel came first (then the lifecycle refuses the move).
             await batch_store.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
         return ValidateResult(total, False)
+
+    async def _pool_limits(self, conn, model: str) -> RequestLimits:
+        """The batch's model's limits: this worker's own model's, or another pool's with the
+        context length its engine workers announce (a model none ever announced fails every
+        line as one this deployment does not serve)."""
+        if not model or model == self.limits.model:
+            return replace(self.limits, batch_model=bool(model))
+        length = (await engine_registry.context_lengths(conn)).get(model)
+        if length is None:
+            return self.limits
+        return RequestLimits(model, length, batch_model=True)
 
     def _file_errors(self, key: str, limits: batch_file.FileLimits) -> list[batch_file.LineError]:
         with self.store.open(key) as f:
@@ -128,12 +140,12 @@ class BatchActivities:
         if item.error is not None:
             return 0, 0
         req = parse(endpoint, item.body, limits, batch=True)
-        return (0, 0) if isinstance(req, ProtocolError) else estimate(req, self.limits.max_model_len)
+        return (0, 0) if isinstance(req, ProtocolError) else estimate(req, limits.max_model_len)
 
-    async def _enqueue(self, conn, batch_id: str, tenant: str, input_tokens: int, output_tokens: int) -> None:
+    async def _enqueue(self, conn, batch_id: str, tenant: str, model: str, input_tokens: int,
+                       output_tokens: int) -> None:
         """Reserve the batch's tokens, or raise OverQuota past the tenant's enqueued-token
         limit. Serialised per tenant, so two batches cannot both take the last room."""
-        model = self.limits.model
         await ledger.lock_tenant(conn, tenant)
         sets = [s for s in (await ledger.load_limits(conn, tenant)).get(tenant, ())
                 if s.model in (ANY_MODEL, model) and s.batch_queue_tokens is not None]

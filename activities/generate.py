@@ -30,6 +30,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from engine import sampling
 from engine.slots import EngineSlots
@@ -76,6 +77,11 @@ class GenerationActivities:
         fences = {idx: taken[keys.item(group.batch_id, idx)] for idx in group.idxs}
         async with self.db.connect() as conn:
             batch, items = await batch_store.load_for_generation(conn, group.batch_id, group.idxs)
+        if foreign := self._foreign(items.values()):
+            # Only from the queue every pool shared before each had its own: another
+            # pool's engine takes it on a retry. Nothing was written.
+            raise ApplicationError(f"batch {group.batch_id} runs {foreign!r}, which this engine worker "
+                                   f"({self.engine.spec.name!r}) does not serve", type="ForeignModel")
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
         progress = {idx: 0 for idx in group.idxs}
         beat = asyncio.create_task(self._heartbeat(progress))
@@ -86,6 +92,15 @@ class GenerationActivities:
         finally:
             beat.cancel()
         return [t.result() for t in tasks]
+
+    def _foreign(self, items) -> str | None:
+        """The model a pending item names that this engine's pool does not serve, if any."""
+        own = self.engine.spec.name
+        for item in items:
+            model = item["body"].get("model") if item["status"] == "pending" else None
+            if isinstance(model, str) and model != own and not model.startswith(keys.fine_tuned_prefix(own)):
+                return model
+        return None
 
     async def _isolated(self, at: Attempt) -> GenerateResult:
         """Run one item; whatever goes wrong with it stays with it."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 import uuid
@@ -17,16 +19,19 @@ from api.errors import APIError, check_metadata, not_found, possible_id, require
 from journal import batch_store, tenant_store
 from policy.lifecycle import cancellable
 from policy.placement import batch_regions, region_queue
+from policy.pools import base_model, pool_queue
 from protocol import keys
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
 from protocol.temporal import BatchInput
+from storage.objects import ObjectStore
 from workflows.batch import BatchWorkflow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")
 
 WINDOWS = {"24h": 24 * 3600}
+FIRST_LINE_BYTES = 1 << 20  # read to find a batch's model: ample for any first request's head
 
 
 class CreateBatch(BaseModel):
@@ -88,17 +93,23 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         await batch_store.create_batch(conn, row)
         owner = await tenant_store.get_tenant(conn, tenant)
     s = svc.settings
-    queues = [s.engine_queue]
+    # A batch runs one model, as OpenAI's do: its first line's (validation fails the lines
+    # that name another), on that model's pool. One no pool serves is checked against the
+    # deployment's own, whose validation then says so line by line.
+    named = base_model(await asyncio.to_thread(first_model, svc.store, f["object_key"]), await svc.models())
+    model = named or s.model_name
+    pool = pool_queue(s.engine_queue, model)
+    queues = [pool]
     if owner and owner.get("regions") is not None:  # fenced: only those regions' engine workers poll these
-        regions = batch_regions(frozenset(owner["regions"]), await svc.engines.live(), s.model_name)
-        queues = [region_queue(s.engine_queue, r) for r in regions]
+        regions = batch_regions(frozenset(owner["regions"]), await svc.engines.live(), model)
+        queues = [region_queue(pool, r) for r in regions]
     try:
         await svc.temporal.start_workflow(
             BatchWorkflow.run,
             BatchInput(row["id"], row["expires_at"], queues[0], s.batch_concurrency, s.heartbeat_timeout_s,
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
                        fairness_weight=float(owner["weight"] if owner else 1), spill_queues=queues[1:],
-                       spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s),
+                       spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s, model=named or ""),
             id=keys.batch(row["id"]),
             task_queue=s.control_queue,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
@@ -112,6 +123,22 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                                                                                               data=[failure]))
         raise APIError(503, "The batch could not be scheduled; try again shortly.", code="unavailable") from err
     return await _current(svc, row["id"])
+
+
+def first_model(store: ObjectStore, key: str) -> Any:
+    """The `model` the file's first request names; None where it names none readably (its
+    validation says what is wrong with it)."""
+    try:
+        with store.open(key) as f:
+            read = 0
+            while read < FIRST_LINE_BYTES and (line := f.readline(FIRST_LINE_BYTES - read)):
+                read += len(line)
+                if line.strip():
+                    body = json.loads(line).get("body")
+                    return body.get("model") if isinstance(body, dict) else None
+    except (OSError, ValueError, AttributeError, RecursionError):  # unreadable, not JSON, not an object
+        return None
+    return None
 
 
 @router.get("/{batch_id}", operation_id="retrieveBatch", responses=_links("cancelBatch") | errors(404))

@@ -18,6 +18,7 @@ from api.services.engine_directory import EngineDirectory
 from api.services.placer import Placer
 from config import Settings
 from journal.tenant_store import Principal
+from policy.pools import served_models
 from storage.objects import ObjectStore
 
 
@@ -35,6 +36,10 @@ class Services:
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.settings)
+
+    async def models(self) -> dict[str, int]:
+        """Model → context length, for every model callable here (policy/pools.py)."""
+        return served_models(await self.engines.live(), self.settings.model_name, self.settings.max_model_len)
 
 
 # Dependencies are coroutines: FastAPI runs a plain `def` dependency in a worker thread,

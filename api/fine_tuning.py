@@ -26,6 +26,7 @@ from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, check_text, not_found, possible_id, require_id
 from journal import batch_store, finetune_store, ledger, tenant_store
 from policy.admission import Refuse, admit_fine_tune, describe_fine_tune
+from policy.pools import pool_queue
 from protocol import keys
 from protocol.limits import ANY_MODEL
 from protocol.schema import errors
@@ -111,9 +112,11 @@ def _hyperparameters(h: Hyperparameters | None) -> dict[str, Any]:
              responses=_links("retrieveFineTuningJob", "cancelFineTuningJob") | errors(400, 404, 429, 503))
 async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     s = svc.settings
-    if body.model != s.model_name:
+    models = await svc.models()  # a base model any pool serves: its engines train it, and serve the result
+    if body.model not in models:
+        served = ", ".join(repr(m) for m in models)
         raise APIError(400, f"Model {check_text(body.model, 'model')!r} is not available for fine-tuning; "
-                            f"this deployment fine-tunes {s.model_name!r}.", param="model", code="model_not_available")
+                            f"this deployment fine-tunes {served}.", param="model", code="model_not_available")
     if body.suffix is not None and not _SUFFIX.fullmatch(body.suffix):
         raise APIError(400, "suffix is 1 to 64 characters of letters, digits, '-' and '_'.", param="suffix",
                        code="invalid_value")
@@ -144,7 +147,8 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     try:
         await svc.temporal.start_workflow(
             FineTuneWorkflow.run,
-            FineTuneInput(row["id"], s.engine_queue, s.fine_tune_chunk_steps, s.heartbeat_timeout_s, tenant=tenant,
+            FineTuneInput(row["id"], pool_queue(s.engine_queue, body.model), s.fine_tune_chunk_steps,
+                          s.heartbeat_timeout_s, tenant=tenant,
                           fairness_weight=float(owner["weight"] if owner else 1),
                           checkpoint_overhead=s.fine_tune_checkpoint_overhead, chunk_max_s=s.fine_tune_chunk_max_s),
             id=keys.ftjob(row["id"]), task_queue=s.control_queue,

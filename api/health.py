@@ -13,6 +13,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 
 from api.deps import ServicesDep
+from policy.pools import pool_queue
 
 router = APIRouter()
 
@@ -49,7 +50,8 @@ async def healthz(svc: ServicesDep):
             await asyncio.gather(
                 _check(_db(svc)),
                 _check(_pollers(svc, s.control_queue, TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW)),
-                _check(_pollers(svc, s.engine_queue, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)),
+                # The deployment's own model's pool takes its batches.
+                _check(_pollers(svc, pool_queue(s.engine_queue, s.model_name), TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)),
                 _check(_engines(svc)),
             ),
             strict=True,

@@ -38,6 +38,7 @@ from journal import finetune_store
 from journal.tenant_store import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
+from policy.pools import base_model
 from protocol import engine_wire, keys, responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
@@ -76,15 +77,19 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     tenant = who.tenant
     t0 = time.perf_counter()
     body = await _body(request)
-    req = parse(endpoint, body, RequestLimits(svc.settings.model_name, svc.settings.max_model_len,
-                                       adapters=await _fine_tuned(svc, tenant, body.get("model"))))
+    # The model's pool: its own limits, quotas and engines. A model no pool serves is
+    # checked against the deployment's own, which names it in its 404.
+    models = await svc.models()
+    pool = base_model(body.get("model"), models) or svc.settings.model_name
+    req = parse(endpoint, body, RequestLimits(pool, models[pool], adapters=await _fine_tuned(svc, tenant, body, pool),
+                                              others=tuple(m for m in models if m != pool)))
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
-    prompt = svc.placer.prompt(req)  # its ids, as the engine will count them (none until the tokenizer loads)
-    ticket = await _admit(svc, tenant, req, rid, prompt.tokens)
+    prompt = svc.placer.prompt(req, pool)  # its ids, as the engine will count them (none until the tokenizer loads)
+    ticket = await _admit(svc, tenant, req, pool, models[pool], rid, prompt.tokens)
     try:
-        run = await _open(svc, tenant, req, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
+        run = await _open(svc, tenant, req, pool, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
                           prompt=prompt)
     except BaseException:
         if ticket is not None:
@@ -95,9 +100,10 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     return await _collect(run, req)
 
 
-async def _fine_tuned(svc: Services, tenant: str, model: Any) -> frozenset[str]:
+async def _fine_tuned(svc: Services, tenant: str, body: dict[str, Any], pool: str) -> frozenset[str]:
     """{model} where it is one of the tenant's fine-tuned models (one query, for those only)."""
-    if not isinstance(model, str) or not model.startswith(keys.fine_tuned_prefix(svc.settings.model_name)):
+    model = body.get("model")
+    if not isinstance(model, str) or not model.startswith(keys.fine_tuned_prefix(pool)):
         return frozenset()
     async with svc.db.connect() as conn:
         return frozenset([model]) if await finetune_store.owns_model(conn, tenant, model) else frozenset()
@@ -122,32 +128,31 @@ async def _body(request: Request) -> dict[str, Any]:
 # -- 2. admission ----------------------------------------------------------------------
 
 
-async def _admit(svc: Services, tenant: str, req: GenerationRequest, rid: str,
+async def _admit(svc: Services, tenant: str, req: GenerationRequest, pool: str, max_model_len: int, rid: str,
                  counted: int | None) -> Ticket | None:
     """Reserve the request's tokens against the tenant's limits, or refuse it with a 429
     naming the limit. The prompt's size is `counted` (tokenized here as the engine will),
     else estimated and corrected once the engine reports it."""
     if svc.admission is None:
         return None
-    s = svc.settings
-    input_tokens, _ = estimate(req, s.max_model_len, counted)
-    busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc)
-    got = await svc.admission.reserve(rid, tenant, s.model_name, req.service_tier, input_tokens, req.max_tokens,
+    input_tokens, _ = estimate(req, max_model_len, counted)
+    busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc, pool)
+    got = await svc.admission.reserve(rid, tenant, pool, req.service_tier, input_tokens, req.max_tokens,
                                       fleet_busy=busy, counted=counted is not None)
     if isinstance(got, Refuse):
-        raise APIError(429, describe(got, tenant, s.model_name, req.service_tier),
+        raise APIError(429, describe(got, tenant, pool, req.service_tier),
                        code="resource_unavailable" if got.limit == "capacity" else "rate_limit_exceeded",
                        headers={"Retry-After": str(got.retry_after_s)})
     return got
 
 
-async def _fleet_busy(svc: Services) -> bool:
+async def _fleet_busy(svc: Services, pool: str) -> bool:
     """Every engine serving the model is busy with interactive work (at the fleet's surge
     threshold) and already holds flex's floor in flex requests: flex yields first, but
     continuous chat cannot shut it out (below its floor it is admitted, and waits its turn
     at the engine, which gives flex its minimum share back)."""
     s = svc.settings
-    views = [v for v in await svc.engines.live() if v.model == s.model_name]
+    views = [v for v in await svc.engines.live() if v.model == pool]
     return bool(views) and all(v.interactive >= s.surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views)
 
 
@@ -228,16 +233,16 @@ class EngineFailed(Exception):
     pass
 
 
-async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[str, Any], t0: float, rid: str,
+async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, body: dict[str, Any], t0: float,
+                rid: str,
                 ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None,
                 prompt: Prompt | None = None) -> OpenRequest:
-    s = svc.settings
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = engine_wire.EngineJob(rid, req.endpoint, body, RANK[req.service_tier], tenant, req.service_tier, weight,
                                 svc.placer.me)
-    engine, upstream = await _connect(svc, job, req, regions, prompt)
+    engine, upstream = await _connect(svc, job, req, pool, regions, prompt)
     lines = upstream.aiter_lines()
     try:
         first = engine_wire.decode(await anext(lines)) if upstream.status_code == 200 else None
@@ -253,7 +258,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
             raise APIError(502, "The engine worker did not accept the request; try again.", code="engine_error")
         e = first.error
         raise APIError(first.status, first.message, param=e.get("param"), code=e.get("code"))
-    record = InteractiveInput(rid, tenant, req.service_tier, s.model_name, req.endpoint, engine.id,
+    record = InteractiveInput(rid, tenant, req.service_tier, pool, req.endpoint, engine.id,
                               first.prompt_tokens)
     if ticket is not None:
         ticket.correct(first.prompt_tokens)  # the engine's count replaces the estimate
@@ -263,16 +268,15 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, body: dict[s
     return OpenRequest(svc, record, meta, lines, upstream, t0, ticket)
 
 
-async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest,
+async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest, pool: str,
                    regions: frozenset[str] | None = None,
                    prompt: Prompt | None = None) -> tuple[EngineView, httpx.Response]:
     """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions; one
     that went away since it last announced itself is skipped for the next best."""
-    model = svc.settings.model_name
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt)
+    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt, pool)
     for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job.to_json(), headers=headers)
@@ -282,7 +286,7 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
         except httpx.TransportError as e:
             log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)
     where = f" in your regions ({', '.join(sorted(regions))})" if regions is not None else ""
-    raise APIError(503, f"No engine worker is serving {model!r}{where} right now; start `ballast worker engine`"
+    raise APIError(503, f"No engine worker is serving {pool!r}{where} right now; start `ballast worker engine`"
                         f"{' there' if where else ''}.", code="engine_unavailable", headers={"Retry-After": "5"})
 
 

@@ -1,10 +1,11 @@
 """/v1/models: the models a caller can call here, in OpenAI's shape.
 
-That is the deployment's own model (`settings.model_name`: the one its requests are checked,
-admitted and routed for) and the tenant's fine-tuned models. An engine pool serving another
-model does not make that model callable through this API, so it is not listed either: a
-listed model that answers 404 would be a lie. `created` is when this API process started
-(stable for its life, which is all a client can rely on), or when the fine-tune finished.
+That is the deployment's own model (`settings.model_name`, listed while its engines start),
+every model a serving engine pool announces (policy/pools.py: requests for it are checked,
+admitted and routed for that pool), and the tenant's fine-tuned models of those. Nothing
+else: a listed model that answers 404 would be a lie, so a pool whose last engine left is
+no longer listed. `created` is when this API process started (stable for its life, which is
+all a client can rely on), or when the fine-tune finished.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import APIRouter
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError
 from journal import finetune_store
+from policy.pools import base_model
 from protocol import keys
 from protocol.schema import errors
 
@@ -30,13 +32,9 @@ def model_object(id: str, created: int) -> dict[str, Any]:
     return dict(id=id, object="model", created=created, owned_by=OWNER)
 
 
-async def served(svc: Services) -> list[dict[str, Any]]:
-    return [model_object(svc.settings.model_name, svc.engines.started)]
-
-
-async def fine_tuned(svc: Services, tenant: str) -> list[dict[str, Any]]:
-    """The tenant's fine-tuned models (its jobs that succeeded), owned by the tenant as
-    OpenAI's are by the organization; `created` when the job finished."""
+async def fine_tuned(svc: Services, tenant: str, models: dict[str, int]) -> list[dict[str, Any]]:
+    """The tenant's fine-tuned models (its jobs that succeeded) of the served models, owned
+    by the tenant as OpenAI's are by the organization; `created` when the job finished."""
     try:
         async with svc.db.connect() as conn:
             jobs = await finetune_store.succeeded(conn, tenant)
@@ -44,18 +42,23 @@ async def fine_tuned(svc: Services, tenant: str) -> list[dict[str, Any]]:
         log.warning("model list without fine-tuned models: %s", err)
         return []
     return [dict(id=j["fine_tuned_model"], object="model", created=j["finished_at"] or j["created_at"],
-                 owned_by=tenant) for j in jobs]
+                 owned_by=tenant) for j in jobs if base_model(j["fine_tuned_model"], models) is not None]
+
+
+async def _listed(svc: Services, tenant: str, fine_tunes: bool = True) -> list[dict[str, Any]]:
+    models = await svc.models()
+    mine = await fine_tuned(svc, tenant, models) if fine_tunes else []
+    return [model_object(m, svc.engines.started) for m in models] + mine
 
 
 @router.get("", operation_id="listModels")
 async def list_models(svc: ServicesDep, tenant: TenantDep):
-    return dict(object="list", data=await served(svc) + await fine_tuned(svc, tenant))
+    return dict(object="list", data=await _listed(svc, tenant))
 
 
 @router.get("/{model:path}", operation_id="retrieveModel", responses=errors(404))
 async def retrieve_model(model: str, svc: ServicesDep, tenant: TenantDep):
-    mine = await fine_tuned(svc, tenant) if keys.is_fine_tuned(model) else []
-    for m in await served(svc) + mine:
+    for m in await _listed(svc, tenant, fine_tunes=keys.is_fine_tuned(model)):
         if m["id"] == model:
             return m
     raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")

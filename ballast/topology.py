@@ -23,9 +23,11 @@ from urllib.parse import urlsplit
 from config.database import SERVICE_ROLE
 from config.engine import TINY_MODEL_NAME
 
-# The model every process must agree on: the API admits and sizes requests for it, the
-# control worker validates batch lines against it, the engines serve it. Unset anywhere,
-# that process assumes the tiny model.
+# The deployment's model, which the API, the control worker and its engine pool must agree
+# on: the API lists it before any engine serves it and the control worker validates batch
+# lines against it. Unset anywhere, that process assumes the tiny model. An engine pool of
+# another model (`engine-<pool>`) agrees with itself: the API learns that model, and its
+# context length, from what its engines announce (policy/pools.py).
 MODEL_ENV = ("BALLAST_MODEL", "BALLAST_MAX_MODEL_LEN")
 
 # Where the processes meet: one value in every process that is handed it.
@@ -101,9 +103,9 @@ def problems(envs: Mapping[str, Mapping[str, str]], *, service_role: str = SERVI
              exact_model: bool = True) -> list[str]:
     """What is wrong with a deployment, {process name: its environment}: empty when every
     process is there and handed what it needs, nothing it must not have, the same meeting
-    places and model as the others, and its own role's database login. `exact_model=False`
-    lets engine pools load the model from another place, the served name and context
-    length agreeing."""
+    places as the others, the model of its pool (the API's and control worker's, or an engine
+    pool's own), and its own role's database login. `exact_model=False` lets the engines of
+    a pool load the model from another place, the served name and context length agreeing."""
     found: list[str] = []
     kinds = {name: kind(name) for name in envs}
     found += [f"{name}: not a Ballast process ({', '.join(PROCESSES)})" for name, k in kinds.items() if k is None]
@@ -127,10 +129,28 @@ def problems(envs: Mapping[str, Mapping[str, str]], *, service_role: str = SERVI
             found.append(f"{name}: BALLAST_SERVICE_DATABASE_URL is not the services' role's")
         if "BALLAST_MODEL" in spec.needs:
             served[name] = served_model(env)
-    for key in SHARED_ENV if exact_model else (*MEETING_ENV, "BALLAST_MAX_MODEL_LEN"):
+    found += _differing(MEETING_ENV, envs)
+    # The control plane's model, and each pool of engines with the processes that expect its model.
+    plane = {name: model for name, model in served.items() if kinds[name] != "engine"}
+    if len(set(plane.values())) > 1:
+        found.append(f"the served model differs: {plane}")
+    own = min(plane.values(), default=None)
+    pools: dict[str, dict[str, Mapping[str, str]]] = {}
+    for name, model in served.items():
+        if kinds[name] == "engine" or model == own:
+            pools.setdefault(model, {})[name] = envs[name]
+    engines = {name: model for name, model in served.items() if kinds[name] == "engine"}
+    if own is not None and engines and own not in engines.values():
+        found.append(f"the served model differs: the control plane expects {own!r}, no engine serves it: {engines}")
+    for members in pools.values():
+        found += _differing(MODEL_ENV if exact_model else ("BALLAST_MAX_MODEL_LEN",), members)
+    return found
+
+
+def _differing(keys: tuple[str, ...], envs: Mapping[str, Mapping[str, str]]) -> list[str]:
+    found = []
+    for key in keys:
         values = {name: v for name, env in envs.items() if (v := value(env, key)) is not None}
         if len(set(values.values())) > 1:
             found.append(f"{key} differs: {values}")
-    if len(set(served.values())) > 1:
-        found.append(f"the served model differs: {served}")
     return found

@@ -28,6 +28,7 @@ from config.temporal import connect_temporal
 from journal.db import connect
 from policy.grouping import own_queue
 from policy.placement import region_queue
+from policy.pools import pool_queue
 from policy.preemption import min_slots
 from protocol.engine_wire import EngineStats
 from protocol.fleet import SurgePolicy
@@ -186,7 +187,9 @@ async def engine_worker(settings: Settings) -> None:
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
         drained = asyncio.Event()
-        announcing = asyncio.create_task(_announce(db, engine_id, url, spec.name, settings, slots, engine, fair,
+        # One pool per model: its batch queue, and its region's and each worker's own under it.
+        pool = pool_queue(settings.engine_queue, spec.name)
+        announcing = asyncio.create_task(_announce(db, engine_id, url, spec, pool, settings, slots, engine, fair,
                                                    drained))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
@@ -194,8 +197,10 @@ async def engine_worker(settings: Settings) -> None:
         # The pool's queue, and its region's: a tenant fenced to regions has its batches
         # sent to one of theirs (policy/placement.py), which no engine elsewhere polls; and
         # its own, where a batch sends the groups whose prefix it holds (policy/grouping.py).
-        queues = [settings.engine_queue, region_queue(settings.engine_queue, settings.region),
-                  own_queue(settings.engine_queue, settings.region, engine_id)]
+        # And the queue every engine shared before pools had their own, for the batches
+        # started then (a generation of another model there is handed back: activities/generate.py).
+        queues = [pool, region_queue(pool, settings.region), own_queue(pool, settings.region, engine_id),
+                  settings.engine_queue]
         # Fine-tuning chunks too: they hold batch slots, so they yield to chat as batch does.
         tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url), spec.path, spec.max_model_len, slots)
         workers = [Worker(client, task_queue=q, activities=[acts.generate, tuning.train_chunk],
@@ -245,7 +250,7 @@ def engine_token(settings: Settings) -> str:
     return token
 
 
-async def _announce(db, engine_id: str, url: str, model: str, settings: Settings, slots, engine, fair,
+async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Settings, slots, engine, fair,
                     drained: asyncio.Event) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back, and
@@ -258,10 +263,11 @@ async def _announce(db, engine_id: str, url: str, model: str, settings: Settings
         try:
             async with db.begin() as conn:
                 cap, draining = await engine_registry.announce(
-                    conn, engine_id, url, model, settings.engine_queue,
+                    conn, engine_id, url, spec.name, queue,
                     EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
-                                block_size=engine.block_size, region=settings.region).to_json())
+                                block_size=engine.block_size, region=settings.region,
+                                max_model_len=spec.max_model_len, model_source=spec.path).to_json())
             await slots.direct(cap)
             if draining:
                 drained.set()

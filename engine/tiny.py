@@ -63,20 +63,22 @@ SPEC: dict[str, Any] = {
 }
 
 
-def spec_hash(max_model_len: int) -> str:
-    blob = json.dumps({**SPEC, "max_model_len": max_model_len}, sort_keys=True)
+def spec_hash(max_model_len: int, seed: int = SPEC["seed"]) -> str:
+    blob = json.dumps({**SPEC, "max_model_len": max_model_len, "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def tiny_model_dir(models_dir: Path, max_model_len: int = 2048) -> Path:
+def tiny_model_dir(models_dir: Path, max_model_len: int = 2048, seed: int = SPEC["seed"]) -> Path:
     """Where the tiny model for `max_model_len` is (or will be) built."""
-    return Path(models_dir) / f"{TINY_MODEL_NAME}-{spec_hash(max_model_len)}"
+    return Path(models_dir) / f"{TINY_MODEL_NAME}-{spec_hash(max_model_len, seed)}"
 
 
-def build_tiny_model(models_dir: Path, max_model_len: int = 2048) -> Path:
-    """Build (once) and return the directory of the tiny model for `max_model_len`."""
+def build_tiny_model(models_dir: Path, max_model_len: int = 2048, seed: int = SPEC["seed"]) -> Path:
+    """Build (once) and return the directory of the tiny model for `max_model_len`. Another
+    `seed` is another model (same shape and tokenizer, other weights): what a deployment
+    of several models is tested with."""
     models_dir = Path(models_dir)
-    final = tiny_model_dir(models_dir, max_model_len)
+    final = tiny_model_dir(models_dir, max_model_len, seed)
     if final.is_dir():
         return final
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,7 @@ def build_tiny_model(models_dir: Path, max_model_len: int = 2048) -> Path:
     # never see a half-written model and concurrent builders cannot clash.
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=models_dir))
     try:
-        _write_model(tmp, max_model_len)
+        _write_model(tmp, max_model_len, seed)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():  # someone else winning the race is fine; anything else is not
@@ -94,7 +96,7 @@ def build_tiny_model(models_dir: Path, max_model_len: int = 2048) -> Path:
     return final
 
 
-def _write_model(out: Path, max_model_len: int) -> None:
+def _write_model(out: Path, max_model_len: int, seed: int) -> None:
     tok = _write_tokenizer(out)
     s = SPEC
     config = {
@@ -124,7 +126,7 @@ def _write_model(out: Path, max_model_len: int) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": tok[BOS], "eos_token_id": tok[EOS], "pad_token_id": tok[EOS]}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    _write_weights(out, tok)
+    _write_weights(out, tok, seed)
 
 
 def _write_tokenizer(out: Path) -> dict[str, int]:
@@ -177,13 +179,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-def _write_weights(out: Path, tok: dict[str, int]) -> None:
+def _write_weights(out: Path, tok: dict[str, int], seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
     s = SPEC
     h, inter, v = s["hidden_size"], s["intermediate_size"], s["vocab_size"]
-    g = torch.Generator().manual_seed(s["seed"])
+    g = torch.Generator().manual_seed(seed)
 
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=g, dtype=torch.float32) * std).contiguous()

@@ -40,3 +40,14 @@ async def withdraw(conn: AsyncConnection, id: str) -> None:
 async def live(conn: AsyncConnection, within_s: float = 5.0) -> list[dict[str, Any]]:
     q = select(engines).where(engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"))
     return [dict(r._mapping) for r in (await conn.execute(q.order_by(engines.c.id))).all()]
+
+
+async def context_lengths(conn: AsyncConnection) -> dict[str, int]:
+    """Model → the shortest context any of its engine workers announced, over every row
+    (one that went quiet still says what its pool's model takes)."""
+    out: dict[str, int] = {}
+    for model, stats in (await conn.execute(select(engines.c.model, engines.c.stats))).all():
+        length = int((stats or {}).get("max_model_len") or 0)
+        if length:
+            out[model] = min(out.get(model, length), length)
+    return out

@@ -42,6 +42,8 @@ class EngineView:
     draining: bool = False
     block_size: int = 16  # vLLM's KV block: prefix-cache keys are whole blocks of it
     others: int | None = None  # interactive in flight there from other API processes, as last reported
+    max_model_len: int = 0  # its model's context length (0: an engine too old to say)
+    source: str = ""  # where its model's files are (a hub id or a path on its host): the tokenizer's
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,10 @@ class EngineStats:
     prefix_hits: int = 0
     block_size: int = 16
     region: str = ""
+    # Its model's pool (the model itself is the `engines` row's): the context length its
+    # requests are checked against, and where its files are, for the API's tokenizer.
+    max_model_len: int = 0
+    model_source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
 
     def to_json(self) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class RequestLimits:
     max_model_len: int
     adapters: frozenset[str] = frozenset()  # fine-tuned models served on it (the caller's own)
     any_adapter: bool = False  # any `ft:<model>:…` name (an engine worker: the API checked whose it is)
+    others: tuple[str, ...] = ()  # the deployment's other models, for a 404 that names them all
+    batch_model: bool = False  # a batch's: its file's first line chose `model` for every line
 
     def serves(self, name: str) -> bool:
         return name == self.model or name in self.adapters or (
@@ -104,7 +106,11 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
                 e.param, e.message = name, f"`{name}` {e.message}"
             raise
     if not limits.serves(v["model"]):
-        raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {limits.model!r}"
+        if limits.batch_model:
+            raise Invalid(f"The model {v['model']!r} is not this batch's: a batch runs one model, and this one's "
+                          f"first line names {limits.model!r}.", "model_not_found", "model", 404)
+        served = ", ".join(repr(m) for m in sorted((limits.model, *limits.others)))
+        raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {served}"
                       + (" and your fine-tuned models." if limits.adapters else "."), "model_not_found", "model", 404)
     max_tokens = v.get("max_completion_tokens") or v["max_tokens"]
     if max_tokens is None and endpoint == COMPLETIONS:

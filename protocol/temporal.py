@@ -36,6 +36,9 @@ class BatchInput:
     # Groups that share a prefix go to one engine worker's own queue (policy/grouping.py);
     # one it leaves unclaimed this long goes to the shared queue. 0: no such groups.
     sticky_wait_s: float = 0.0
+    # The model its lines name (its pool's queue is `engine_queue`); "": the control
+    # worker's own model (a batch from before pools).
+    model: str = ""
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1
@@ -45,6 +48,7 @@ class BatchInput:
 @dataclass
 class ValidateInput:
     batch_id: str
+    model: str = ""  # the batch's model ("": the control worker's own)
 
 
 @dataclass

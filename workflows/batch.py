@@ -67,7 +67,7 @@ class BatchWorkflow:
     @workflow.run
     async def run(self, inp: BatchInput) -> str:
         self._cancel = self._cancel or inp.cancel_requested
-        ref = ValidateInput(inp.batch_id)
+        ref = ValidateInput(inp.batch_id, inp.model)
 
         # 1. Validate the input file once; a bad file fails the batch with line errors,
         #    a good one puts its items in the journal and the batch in progress.

@@ -3,10 +3,12 @@ policy/placement.py against the local engine directory and this process's prefix
 then remembered where it went. Nothing here calls anything: the directory is refreshed in
 the background (api/services/engine_directory.py) and the index is this process's memory.
 
-The prompt is tokenized with the served model's own tokenizer files (engine/prompts.py
-renders it exactly as the engine worker will), loaded once, in the background from the
-API's start: until it is loaded, until an engine worker has built the local tiny model, or
-where no tokenizer can be loaded, requests are placed by load alone. The same ids size
+The prompt is tokenized with its model's own tokenizer files (engine/prompts.py renders it
+exactly as the engine worker will), loaded once per model, in the background: the
+deployment's own model's from the API's start, another pool's from where its engines say
+its files are (a hub id, or a path this host may not have). Until it is loaded, until an
+engine worker has built the local tiny model, or where no tokenizer can be loaded,
+requests are placed by load alone. The same ids size
 the request's quota reservation exactly (api/interactive.py); without them it is estimated
 and corrected when the engine reports the prompt's size.
 """
@@ -53,8 +55,10 @@ class Placer:
         self.weights = Weights(affinity, settings.placement_load_weight, settings.placement_load_bound)
         self._turn = 0  # round_robin's
         self.index = PrefixIndex(settings.prefix_index_blocks)
-        self._tokenizer = tokenizer
-        self._next_try = 0.0
+        self.own = settings.model_name
+        self._tokenizers: dict[str, Any] = {} if tokenizer is None else {self.own: tokenizer}
+        self._next_try: dict[str, float] = {}
+        self._sources: dict[str, str] = {}  # another pool's model → where its engines load it from
         self._known: frozenset[str] = frozenset()  # the engines seen last time
         # This process's open streams per engine: current, where the engines' own figures
         # are up to a refresh old (a burst placed at once must see itself).
@@ -63,37 +67,41 @@ class Placer:
 
     @property
     def has_tokenizer(self) -> bool:
-        return self._tokenizer is not None
+        """The deployment's own model's is loaded."""
+        return self.own in self._tokenizers
 
-    def tokenizer(self) -> Any:
-        """The tokenizer if loaded; else None, and a load started in the background (a
-        second or so): the request path never waits for it."""
-        if self._tokenizer is None and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + RETRY_LOAD_S
-            threading.Thread(target=self.load, name="placer-tokenizer", daemon=True).start()
-        return self._tokenizer
+    def tokenizer(self, model: str | None = None) -> Any:
+        """`model`'s tokenizer (the deployment's own by default) if loaded; else None, and a
+        load started in the background (a second or so): the request path never waits."""
+        model = model or self.own
+        tok = self._tokenizers.get(model)
+        if tok is None and time.monotonic() >= self._next_try.get(model, 0.0):
+            self._next_try[model] = time.monotonic() + RETRY_LOAD_S
+            threading.Thread(target=self.load, args=(model,), name="placer-tokenizer", daemon=True).start()
+        return tok
 
-    def load(self) -> Any:
-        """Load the tokenizer now (blocking); None where there is none to load yet."""
+    def load(self, model: str | None = None) -> Any:
+        """Load `model`'s tokenizer now (blocking); None where there is none to load yet."""
         from engine.model_spec import tokenizer_path
 
-        path = tokenizer_path(self.settings)
-        if path is not None and self._tokenizer is None:
+        model = model or self.own
+        path = tokenizer_path(self.settings) if model == self.own else self._sources.get(model)
+        if path is not None and model not in self._tokenizers:
             try:
                 from transformers import AutoTokenizer
 
                 tok = AutoTokenizer.from_pretrained(path)
                 # The first render compiles the chat template (tens of ms): here, not on a request.
                 prompts.render_chat(tok, [dict(role="user", content="warm up")])
-                self._tokenizer = tok
+                self._tokenizers[model] = tok
             except Exception as err:  # no files here (an API on another host): place by load
-                log.warning("no tokenizer for prefix affinity at %s (%s): placing by load only", path, err)
-        return self._tokenizer
+                log.warning("no tokenizer for %s's prefix affinity at %s (%s): placing by load only", model, path, err)
+        return self._tokenizers.get(model)
 
-    def prompt(self, req: GenerationRequest) -> Prompt:
-        """The prompt's token ids as the engine will feed vLLM; none until the tokenizer
-        is loaded."""
-        tok = self.tokenizer()
+    def prompt(self, req: GenerationRequest, pool: str | None = None) -> Prompt:
+        """The prompt's token ids as the engine of `pool` (the model or its base; the
+        deployment's own by default) will feed vLLM; none until its tokenizer is loaded."""
+        tok = self.tokenizer(pool)
         if tok is None:
             return Prompt()
         try:
@@ -111,22 +119,24 @@ class Placer:
             return Prompt()
         return Prompt(tuple(ids), whole=True)
 
-    def seed(self, req: GenerationRequest) -> int:
+    def seed(self, req: GenerationRequest, pool: str | None = None) -> int:
         """The blocks' chain seed: the base model's, or a fine-tuned model's own."""
-        return root(None if req.model == self.settings.model_name else req.model)
+        return root(None if req.model == (pool or self.own) else req.model)
 
-    def blocks(self, req: GenerationRequest, block_size: int) -> tuple[int, ...]:
+    def blocks(self, req: GenerationRequest, block_size: int, pool: str | None = None) -> tuple[int, ...]:
         """The prompt's leading blocks, as the engine's prefix cache keys them."""
-        return block_hashes(self.prompt(req).ids, block_size, seed=self.seed(req))
+        return block_hashes(self.prompt(req, pool).ids, block_size, seed=self.seed(req, pool))
 
     def rank(self, req: GenerationRequest, engines: list[EngineView], regions: frozenset[str] | None = None,
-             prompt: Prompt | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
-        """The engines to try, best first, and the request's blocks (for `sent`); `prompt`
-        where the caller has it already."""
+             prompt: Prompt | None = None, pool: str | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
+        """The engines of `pool` (the deployment's own model by default) to try, best first,
+        and the request's blocks (for `sent`); `prompt` where the caller has it already."""
+        pool = pool or self.own
         self._forget_gone(engines)
-        block_size = next((e.block_size for e in engines if e.model == self.settings.model_name), 16)
-        blocks = block_hashes((self.prompt(req) if prompt is None else prompt).ids, block_size, seed=self.seed(req))
-        request = Request(self.settings.model_name, blocks, regions, home=self.settings.region)
+        block_size = next((e.block_size for e in engines if e.model == pool), 16)
+        blocks = block_hashes((self.prompt(req, pool) if prompt is None else prompt).ids, block_size,
+                              seed=self.seed(req, pool))
+        request = Request(pool, blocks, regions, home=self.settings.region)
         current = [replace(e, interactive=self.in_flight(e)) for e in engines]
         ranked = rank(current, request, self.index.matched(blocks), self.weights)
         if self.settings.placement == "round_robin" and ranked:
@@ -146,9 +156,12 @@ class Placer:
 
     def engines_seen(self, engines: list[EngineView]) -> None:
         """The directory has refreshed: once an engine serves (and so, on this host, has
-        built the model's files), the tokenizer loads, off any request's path."""
-        if engines:
-            self.tokenizer()
+        built the model's files), its model's tokenizer loads, off any request's path."""
+        for e in engines:
+            if e.model != self.own and e.source:
+                self._sources.setdefault(e.model, e.source)
+        for model in sorted({e.model for e in engines}):
+            self.tokenizer(model)
 
     def sent(self, engine: EngineView, blocks: tuple[int, ...]) -> None:
         """The request went to `engine`: it holds the blocks now, and one more stream."""

@@ -67,7 +67,9 @@ def build(settings: Settings, db, temporal, key: str | None = None, keys: KeyCac
                                   httpx.AsyncClient(), keys=keys)
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     # raise_app_exceptions: an error that escapes every handler fails the test loudly.
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test", headers=headers)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test", headers=headers)
+    client.services = app.state.services  # type: ignore[attr-defined]  # what a test may look into
+    return client
 
 
 async def new_key(db, tenant: str, *, admin: bool = False) -> str:

@@ -695,3 +695,19 @@ def test_every_ballast_variable_is_a_setting(services):
         assert key in known, f"{key} is not a setting of config.Settings"
     for key in deploy_only:
         assert all(key not in _env(s) for s in services.values()), key
+
+
+def test_an_engine_pool_of_another_model_agrees_with_itself_not_with_the_control_plane(services):
+    """A second pool (`engine-<pool>`) serves a model of its own with its own context length;
+    its engines must agree with each other, and some engine must still serve the model the
+    API and the control worker expect."""
+    envs = {name: _env(s) for name, s in _ballast_services(services).items()}
+    other = dict(envs["engine"], BALLAST_MODEL="org/other", BALLAST_MAX_MODEL_LEN="512")
+    envs["engine-other"] = other
+    assert topology.problems(envs) == []
+    envs["engine-other2"] = dict(other, BALLAST_MAX_MODEL_LEN="1024")
+    found = topology.problems(envs)
+    assert len(found) == 1 and found[0].startswith("BALLAST_MAX_MODEL_LEN differs"), found
+    assert "engine-other" in found[0] and "api" not in found[0], found
+    del envs["engine"], envs["engine-other2"]
+    assert any("no engine serves it" in p for p in topology.problems(envs))

@@ -1,0 +1,37 @@
+"""Model pools: which models are callable, with which context, and which pool a name is."""
+
+from __future__ import annotations
+
+from policy.placement import EngineView
+from policy.pools import base_model, pool_queue, served_models
+
+
+def view(id: str, model: str, max_model_len: int = 0, draining: bool = False) -> EngineView:
+    return EngineView(id, f"http://{id}", model, 0, 0, 8, draining=draining, max_model_len=max_model_len)
+
+
+def test_the_own_model_is_listed_before_any_engine_and_first_after():
+    assert served_models([], "tiny", 1024) == {"tiny": 1024}
+    got = served_models([view("b", "zeta", 512), view("a", "alpha", 256), view("c", "tiny", 99)], "tiny", 1024)
+    assert list(got.items()) == [("tiny", 1024), ("alpha", 256), ("zeta", 512)]  # the own's context is its settings'
+
+
+def test_a_pool_takes_the_shortest_context_its_engines_announce_and_draining_ones_do_not_count():
+    engines = [view("a", "m", 512), view("b", "m", 256), view("c", "m", 128, draining=True), view("d", "old")]
+    assert served_models(engines, "tiny", 1024) == {"tiny": 1024, "m": 256, "old": 1024}
+    assert "m" not in served_models([view("c", "m", 128, draining=True)], "tiny", 1024)
+
+
+def test_a_name_finds_its_pool_and_a_fine_tune_its_base():
+    models = {"tiny": 1024, "org/m": 512, "org/m:v2": 512}
+    assert base_model("org/m", models) == "org/m"
+    assert base_model("ft:tiny:sfx:ftjob-1", models) == "tiny"
+    assert base_model("ft:org/m:v2::ftjob-2", models) == "org/m:v2"  # the longest base it carries
+    assert base_model("ft:org/m::ftjob-3", models) == "org/m"
+    for unknown in ("gpt-9", "ft:gpt-9::ftjob-1", None, 7, ["tiny"]):
+        assert base_model(unknown, models) is None
+
+
+def test_each_model_has_its_own_queue():
+    assert pool_queue("ballast-engine", "a") != pool_queue("ballast-engine", "b")
+    assert pool_queue("ballast-engine", "a").startswith("ballast-engine")
