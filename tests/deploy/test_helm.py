@@ -349,13 +349,23 @@ def test_each_pool_gets_its_engine_deployment(case):
     assert len(set(selectors)) == len(selectors), "two pools' Deployments select each other's pods"
 
 
-def test_a_pool_may_load_the_model_elsewhere_but_not_serve_another():
+def test_a_pool_may_load_the_model_elsewhere_or_serve_another_with_its_own_context():
     same = _merge(INSTALL, {"pools": [{"name": "local", "model": "/mnt/models/Qwen2.5-0.5B-Instruct/"}]})
     [engine] = _deployments(render(same), "engine")
     assert engine["metadata"]["name"] == f"{RELEASE}-engine-local"
-    other = _merge(INSTALL, {"pools": [{"name": "big", "model": "meta-llama/Llama-3.1-8B-Instruct"}]})
-    with pytest.raises(helm.HelmError, match="one release serves one model"):
-        render(other)
+    big = {"name": "big", "model": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192, "gpus": 2}
+    docs = render(_merge(INSTALL, {"pools": [{"name": "default"}, big]}))
+    secrets = _secret_data(docs, INSTALL)
+    envs = {name: _env(c, secrets) for name, c, _ in _containers(docs)}
+    assert envs["engine-big"]["BALLAST_MAX_MODEL_LEN"] == "8192"
+    assert topology.served_model(envs["engine-big"]) == "Llama-3.1-8B-Instruct"
+    assert topology.problems(envs, exact_model=False) == []
+    with pytest.raises(helm.HelmError, match="none serves the release's model"):
+        render(_merge(INSTALL, {"pools": [big]}))
+    with pytest.raises(helm.HelmError, match="one context length"):
+        render(_merge(INSTALL, {"pools": [{"name": "default"}, big, dict(big, name="big2", maxModelLen=4096)]}))
+    with pytest.raises(helm.HelmError, match="its maxModelLen is model.maxModelLen"):
+        render(_merge(INSTALL, {"pools": [{"name": "default", "maxModelLen": 99}]}))
     with pytest.raises(helm.HelmError, match="twice"):
         render(_merge(INSTALL, {"pools": [{"name": "a"}, {"name": "a"}]}))
 

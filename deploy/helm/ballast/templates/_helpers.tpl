@@ -65,19 +65,19 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{/*
 What every Ballast container gets, the model first: one source, so the api, the control
-worker, the migration and each pool cannot disagree. `model` is the pool's place of the
-model (default: model.name).
+worker, the migration and the release model's pools cannot disagree. For an engine pool,
+`model`, `servedName` and `maxModelLen` are the pool's (default: the release model's).
 */}}
 {{- define "ballast.env.common" -}}
 {{- $ := .root -}}
 - name: BALLAST_MODEL
   value: {{ default $.Values.model.name .model | quote }}
-{{- with $.Values.model.servedName }}
+{{- with default $.Values.model.servedName .servedName }}
 - name: BALLAST_SERVED_MODEL_NAME
   value: {{ . | quote }}
 {{- end }}
 - name: BALLAST_MAX_MODEL_LEN
-  value: {{ $.Values.model.maxModelLen | quote }}
+  value: {{ default $.Values.model.maxModelLen .maxModelLen | quote }}
 - name: HF_HOME
   value: /data/models/hf
 - name: BALLAST_DATA_DIR
