@@ -22,6 +22,7 @@ from journal.schema import api_keys, limits, tenants
 from protocol.limits import ANY_MODEL, LIMITS
 
 KEY_PREFIX = "sk-ballast-"
+KEY_FORMAT = re.compile(r"sk-ballast-[A-Za-z0-9_-]{43}")  # KEY_PREFIX and token_urlsafe(32)
 SHOWN = 14  # characters of a key kept for display: "sk-ballast-" and 3 random ones
 TENANT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # as the tenants_id_format constraint
 
@@ -103,6 +104,11 @@ async def _require_tenant(conn: AsyncConnection, id: str) -> None:
 
 
 # -- keys -----------------------------------------------------------------------------
+
+
+def well_formed(key: str) -> bool:
+    """Whether `key` could be one `create_key` made: anything else is refused without a query."""
+    return KEY_FORMAT.fullmatch(key) is not None
 
 
 async def create_key(conn: AsyncConnection, tenant: str, name: str | None = None,

@@ -30,6 +30,9 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 ROLES = ("system", "developer", "user", "assistant")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_STOP = 4
+# Each stop string is searched for in the whole text at every delta (and across a resume):
+# a megabyte of them would be a cost the engine pays per token.
+MAX_STOP_CHARS = 256
 INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -258,6 +261,8 @@ def _stop(value: Any) -> str | list[str]:
         raise Invalid("must be a string or a list of strings.", "invalid_type")
     if len(items) > MAX_STOP or any(not s for s in items):
         raise Invalid(f"takes up to {MAX_STOP} non-empty strings.")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise Invalid(f"takes strings of at most {MAX_STOP_CHARS} characters.")
     return value if isinstance(value, str) else items
 
 

@@ -7,7 +7,8 @@ leaves the principal in the request's state, where `api.deps` finds it.
 `KeyCache` is per process. A key's answer (its principal, or that it is unknown or
 revoked) is kept for `ttl_s` (BALLAST_KEY_CACHE_S) and then asked again, so a revoked key
 stops working everywhere within that bound and at once in the process that revoked it.
-A miss costs one query; requests for the same key meanwhile share it. Unknown keys are
+A miss costs one query (a value that is not shaped like a key costs none: `authenticate`
+refuses it first); requests for the same key meanwhile share it. Unknown keys are
 remembered too, for as long, so a client retrying a bad key does not cost a query each
 time, but only the most recent `max_unknown` of them: random keys cannot grow memory.
 Known keys are as many as the database holds, and are kept all.
@@ -115,7 +116,8 @@ async def authenticate(keys: KeyCache, authorization: str | None) -> Principal:
     if scheme.lower() != "bearer" or not key:
         raise APIError(401, NO_KEY, headers=CHALLENGE)
     try:
-        found = await keys.principal(key)
+        # A value no key can have costs no query and takes no room in the cache.
+        found = await keys.principal(key) if tenant_store.well_formed(key) else None
     except Exception as err:  # never let a key in unchecked
         log.warning("could not check an API key: %s: %s", type(err).__name__, err)
         raise APIError(503, "The API key could not be checked right now; try again shortly.", code="unavailable",

@@ -45,7 +45,7 @@ def settings(tmp_path) -> Settings:
                     max_request_bytes=REQUEST_LIMIT, control_queue=f"api-test-{uuid.uuid4().hex[:8]}")
 
 
-BARE_KEY = "sk-ballast-bare-api-key-known-without-a-database"
+BARE_KEY = "sk-ballast-" + "bare-api-key-known-without-a-database".ljust(43, "0")
 
 
 def known_keys(known: dict[str, Principal], ttl_s: float = 60.0) -> KeyCache:

@@ -245,10 +245,39 @@ async def test_a_key_that_cannot_be_checked_is_503_not_let_in(settings):
     async def down(key: str) -> Principal | None:
         raise OSError("postgres is away")
 
-    client = build(settings, Untouchable("postgres"), Untouchable("temporal"), "sk-ballast-whatever")
+    client = build(settings, Untouchable("postgres"), Untouchable("temporal"), "sk-ballast-" + "w" * 43)
     client._transport.app.state.services.keys = KeyCache(down, 5)
     async with client:
         assert_openai_error(await client.get("/v1/models"), 503, code="unavailable")
+
+
+async def test_a_value_no_key_can_have_never_reaches_the_database(settings):
+    """A lookup would fail (a 503): a malformed key is a 401 without one, and a well-formed
+    unknown key does reach it."""
+    looked_up = []
+
+    async def lookup(key: str) -> Principal | None:
+        looked_up.append(key)
+        raise OSError("the database was asked")
+
+    bad = ["sk-ballast-short", "sk-ballast-" + "x" * 42, "sk-ballast-" + "x" * 44, "sk-ballast-" + "x" * 42 + "!",
+           "sk-other-" + "x" * 45, "x" * 54]
+    for key in bad:
+        async with build(settings, Untouchable("postgres"), Untouchable("temporal"), key,
+                         keys=KeyCache(lookup, 5)) as client:
+            assert_openai_error(await client.get("/v1/models"), 401, code="invalid_api_key")
+    assert looked_up == []
+    good_shape = "sk-ballast-" + "x" * 43
+    async with build(settings, Untouchable("postgres"), Untouchable("temporal"), good_shape,
+                     keys=KeyCache(lookup, 5)) as client:
+        assert_openai_error(await client.get("/v1/models"), 503, code="unavailable")
+    assert looked_up == [good_shape]
+
+
+def test_every_key_made_is_well_formed():
+    import secrets
+
+    assert all(tenant_store.well_formed(tenant_store.KEY_PREFIX + secrets.token_urlsafe(32)) for _ in range(200))
 
 
 def test_the_hash_is_sha256_of_the_key():

@@ -56,7 +56,10 @@ async def test_another_tenants_file_and_its_content_are_404(a, b):
     same_404(await b.get(f"/v1/files/{fid}"), await b.get(f"/v1/files/{missing}"), "file_id")
     same_404(await b.get(f"/v1/files/{fid}/content"), await b.get(f"/v1/files/{missing}/content"), "file_id")
     assert (await a.get(f"/v1/files/{fid}")).status_code == 200
-    assert (await a.get(f"/v1/files/{fid}/content")).json() == LINE
+    got = await a.get(f"/v1/files/{fid}/content")
+    assert got.json() == LINE
+    # Never rendered as a page of the API's origin, whatever it holds.
+    assert got.headers["x-content-type-options"] == "nosniff" and got.headers["content-disposition"] == "attachment"
     # And the other way round.
     theirs = await upload(b)
     assert_openai_error(await a.get(f"/v1/files/{theirs}"), 404, "file_id", "not_found")

@@ -14,7 +14,8 @@ async def test_an_unreachable_database_is_a_503_with_retry_after(settings):
     down = connect(f"postgresql://postgres@127.0.0.1:{procs.free_port()}/ballast", pool_size=1)
     try:
         # A key the database must check: the check itself says unavailable.
-        async with build(settings, down, Untouchable("temporal"), "sk-ballast-a-key-to-look-up") as api:
+        key = "sk-ballast-" + "a-key-to-look-up".ljust(43, "0")
+        async with build(settings, down, Untouchable("temporal"), key) as api:
             r = await api.get("/v1/batches")
             assert_openai_error(r, 503, code="unavailable")
             assert r.headers["retry-after"]
