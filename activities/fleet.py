@@ -11,6 +11,7 @@ from temporalio import activity
 
 from journal import engine_registry
 from journal.events import NewEvent, append
+from journal.tenant_store import SYSTEM
 from protocol.engine_wire import EngineStats
 from protocol.fleet import EngineReport
 from protocol.temporal import ApplyFleetInput, ObserveFleetInput
@@ -31,7 +32,7 @@ class FleetActivities:
         # One transaction: the caps and the events that explain them land together.
         async with self.db.begin() as conn:
             await engine_registry.set_caps(conn, inp.caps)
-            await append(conn, [NewEvent(e.stream, e.type, e.payload, e.key, "system") for e in inp.events])
+            await append(conn, [NewEvent(e.stream, e.type, e.payload, e.key, SYSTEM) for e in inp.events])
 
 
 def _report(row: dict) -> EngineReport:

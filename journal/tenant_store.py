@@ -25,6 +25,10 @@ KEY_PREFIX = "sk-ballast-"
 KEY_FORMAT = re.compile(r"sk-ballast-[A-Za-z0-9_-]{43}")  # KEY_PREFIX and token_urlsafe(32)
 SHOWN = 14  # characters of a key kept for display: "sk-ballast-" and 3 random ones
 TENANT_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # as the tenants_id_format constraint
+# What the journal writes as the tenant of its own events (the fleet controller's): no
+# caller's tenant may be mistaken for it.
+SYSTEM = "system"
+RESERVED_TENANTS = frozenset({SYSTEM})
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ def check_tenant_id(id: str) -> str:
     if not isinstance(id, str) or not TENANT_ID.fullmatch(id):
         raise ValueError(f"Invalid tenant id {id!r}: 1 to 63 characters, lowercase letters, digits, '-' and '_', "
                          "starting with a letter or digit.")
+    if id in RESERVED_TENANTS:
+        raise ValueError(f"Invalid tenant id {id!r}: reserved for Ballast's own records.")
     return id
 
 
@@ -61,7 +67,7 @@ def check_tenant_id(id: str) -> str:
 
 
 async def create_tenant(conn: AsyncConnection, id: str, weight: int = 1) -> dict[str, Any]:
-    """The new tenant's row; TenantExists if the id is taken."""
+    """The new tenant's row; TenantExists if the id is taken (ValueError if it cannot be one)."""
     row = await _insert_tenant(conn, id, weight)
     if row is None:
         raise TenantExists(f"Tenant {id!r} already exists.")

@@ -67,6 +67,14 @@ async def test_revoke_is_at_once_and_once(db, name):
         assert await tenant_store.lookup(conn, other) == tenant_store.Principal(name, other_id, False)
 
 
+async def test_the_journals_own_tenant_id_is_reserved(db):
+    async with db.begin() as conn:
+        with pytest.raises(ValueError, match="reserved"):
+            await tenant_store.create_tenant(conn, "system")
+        with pytest.raises(ValueError, match="reserved"):
+            await tenant_store.ensure_tenant(conn, "system")
+
+
 @pytest.mark.parametrize("bad", ["", "Upper", "-lead", "_lead", "has space", "a" * 64, "ü", "a\x00b", "a/b"])
 async def test_tenant_ids_are_checked_here_and_by_the_database(db, owner_db, bad):
     async with db.begin() as conn:
