@@ -19,6 +19,7 @@ from api.errors import APIError, check_text, not_found, possible_id
 from journal import tenant_store
 from protocol.limits import ANY_MODEL, LIMITS
 from protocol.schema import errors
+from protocol.tiers import GRANTED
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses=errors(401, 403))
 
@@ -28,6 +29,13 @@ _LIMIT = Field(default=None, ge=0, le=2**63 - 1)
 class CreateTenant(BaseModel):
     id: str = Field(max_length=63)
     weight: int = Field(default=1, ge=1, le=1_000_000)
+    tiers: list[str] = Field(default_factory=list, max_length=8)  # granted: `priority` runs ahead of the others
+
+
+class Tiers(BaseModel):
+    """The tiers the tenant is granted, replaced whole ([]: none; the open tiers need no grant)."""
+
+    tiers: list[str] = Field(max_length=8)
 
 
 class CreateKey(BaseModel):
@@ -54,7 +62,8 @@ def _epoch(at: datetime | None) -> int | None:
 
 
 def tenant_object(row: dict[str, Any]) -> dict[str, Any]:
-    return dict(id=row["id"], object="tenant", weight=row["weight"], created_at=_epoch(row["created_at"]))
+    return dict(id=row["id"], object="tenant", weight=row["weight"], tiers=sorted(row["tiers"]),
+                created_at=_epoch(row["created_at"]))
 
 
 def key_object(row: dict[str, Any], plaintext: str | None = None) -> dict[str, Any]:
@@ -86,13 +95,36 @@ async def create_tenant(body: CreateTenant, svc: ServicesDep, _: AdminDep):
         tenant_store.check_tenant_id(body.id)
     except ValueError as err:
         raise APIError(400, str(err), param="id", code="invalid_value") from None
+    _check_tiers(body.tiers)
     async with svc.db.begin() as conn:
         try:
             row = await tenant_store.create_tenant(conn, body.id, body.weight)
         except tenant_store.TenantExists as err:
             raise APIError(409, str(err), param="id", code="tenant_exists") from None
+        row["tiers"] = await tenant_store.set_tiers(conn, body.id, body.tiers)
         key = await _new_key(conn, body.id, None, False)
     return dict(tenant=tenant_object(row), key=key)
+
+
+def _check_tiers(tiers: list[str]) -> None:
+    if unknown := [t for t in tiers if t not in GRANTED]:
+        raise APIError(400, f"Invalid tier {check_text(unknown[0], 'tiers')!r}: a tenant is granted "
+                            f"{', '.join(sorted(GRANTED))}; the other tiers are open to every tenant.",
+                       param="tiers", code="invalid_value")
+
+
+@router.put("/tenants/{tenant_id}/tiers", operation_id="setTenantTiers", responses=errors(400, 404))
+async def set_tiers(tenant_id: str, body: Tiers, svc: ServicesDep, _: AdminDep):
+    """Grant the tenant these tiers; its keys carry them within BALLAST_KEY_CACHE_S."""
+    _check_tiers(body.tiers)
+    async with svc.db.begin() as conn:
+        try:
+            await tenant_store.set_tiers(conn, tenant_id, body.tiers)
+        except tenant_store.UnknownTenant:
+            raise _unknown(tenant_id) from None
+        row = await tenant_store.get_tenant(conn, tenant_id)
+    assert row is not None
+    return tenant_object(row)
 
 
 @router.get("/tenants", operation_id="listTenants", responses=errors())

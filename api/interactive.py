@@ -43,7 +43,7 @@ from protocol import engine_wire, keys, responses, schema
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
-from protocol.tiers import RANK, Tier
+from protocol.tiers import GRANTED, RANK, Tier
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,10 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
                                               others=tuple(m for m in models if m != pool)))
     if isinstance(req, ProtocolError):
         raise APIError(req.status_code, req.message, param=req.param, code=req.code)
+    if req.service_tier in GRANTED and req.service_tier not in who.tiers:
+        # Not granted: it runs as everyone's does, and its response's service_tier says so
+        # (as OpenAI's do for a tier the project lacks).
+        req = dataclasses.replace(req, service_tier=Tier.DEFAULT.value)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
     prompt = svc.placer.prompt(req, pool)  # its ids, as the engine will count them (none until the tokenizer loads)
     ticket = await _admit(svc, tenant, req, pool, models[pool], rid, prompt.tokens)

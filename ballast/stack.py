@@ -50,6 +50,7 @@ from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
 from policy.restarts import RestartPolicy
+from protocol.tiers import GRANTED
 
 READY_TIMEOUT_S = 300
 TENANT = "default"
@@ -215,11 +216,14 @@ class Key:
 
 
 async def _keys(url: str, data: Path) -> list[Key]:
-    """Tenant `default`, and a working key and admin key of it in their files."""
+    """Tenant `default`, and a working key and admin key of it in their files. The local
+    stack's one tenant is its operator's own: granted `priority` when first made (taken back
+    with `ballast tenants tiers default --none`, and not granted again)."""
     db = connect(url, pool_size=1)
     try:
         async with db.begin() as conn:
-            await tenant_store.ensure_tenant(conn, TENANT)
+            if await tenant_store.ensure_tenant(conn, TENANT):
+                await tenant_store.set_tiers(conn, TENANT, GRANTED)
             out = []
             for name, admin in KEY_FILES:
                 path = data / name

@@ -1,4 +1,4 @@
-"""`ballast tenants create | list | keys | new-key | revoke | limits`: tenants and their
+"""`ballast tenants create | list | keys | new-key | revoke | limits | regions | tiers`: tenants and their
 keys, straight on the journal's Postgres as its owner.
 
 The database is BALLAST_DATABASE_URL / DATABASE_URL, else the embedded server of a running
@@ -22,6 +22,7 @@ from config import Settings
 from journal import tenant_store
 from journal.db import connect
 from protocol.limits import ANY_MODEL, LIMITS
+from protocol.tiers import GRANTED
 
 URL_FILE = "postgres-url"  # written by `ballast up` while its embedded Postgres runs
 
@@ -49,6 +50,12 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--set", dest="regions", metavar="R1,R2", help="only engine workers in these regions "
                                                                  "(their BALLAST_REGION)")
     g.add_argument("--anywhere", action="store_true", help="lift the fence")
+    t = cmds.add_parser("tiers", help="show the service tiers a tenant is granted, or set them (API processes "
+                                      "apply it within BALLAST_KEY_CACHE_S)")
+    t.add_argument("name")
+    t.add_argument("--set", dest="tiers", metavar="T1,T2",
+                   help=f"grant exactly these (of {', '.join(sorted(GRANTED))}: they run ahead of other tenants')")
+    t.add_argument("--none", action="store_true", help="grant none: its requests run at the open tiers")
     lim = cmds.add_parser("limits", help="show a tenant's limits, or set some (others stay; 'none' clears one)")
     lim.add_argument("name")
     lim.add_argument("--model", default=ANY_MODEL,
@@ -113,8 +120,9 @@ async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 
 async def _list(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    _table(["TENANT", "WEIGHT", "CREATED"], [[t["id"], t["weight"], _when(t["created_at"])]
-                                             for t in await tenant_store.list_tenants(conn)])
+    _table(["TENANT", "WEIGHT", "TIERS", "CREATED"],
+           [[t["id"], t["weight"], ",".join(sorted(t["tiers"])) or "-", _when(t["created_at"])]
+            for t in await tenant_store.list_tenants(conn)])
     return 0
 
 
@@ -167,7 +175,20 @@ async def _regions(conn: AsyncConnection, args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits, regions=_regions)
+async def _tiers(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    if args.tiers is not None or args.none:
+        await tenant_store.set_tiers(conn, args.name, [] if args.none else
+                                     [t.strip() for t in args.tiers.split(",") if t.strip()])
+    t = await tenant_store.get_tenant(conn, args.name)
+    if t is None:
+        raise LookupError(f"No tenant {args.name!r}.")
+    print(f"tenant {args.name}: " + (", ".join(sorted(t["tiers"])) + " granted" if t["tiers"] else
+                                     "no tier granted (default and flex are open to every tenant)"))
+    return 0
+
+
+_COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits, regions=_regions,
+                 tiers=_tiers)
 _COMMANDS["new-key"] = _new_key
 
 

@@ -73,6 +73,7 @@ from config.database import as_role, libpq_url
 from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
+from protocol.tiers import Tier
 
 LOCAL_DECISIONS = 20_000
 SYNC_DECISIONS = 1_000
@@ -272,11 +273,13 @@ async def drive(urls: list[str], key: str, model: str, stop: asyncio.Event, out:
 
 
 async def make_tenant(db_url: str, name: str, **limits: int) -> str:
-    """A key of a new tenant (weight 1) with `limits` on all its models."""
+    """A key of a new tenant (weight 1, granted `priority`, which the run sends) with
+    `limits` on all its models."""
     db = connect(db_url, pool_size=1)
     try:
         async with db.begin() as conn:
             await tenant_store.ensure_tenant(conn, name)
+            await tenant_store.set_tiers(conn, name, [Tier.PRIORITY])
             if limits:
                 await tenant_store.set_limits(conn, name, "*", **limits)
             return (await tenant_store.create_key(conn, name, "bench"))[1]

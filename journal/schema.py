@@ -163,6 +163,8 @@ tenants = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     # Where its work may run (engine workers' BALLAST_REGION); NULL: anywhere (migration 0008).
     Column("regions", ARRAY(Text), nullable=True),
+    # The tiers it is granted of protocol.tiers.GRANTED (migration 0012).
+    Column("tiers", ARRAY(Text), nullable=False, server_default="{}"),
 )
 
 api_keys = Table(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.schema import api_keys, limits, tenants
 from protocol.limits import ANY_MODEL, LIMITS
+from protocol.tiers import GRANTED
 
 KEY_PREFIX = "sk-ballast-"
 KEY_FORMAT = re.compile(r"sk-ballast-[A-Za-z0-9_-]{43}")  # KEY_PREFIX and token_urlsafe(32)
@@ -40,6 +42,7 @@ class Principal:
     admin: bool = False
     weight: int = 1  # the tenant's fair-share weight, as of the lookup (cached with the key)
     regions: frozenset[str] | None = None  # where its work may run; None: anywhere
+    tiers: frozenset[str] = frozenset()  # the tiers of protocol.tiers.GRANTED it was granted
 
 
 class TenantExists(ValueError):
@@ -100,6 +103,17 @@ async def set_regions(conn: AsyncConnection, id: str, regions: list[str] | None)
     await conn.execute(tenants.update().where(tenants.c.id == id).values(regions=regions))
 
 
+async def set_tiers(conn: AsyncConnection, id: str, tiers: Iterable[str]) -> list[str]:
+    """Grant the tenant exactly these tiers (of GRANTED); the tiers it has now, sorted."""
+    granted = sorted(set(tiers))
+    if unknown := [t for t in granted if t not in GRANTED]:
+        raise ValueError(f"Invalid tier {unknown[0]!r}: the tiers a tenant is granted are "
+                         f"{', '.join(sorted(GRANTED))} (the others are open to every tenant).")
+    await _require_tenant(conn, id)
+    await conn.execute(tenants.update().where(tenants.c.id == id).values(tiers=granted))
+    return granted
+
+
 async def list_tenants(conn: AsyncConnection) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in (await conn.execute(select(tenants).order_by(tenants.c.id))).all()]
 
@@ -130,14 +144,15 @@ async def create_key(conn: AsyncConnection, tenant: str, name: str | None = None
 
 async def lookup(conn: AsyncConnection, plaintext: str) -> Principal | None:
     """The key's principal; None for a key that is unknown or revoked."""
-    q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight, tenants.c.regions)
+    q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight, tenants.c.regions,
+                tenants.c.tiers)
          .join(tenants, tenants.c.id == api_keys.c.tenant)
          .where(api_keys.c.hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)))
     row = (await conn.execute(q)).first()
     if row is None:
         return None
     regions = frozenset(row.regions) if row.regions is not None else None
-    return Principal(row.tenant, row.id, row.admin, row.weight, regions)
+    return Principal(row.tenant, row.id, row.admin, row.weight, regions, frozenset(row.tiers))
 
 
 _SHOWN_COLUMNS = [c for c in api_keys.c if c.name != "hash"]

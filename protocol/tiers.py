@@ -20,6 +20,10 @@ ServiceTier = Literal["priority", "default", "flex"]
 SERVICE_TIERS: tuple[ServiceTier, ...] = get_args(ServiceTier)
 assert set(SERVICE_TIERS) < set(Tier)  # the type spells the same names as the enum
 
+# The tiers a tenant must be granted (they run ahead of other tenants' work); a request for
+# one its tenant lacks runs at DEFAULT.
+GRANTED: frozenset[str] = frozenset({Tier.PRIORITY})
+
 # An engine's order: interactive tiers ahead of batch; a fine-tuning chunk holds a batch
 # slot (vLLM priorities: lower first).
 RANK: dict[str, int] = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 2, Tier.BATCH: 10}

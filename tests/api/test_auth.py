@@ -136,12 +136,12 @@ async def test_a_tenant_key_is_403_on_admin_routes(api):
             assert err["type"] == "permission_error" and err["message"] == "This endpoint needs an admin key."
 
 
-async def test_the_admin_flow(admin, client_with):
+async def test_the_admin_flow(admin, client_with, db):
     tenant = "acme-" + uuid.uuid4().hex[:8]
     r = await admin.post("/admin/tenants", json=dict(id=tenant, weight=3))
     assert r.status_code == 200, r.text
     made = r.json()
-    assert made["tenant"]["id"] == tenant and made["tenant"]["weight"] == 3
+    assert made["tenant"]["id"] == tenant and made["tenant"]["weight"] == 3 and made["tenant"]["tiers"] == []
     first = made["key"]
     assert first["key"].startswith(first["prefix"]) and first["tenant"] == tenant and not first["admin"]
 
@@ -165,6 +165,16 @@ async def test_the_admin_flow(admin, client_with):
         refused(await old.get("/v1/models"), "invalid_api_key")
         assert (await new.get("/v1/models")).status_code == 200
 
+    # Tiers are granted (replaced whole), and the key carries them once its cache entry is asked again.
+    r = await admin.put(f"/admin/tenants/{tenant}/tiers", json=dict(tiers=["priority"]))
+    assert r.status_code == 200 and r.json()["tiers"] == ["priority"], r.text
+    listed_tiers = {t["id"]: t["tiers"] for t in (await admin.get("/admin/tenants")).json()["data"]}
+    assert listed_tiers[tenant] == ["priority"]
+    async with db.connect() as conn:
+        principal = await tenant_store.lookup(conn, second["key"])
+    assert principal is not None and principal.tiers == {"priority"}
+    assert (await admin.put(f"/admin/tenants/{tenant}/tiers", json=dict(tiers=[]))).json()["tiers"] == []
+
     r = await admin.put(f"/admin/tenants/{tenant}/limits", json=dict(requests_per_min=60, tokens_per_day=1000))
     assert r.status_code == 200 and r.json()["model"] == "*" and r.json()["requests_per_min"] == 60
     await admin.put(f"/admin/tenants/{tenant}/limits", json=dict(model="ballast-tiny", concurrent_requests=2))
@@ -185,6 +195,10 @@ async def test_admin_mistakes(admin):
     assert_openai_error(await admin.put("/admin/tenants/default/limits", json=dict(tokens_per_day=-1)), 400,
                         "tokens_per_day")
     assert_openai_error(await admin.post("/admin/keys/key_nope/revoke"), 404, "key_id", "not_found")
+    assert_openai_error(await admin.put("/admin/tenants/default/tiers", json=dict(tiers=["flex"])), 400, "tiers")
+    assert_openai_error(await admin.put("/admin/tenants/default/tiers", json=dict(tiers=["\x00"])), 400, "tiers")
+    assert_openai_error(await admin.put("/admin/tenants/nobody-here/tiers", json=dict(tiers=[])), 404, "tenant_id")
+    assert_openai_error(await admin.post("/admin/tenants", json=dict(id="tiered", tiers=["gold"])), 400, "tiers")
     assert_openai_error(await admin.post("/admin/keys/%00/revoke"), 404, "key_id", "not_found")
 
 

@@ -85,8 +85,21 @@ def test_limits_show_set_and_clear(db_url, name):
     assert shown[2].split() == ["ballast-tiny", "-", "-", "-", "4", "-", "-", "2"]
 
 
+def test_tiers_are_granted_and_taken_back(db_url, name):
+    ok(ballast(db_url, "create", name))
+    assert "no tier granted" in ok(ballast(db_url, "tiers", name))
+    assert "priority granted" in ok(ballast(db_url, "tiers", name, "--set", "priority"))
+    assert rows(db_url, "SELECT tiers FROM tenants WHERE id = %s", name) == [(["priority"],)]
+    assert any(line.split()[:3] == [name, "1", "priority"] for line in ok(ballast(db_url, "list")).splitlines())
+    ok(ballast(db_url, "tiers", name, "--none"))
+    assert rows(db_url, "SELECT tiers FROM tenants WHERE id = %s", name) == [([],)]
+
+
 @pytest.mark.parametrize("args, says", [
     (["create", "Not_Valid!"], "Invalid tenant id"),
+    (["create", "system"], "reserved"),
+    (["tiers", "no-such-tenant", "--set", "priority"], "No tenant"),
+    (["tiers", "default", "--set", "flex"], "Invalid tier"),
     (["keys", "no-such-tenant"], "No tenant"),
     (["revoke", "key_nope"], "No key"),
     (["limits", "no-such-tenant", "--requests-per-min", "5"], "No tenant"),

@@ -69,14 +69,15 @@ class Gate:
         os.replace(tmp, self.path)
 
 
-def make_key(db_url: str, tenant: str = "default") -> str:
-    """A new key of `tenant` (made if new) in the database at `db_url`."""
+def make_key(db_url: str, tenant: str = "default", tiers: tuple[str, ...] = ("priority",)) -> str:
+    """A new key of `tenant` (made if new, granted `tiers`) in the database at `db_url`."""
 
     async def make() -> str:
         db = connect(db_url, pool_size=1)
         try:
             async with db.begin() as conn:
                 await tenant_store.ensure_tenant(conn, tenant)
+                await tenant_store.set_tiers(conn, tenant, tiers)
                 return (await tenant_store.create_key(conn, tenant, "e2e"))[1]
         finally:
             await db.dispose()

@@ -6,13 +6,14 @@ import asyncio
 import random
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import WAIT_S
+from tests.e2e.conftest import WAIT_S, make_key
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +34,24 @@ async def test_chat_completion_is_vllms_greedy_output_with_tier_and_usage(client
         await asyncio.sleep(0.1)
     assert rows[0][0]["status"] == "completed" and rows[0][0]["completion_tokens"] == r.usage.completion_tokens
     assert rows[0][0]["tier"] == "priority"
+
+
+async def test_priority_is_granted_not_taken(stack, db_url):
+    """A tenant not granted `priority` that asks for it runs at `default`, as its response
+    and the journal say; granted (as the stack's own tenant is), it runs at `priority`."""
+    from openai import OpenAI
+
+    key = await asyncio.to_thread(make_key, db_url, "ungranted-" + uuid.uuid4().hex[:6], ())
+    ungranted = OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
+    r = await asyncio.to_thread(
+        ungranted.chat.completions.create, model="ballast-tiny", messages=[{"role": "user", "content": "me first"}],
+        max_tokens=2, service_tier="priority")
+    assert r.service_tier == "default"
+    deadline = time.monotonic() + 30
+    while not (rows := _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{r.id}")):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert rows[0][0]["tier"] == "default"
 
 
 def test_the_engine_worker_serves_only_the_api(stack):

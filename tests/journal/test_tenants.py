@@ -67,6 +67,18 @@ async def test_revoke_is_at_once_and_once(db, name):
         assert await tenant_store.lookup(conn, other) == tenant_store.Principal(name, other_id, False)
 
 
+async def test_tiers_are_only_the_grantable_ones_here_and_in_the_database(db, owner_db):
+    name = "tiers-" + uuid.uuid4().hex[:8]
+    async with db.begin() as conn:
+        await tenant_store.create_tenant(conn, name)
+        assert await tenant_store.set_tiers(conn, name, ["priority", "priority"]) == ["priority"]
+        with pytest.raises(ValueError, match="Invalid tier"):
+            await tenant_store.set_tiers(conn, name, ["batch"])
+    with pytest.raises(IntegrityError):
+        async with owner_db.begin() as conn:
+            await conn.execute(text("UPDATE tenants SET tiers = '{default}' WHERE id = :id"), dict(id=name))
+
+
 async def test_the_journals_own_tenant_id_is_reserved(db):
     async with db.begin() as conn:
         with pytest.raises(ValueError, match="reserved"):
