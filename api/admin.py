@@ -101,6 +101,8 @@ async def create_tenant(body: CreateTenant, svc: ServicesDep, _: AdminDep):
             row = await tenant_store.create_tenant(conn, body.id, body.weight)
         except tenant_store.TenantExists as err:
             raise APIError(409, str(err), param="id", code="tenant_exists") from None
+        if svc.settings.new_tenant_limits:  # bounded from the start; PUT .../limits changes them
+            await tenant_store.set_limits(conn, body.id, ANY_MODEL, **svc.settings.new_tenant_limits)
         row["tiers"] = await tenant_store.set_tiers(conn, body.id, body.tiers)
         key = await _new_key(conn, body.id, None, False)
     return dict(tenant=tenant_object(row), key=key)

@@ -90,6 +90,7 @@ def database_url(settings: Settings) -> str:
 
 def main(args: argparse.Namespace, settings: Settings) -> int:
     url = database_url(settings)
+    args.new_limits = settings.new_tenant_limits
     try:
         return asyncio.run(_run(args, url))
     except OperationalError as err:
@@ -112,9 +113,11 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 
 async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
     await tenant_store.create_tenant(conn, args.name, args.weight)
+    if args.new_limits:  # BALLAST_NEW_TENANT_LIMITS
+        await tenant_store.set_limits(conn, args.name, ANY_MODEL, **args.new_limits)
     key_id, key = await tenant_store.create_key(conn, args.name, admin=args.admin)
     _say(f"created tenant {args.name} (weight {args.weight}) and {'admin ' if args.admin else ''}key {key_id}; "
-         "the key is shown this once:")
+         f"its limits: `ballast tenants limits {args.name}`; the key is shown this once:")
     print(key)
     return 0
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from config.section import Section
 from policy.admission import staleness_s
+from protocol.limits import LIMITS
+
+# A new tenant's limits across its models: every dimension bounded, generous for one team,
+# far from the whole fleet.
+NEW_TENANT_LIMITS: dict[str, int | None] = dict(
+    requests_per_min=600, input_tokens_per_min=2_000_000, output_tokens_per_min=500_000, concurrent_requests=64,
+    tokens_per_day=100_000_000, batch_queue_tokens=50_000_000, concurrent_fine_tunes=4)
 
 
 class ApiSettings(Section):
@@ -36,9 +43,25 @@ class ApiSettings(Section):
     admission_headroom_default: float = Field(0.95, gt=0, le=1)
     admission_headroom_flex: float = Field(0.8, gt=0, le=1)
 
+    # The limits every tenant gets when it is created (the admin API, `ballast tenants
+    # create`), for all its models ('*'), so that no new tenant may take the whole fleet; an
+    # operator then raises or clears them per tenant. JSON, e.g. {"requests_per_min": 60};
+    # a dimension left out or null is unlimited ({}: a new tenant has no limits).
+    new_tenant_limits: dict[str, int | None] = Field(default_factory=lambda: dict(NEW_TENANT_LIMITS))
+
     # A request an engine served this long ago that no API reported (its process died
     # mid-stream) is journaled and settled from the engine's record (journal/served.py).
     unreported_after_s: float = Field(60.0, gt=0)
+
+    @field_validator("new_tenant_limits")
+    @classmethod
+    def _known_limits(cls, v: dict[str, int | None]) -> dict[str, int | None]:
+        for name, n in v.items():
+            if name not in LIMITS:
+                raise ValueError(f"{name!r} is not a limit; limits are {', '.join(LIMITS)}")
+            if n is not None and n < 0:
+                raise ValueError(f"{name} is {n}: a limit is a non-negative number, or null for none")
+        return v
 
     @model_validator(mode="after")
     def _headroom_order(self) -> ApiSettings:

@@ -17,6 +17,7 @@ from sqlalchemy import text
 from api.services.auth import NO_KEY, KeyCache
 from journal import tenant_store
 from journal.tenant_store import Principal
+from protocol.limits import LIMITS
 from tests.api.conftest import Untouchable, assert_openai_error, build, new_key
 from tests.helpers import Clock
 
@@ -144,6 +145,10 @@ async def test_the_admin_flow(admin, client_with, db):
     assert made["tenant"]["id"] == tenant and made["tenant"]["weight"] == 3 and made["tenant"]["tiers"] == []
     first = made["key"]
     assert first["key"].startswith(first["prefix"]) and first["tenant"] == tenant and not first["admin"]
+
+    # Bounded from the start, in every dimension (BALLAST_NEW_TENANT_LIMITS).
+    [start] = (await admin.get(f"/admin/tenants/{tenant}/limits")).json()["data"]
+    assert start["model"] == "*" and all(start[d] is not None for d in LIMITS), start
 
     async with client_with(first["key"]) as acme:
         r = await acme.get("/v1/batches")

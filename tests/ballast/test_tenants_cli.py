@@ -16,8 +16,8 @@ import pytest
 from config.database import libpq_url
 
 
-def ballast(db_url: str | None, *args: str, data_dir=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")}
+def ballast(db_url: str | None, *args: str, data_dir=None, **more_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "BALLAST_DATABASE_URL")} | more_env
     if db_url is not None:
         env["DATABASE_URL"] = db_url
     if data_dir is not None:
@@ -69,8 +69,21 @@ def test_create_list_keys_revoke(db_url, name):
     assert line.split()[-1] != "-"  # a REVOKED time
 
 
-def test_limits_show_set_and_clear(db_url, name):
+def test_a_new_tenant_gets_the_configured_limits(db_url, name):
+    """Every dimension bounded from the start, as the settings say (BALLAST_NEW_TENANT_LIMITS)."""
+    from config.api import NEW_TENANT_LIMITS
+    from protocol.limits import LIMITS
+
     ok(ballast(db_url, "create", name))
+    [got] = rows(db_url, f"SELECT model, {', '.join(LIMITS)} FROM limits WHERE tenant = %s", name)
+    assert got == ("*", *(NEW_TENANT_LIMITS[d] for d in LIMITS)) and None not in got
+    ok(ballast(db_url, "create", name + "-x", BALLAST_NEW_TENANT_LIMITS='{"requests_per_min": 7}'))
+    assert rows(db_url, "SELECT model, requests_per_min, tokens_per_day FROM limits WHERE tenant = %s",
+                name + "-x") == [("*", 7, None)]
+
+
+def test_limits_show_set_and_clear(db_url, name):
+    ok(ballast(db_url, "create", name, BALLAST_NEW_TENANT_LIMITS="{}"))
     assert "no limits" in ok(ballast(db_url, "limits", name))
     ok(ballast(db_url, "limits", name, "--requests-per-min", "60", "--tokens-per-day", "100000"))
     ok(ballast(db_url, "limits", name, "--model", "ballast-tiny", "--concurrent-requests", "4",
