@@ -55,12 +55,14 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         await admission.stop()  # what is still unwritten reaches the ledger
         await db.dispose()
 
-    app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan)
+    docs = settings.api_docs  # off: the schema and its pages would map the admin API for anyone
+    app = FastAPI(title="Ballast", version="0.1.0", lifespan=lifespan, openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     errors.install(app)
 
     app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes)
     app.add_middleware(Authenticate)  # outermost: no body is read for a caller without a key
-    # Every /v1 route needs a tenant's key; /healthz and /openapi.json stay open.
+    # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
     for v1 in (files, batches, fine_tuning, interactive, models):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(admin.router)

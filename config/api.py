@@ -24,6 +24,10 @@ class ApiSettings(Section):
     # How long an API process trusts what it looked up about a key: a revoked key stops
     # working within this bound (at once in the process that revoked it).
     key_cache_s: float = Field(5.0, ge=0)
+    # /openapi.json, /docs and /redoc, open to anyone who reaches the API: they list every
+    # route, the admin API's too, so they are served only where this says so.
+    api_docs: bool = False
+
     # The largest bodies accepted: an upload, any other request (chat, batch create).
     max_upload_bytes: int = 200 * 1024 * 1024
     max_request_bytes: int = 1024 * 1024  # any other request body (chat, batch create)

@@ -94,8 +94,13 @@ async def test_a_bad_key_is_401_invalid_api_key_showing_only_its_ends(client_wit
     assert "short" not in err["message"]
 
 
-async def test_open_routes_need_no_key(api, anonymous):
-    assert (await anonymous.get("/openapi.json")).status_code == 200
+async def test_open_routes_need_no_key(api, anonymous, settings):
+    for path in ("/openapi.json", "/docs", "/redoc"):  # off unless enabled: they map the admin API too
+        assert (await anonymous.get(path)).status_code == 404
+    async with build(settings.model_copy(update=dict(api_docs=True)), Untouchable("postgres"),
+                     Untouchable("temporal")) as documented:
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert (await documented.get(path)).status_code == 200, path
     r = await api.get("/healthz", headers={"Authorization": ""})  # Temporal is untouchable: 503, but not 401
     assert r.status_code == 503 and r.json()["parts"]["postgres"] == "ok"
 

@@ -100,7 +100,7 @@ class _OnLoop(requests.adapters.BaseAdapter):
 
 @pytest.fixture
 async def wire(settings, db, temporal_client, default_key):
-    async with build(settings, db, temporal_client, default_key) as client:
+    async with build(settings.model_copy(update=dict(api_docs=True)), db, temporal_client, default_key) as client:
         assert (await client.get("/openapi.json")).json() == SPEC  # what is fuzzed is what is served
         session = requests.Session()
         session.mount(BASE, _OnLoop(client, asyncio.get_running_loop()))
