@@ -118,7 +118,9 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     except Exception as err:  # the batch must not sit in `validating` forever
         log.exception("could not start batch %s", row["id"])
         async with svc.db.begin() as conn:
-            failure = dict(code="unavailable", message=f"could not start: {err}", param=None, line=None)
+            # What went wrong is in this process's log; the tenant learns only that it did.
+            failure = dict(code="unavailable", message="The batch could not be scheduled; create it again.",
+                           param=None, line=None)
             await batch_store.move_status(conn, row["id"], "failed", time.time(), errors=dict(object="list",
                                                                                               data=[failure]))
         raise APIError(503, "The batch could not be scheduled; try again shortly.", code="unavailable") from err

@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         ValidateInput,
         ValidateResult,
     )
+    from workflows.reasons import told
 
 CONTROL: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=10),
@@ -78,7 +79,7 @@ class BatchWorkflow:
                 )
             except ActivityError as err:
                 return await self._fail(inp.batch_id, "validation_failed",
-                                        f"The input file could not be validated: {_why(err)}")
+                                        f"The input file could not be validated: {told(err)}")
             if checked.failed:
                 return "failed"
 
@@ -96,7 +97,7 @@ class BatchWorkflow:
             )
         except ActivityError as err:
             return await self._fail(inp.batch_id, "finalization_failed",
-                                    f"The results could not be written: {_why(err)}")
+                                    f"The results could not be written: {told(err)}")
 
     async def _fail(self, batch_id: str, code: str, message: str) -> str:
         await workflow.execute_activity_method(BatchActivities.fail_batch, FailBatchInput(batch_id, code, message),
@@ -244,7 +245,7 @@ class BatchWorkflow:
                 await workflow.execute_activity_method(
                     BatchActivities.fail_item,
                     FailItemInput(batch_id, idx,
-                                  f"generation failed after {GENERATION_ATTEMPTS} attempts: {err.cause or err}"),
+                                  f"generation failed after {GENERATION_ATTEMPTS} attempts: {told(err)}"),
                     **CONTROL,
                 )
             return []
@@ -254,6 +255,3 @@ class BatchWorkflow:
         return workflow.now().timestamp()
 
 
-
-def _why(err: ActivityError) -> str:
-    return str(err.cause or err)[:500]

@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         ValidateTrainingResult,
     )
     from workflows.batch import BATCH_PRIORITY_KEY, GENERATION_ATTEMPTS, INPUT_STEP
+    from workflows.reasons import told
 
 STATUS_STEP: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=1),
@@ -82,7 +83,7 @@ class FineTuneWorkflow:
             try:
                 result = await self._chunk(inp)
             except ActivityError as err:
-                return await self._status(inp, "failed", f"Training failed: {str(err.cause or err)[:500]}")
+                return await self._status(inp, "failed", f"Training failed: {told(err)}")
             if result is not None and result.done:
                 return await self._status(inp, "succeeded")
         workflow.continue_as_new(replace(inp, validated=True, paused=self._paused, cancel_requested=self._cancel))
