@@ -86,8 +86,22 @@ async def test_each_tenant_sees_its_own_rows_and_nothing_leaks_to_the_next_trans
     assert len(pids) == 1  # every transaction above ran on one connection
 
 
+async def test_every_table_with_a_tenant_column_has_row_level_security_forced(owner_db):
+    """From the catalog: none can be added without it (the owner is subject to it too)."""
+    async with owner_db.connect() as c:
+        rows = (await c.execute(text(
+            "SELECT c.relname, c.relrowsecurity, c.relforcerowsecurity,"
+            "       (SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid)"
+            " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'tenant' AND NOT a.attisdropped"
+            " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p')"))).all()
+    assert {r[0] for r in rows} >= {"ledger", "events", "batches", "files", "quota_usage", "fine_tuning_jobs",
+                                    "limits", "api_keys"}
+    assert [r for r in rows if not (r[1] and r[2] and r[3] >= 1)] == []
+
+
 @pytest.mark.parametrize("relation", ["events", "usage_by_minute", "usage_by_day", "reserved_vs_settled",
-                                      "open_reservations", "batches", "files", "quota_usage"])
+                                      "open_reservations", "batches", "files", "quota_usage", "fine_tuning_jobs"])
 async def test_views_and_read_models_are_scoped_too(books, auditor, relation):
     _, rows = await _as_tenant(auditor, "acme", f"SELECT DISTINCT tenant FROM {relation}")
     assert set(r[0] for r in rows) <= {"acme"}
