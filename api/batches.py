@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
@@ -16,6 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, not_found, possible_id, require_id
+from api.files import EXPIRES_AFTER_S
 from journal import batch_store, tenant_store
 from policy.lifecycle import cancellable
 from policy.placement import batch_regions, region_queue
@@ -34,11 +35,20 @@ WINDOWS = {"24h": 24 * 3600}
 FIRST_LINE_BYTES = 1 << 20  # read to find a batch's model: ample for any first request's head
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's `output_expires_after`: the batch's output and error files expire this many
+    seconds after they are written."""
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRES_AFTER_S[0], le=EXPIRES_AFTER_S[1])
+
+
 class CreateBatch(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
 
@@ -83,21 +93,28 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                                input_file_id=body.input_file_id, completion_window=body.completion_window,
                                metadata=body.metadata, status="validating", created_at=now,
                                expires_at=now + WINDOWS[body.completion_window])
-    async with svc.db.begin() as conn:
-        f = await batch_store.get_file(conn, body.input_file_id, tenant)
-        if f is None:
-            raise not_found("file", body.input_file_id, "input_file_id")
-        if f["purpose"] != "batch":
-            raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; "
-                           "a batch needs purpose 'batch'.", param="input_file_id", code="invalid_value")
-        await batch_store.create_batch(conn, row)
-        owner = await tenant_store.get_tenant(conn, tenant)
+    async with svc.db.connect() as conn:
+        f = await batch_store.get_file(conn, body.input_file_id, tenant, now=now)
+    if f is None:
+        raise not_found("file", body.input_file_id, "input_file_id")
+    if f["purpose"] != "batch":
+        raise APIError(400, f"File {body.input_file_id} has purpose {f['purpose']!r}; "
+                       "a batch needs purpose 'batch'.", param="input_file_id", code="invalid_value")
     s = svc.settings
     # A batch runs one model, as OpenAI's do: its first line's (validation fails the lines
     # that name another), on that model's pool. One no pool serves is checked against the
-    # deployment's own, whose validation then says so line by line.
+    # deployment's own, whose validation then says so line by line. Read before the batch
+    # exists: nothing is left half made if the store fails.
     named = base_model(await asyncio.to_thread(first_model, svc.store, f["object_key"]), await svc.models())
     model = named or s.model_name
+    async with svc.db.begin() as conn:
+        # Held until the batch is journaled: a DELETE of the file waits for it, then sees the
+        # batch (409); one that came first leaves nothing to hold (404).
+        if await batch_store.get_file(conn, body.input_file_id, tenant, now=now) is None:
+            raise not_found("file", body.input_file_id, "input_file_id")
+        lifetime = body.output_expires_after.seconds if body.output_expires_after else None
+        await batch_store.create_batch(conn, row, lifetime)
+        owner = await tenant_store.get_tenant(conn, tenant)
     pool = pool_queue(s.engine_queue, model)
     queues = [pool]
     if owner and owner.get("regions") is not None:  # fenced: only those regions' engine workers poll these
@@ -130,17 +147,18 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
 def first_model(store: ObjectStore, key: str) -> Any:
     """The `model` the file's first request names; None where it names none readably (its
     validation says what is wrong with it)."""
+    head = b""
     try:
-        with store.open(key) as f:
-            read = 0
-            while read < FIRST_LINE_BYTES and (line := f.readline(FIRST_LINE_BYTES - read)):
-                read += len(line)
-                if line.strip():
-                    body = json.loads(line).get("body")
-                    return body.get("model") if isinstance(body, dict) else None
+        with store.open(key) as f:  # read, not readline: an object store's file may take no bound
+            while len(head) < FIRST_LINE_BYTES and (chunk := f.read(min(64 << 10, FIRST_LINE_BYTES - len(head)))):
+                head += chunk
+                if any(line.strip() for line in head.split(b"\n")[:-1]):
+                    break
+        line = next((ln for ln in head.split(b"\n") if ln.strip()), b"")
+        body = json.loads(line).get("body")
     except (OSError, ValueError, AttributeError, RecursionError):  # unreadable, not JSON, not an object
         return None
-    return None
+    return body.get("model") if isinstance(body, dict) else None
 
 
 @router.get("/{batch_id}", operation_id="retrieveBatch", responses=_links("cancelBatch") | errors(404))
