@@ -28,7 +28,7 @@ from journal import batch_store, finetune_store, ledger
 from journal.events import append
 from journal.leases import acquire
 from protocol import keys
-from protocol.finetune import MIN_EXAMPLES, Row, problems, rows
+from protocol.finetune import LORA_ALPHA, LORA_RANK, LORA_TARGETS, MIN_EXAMPLES, Row, problems, rows
 from protocol.temporal import (
     FineTuneRef,
     FineTuneStatusInput,
@@ -133,7 +133,7 @@ class FineTuneActivities:
 
     @activity.defn
     async def train_chunk(self, inp: TrainChunkInput) -> TrainChunkResult:
-        from training.trainer import Hyper, Trainer, load_base
+        from training.trainer import BadTargets, Hyper, Trainer, load_base
 
         began = time.perf_counter()
         info = activity.info()
@@ -155,10 +155,17 @@ class FineTuneActivities:
         self._encoded = {f["object_key"]: encoded[param] for param, f in files.items() if f is not None}
         examples, valid = encoded["training_file"], encoded.get("validation_file")
         hp = job["hyperparameters"]
+        # The job's LoRA adapter (a job created before these were chosen trains the defaults).
         hyper = Hyper(n_epochs=int(hp["n_epochs"]), batch_size=int(hp["batch_size"]),
-                      learning_rate=float(hp["learning_rate"]), seed=int(job["seed"]))
+                      learning_rate=float(hp["learning_rate"]), seed=int(job["seed"]),
+                      rank=int(hp.get("lora_rank", LORA_RANK)), alpha=float(hp.get("lora_alpha", LORA_ALPHA)),
+                      targets=tuple(hp.get("lora_target_modules", LORA_TARGETS)))
         base = self._bases.pop() if self._bases else await asyncio.to_thread(load_base, self._model())
-        trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id(), base)
+        try:
+            trainer = await asyncio.to_thread(Trainer, self._model(), examples, hyper, self._pad_id(), base)
+        except BadTargets as err:  # found before the base was touched: it serves the next job
+            self._bases.append(base)
+            raise ApplicationError(f"lora_target_modules: {err}", non_retryable=True) from err
         try:
             clock = ChunkClock(began, _dispatch_s(info), ckpts[-1] if ckpts else None, now)
             return await self._run(inp, trainer, job, ckpts, fence, examples, valid, clock)

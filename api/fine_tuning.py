@@ -4,6 +4,13 @@ checkpoints (OpenAI's fine-tuning API shape; pause and resume as OpenAI's too).
 A job is journaled (`ft_job_created`) and its workflow started on the control queue; the
 file is checked there (`validating_files`), before any step trains. Cancel, pause and
 resume are signals: the running chunk checkpoints, then the job moves.
+
+Hyperparameters come as OpenAI's `hyperparameters` or `method.supervised.hyperparameters`
+(supervised fine-tuning is what trains here); beside OpenAI's own, `lora_rank`, `lora_alpha`
+and `lora_target_modules` choose the LoRA adapter, each refused with a 400 naming itself
+when it is not one this deployment trains and serves (a rank above the engines'
+max_lora_rank). Whether the model has the target modules is known where it is loaded: a
+job naming one it lacks fails at its first chunk, saying which.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
@@ -28,6 +35,7 @@ from journal import batch_store, finetune_store, ledger, tenant_store
 from policy.admission import Refuse, admit_fine_tune, describe_fine_tune
 from policy.pools import pool_queue
 from protocol import keys
+from protocol.finetune import LORA_ALPHA, LORA_RANK, LORA_TARGETS, lora_problem
 from protocol.limits import ANY_MODEL
 from protocol.schema import errors
 from protocol.temporal import FineTuneInput
@@ -37,7 +45,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/fine_tuning/jobs")
 
 BASE_LEARNING_RATE = 1e-3  # × learning_rate_multiplier: the tiny model's LoRA learns at this rate
-DEFAULTS = dict(n_epochs=3, batch_size=1, learning_rate_multiplier=1.0)  # "auto"
+DEFAULTS: dict[str, Any] = dict(n_epochs=3, batch_size=1, learning_rate_multiplier=1.0,  # "auto"
+                                lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA, lora_target_modules=list(LORA_TARGETS))
+LORA = ("lora_rank", "lora_alpha", "lora_target_modules")
 _SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -45,6 +55,40 @@ class Hyperparameters(BaseModel):
     n_epochs: int | Literal["auto"] = Field("auto")
     batch_size: int | Literal["auto"] = Field("auto")
     learning_rate_multiplier: float | Literal["auto"] = Field("auto")
+    # Ballast's extensions: the LoRA adapter the job trains.
+    lora_rank: int | Literal["auto"] = Field("auto", description=(
+        f"The adapter's rank: a power of two up to the engines' max_lora_rank ({LORA_RANK} when auto)."))
+    lora_alpha: float | Literal["auto"] = Field("auto", description=(
+        f"The adapter's scale is lora_alpha / lora_rank ({LORA_ALPHA:g} when auto)."))
+    lora_target_modules: list[str] | Literal["auto"] = Field("auto", description=(
+        f"The linear layers the adapter trains, by module name ({', '.join(LORA_TARGETS)} when auto)."))
+
+    # Taken as given and checked in `_hyperparameters`, so that a bad one is refused naming
+    # itself (`hyperparameters.lora_rank`); the schema still says what they are.
+    @field_validator("lora_rank", mode="plain", json_schema_input_type=int | Literal["auto"])
+    @classmethod
+    def _rank(cls, value: Any) -> Any:
+        return value
+
+    @field_validator("lora_alpha", mode="plain", json_schema_input_type=float | Literal["auto"])
+    @classmethod
+    def _alpha(cls, value: Any) -> Any:
+        return value
+
+    @field_validator("lora_target_modules", mode="plain", json_schema_input_type=list[str] | Literal["auto"])
+    @classmethod
+    def _targets(cls, value: Any) -> Any:
+        return value
+
+
+class Supervised(BaseModel):
+    hyperparameters: Hyperparameters | None = None
+
+
+class Method(BaseModel):
+    """OpenAI's `method`: supervised fine-tuning is what trains here."""
+    type: Literal["supervised"]
+    supervised: Supervised | None = None
 
 
 class CreateJob(BaseModel):
@@ -52,6 +96,7 @@ class CreateJob(BaseModel):
     training_file: str
     validation_file: str | None = None
     hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     suffix: str | None = None
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -84,7 +129,8 @@ def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dic
                 metadata=row["metadata"], integrations=[],
                 estimated_finish=finetune_store.estimated_finish(row["status"], latest, time.time()),
                 hyperparameters=dict(n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
-                                     learning_rate_multiplier=hp["learning_rate_multiplier"]))
+                                     learning_rate_multiplier=hp["learning_rate_multiplier"],
+                                     **{k: hp[k] for k in LORA if k in hp}))  # jobs from before LoRA's: none
 
 
 def _links(*operations: str) -> dict:
@@ -92,18 +138,35 @@ def _links(*operations: str) -> dict:
         op: {"operationId": op, "parameters": {"fine_tuning_job_id": "$response.body#/id"}} for op in operations}}}
 
 
-def _hyperparameters(h: Hyperparameters | None) -> dict[str, Any]:
-    given = h.model_dump() if h else {}
+def _given(body: CreateJob) -> tuple[Hyperparameters | None, str]:
+    """The job's hyperparameters and where they were given (the param an error names)."""
+    inside = body.method.supervised if body.method is not None and body.method.supervised is not None else None
+    if inside is not None and inside.hyperparameters is not None:
+        if body.hyperparameters is not None:
+            raise APIError(400, "Give hyperparameters or method.supervised.hyperparameters, not both.",
+                           param="hyperparameters", code="invalid_value")
+        return inside.hyperparameters, "method.supervised.hyperparameters"
+    return body.hyperparameters, "hyperparameters"
+
+
+def _hyperparameters(h: Hyperparameters | None, max_lora_rank: int, where: str = "hyperparameters") -> dict[str, Any]:
+    """What the job stores: every hyperparameter, "auto" as its default. `max_lora_rank`:
+    the largest rank this deployment's engines serve."""
+    given = {k: getattr(h, k) for k in DEFAULTS} if h else {}  # as given: LoRA's are checked below
     out = {k: DEFAULTS[k] if given.get(k, "auto") == "auto" else given[k] for k in DEFAULTS}
     if not 1 <= out["n_epochs"] <= 50:
-        raise APIError(400, "n_epochs must be between 1 and 50.", param="hyperparameters.n_epochs",
+        raise APIError(400, "n_epochs must be between 1 and 50.", param=f"{where}.n_epochs",
                        code="invalid_value")
     if not 1 <= out["batch_size"] <= 256:
-        raise APIError(400, "batch_size must be between 1 and 256.", param="hyperparameters.batch_size",
+        raise APIError(400, "batch_size must be between 1 and 256.", param=f"{where}.batch_size",
                        code="invalid_value")
     if not 0 < out["learning_rate_multiplier"] <= 10:
         raise APIError(400, "learning_rate_multiplier must be above 0 and at most 10.",
-                       param="hyperparameters.learning_rate_multiplier", code="invalid_value")
+                       param=f"{where}.learning_rate_multiplier", code="invalid_value")
+    for name in LORA:
+        if problem := lora_problem(name, out[name], max_lora_rank):
+            raise APIError(400, problem, param=f"{where}.{name}", code="invalid_value")
+    out["lora_alpha"], out["lora_target_modules"] = float(out["lora_alpha"]), list(out["lora_target_modules"])
     out["learning_rate"] = BASE_LEARNING_RATE * out["learning_rate_multiplier"]
     return out
 
@@ -121,7 +184,8 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
         raise APIError(400, "suffix is 1 to 64 characters of letters, digits, '-' and '_'.", param="suffix",
                        code="invalid_value")
     check_metadata(body.metadata)
-    hyper = _hyperparameters(body.hyperparameters)
+    given, where = _given(body)
+    hyper = _hyperparameters(given, s.max_lora_rank, where)
     now = int(time.time())
     row: dict[str, Any] = dict(
         id="ftjob-" + uuid.uuid4().hex[:24], tenant=tenant, model=body.model, training_file=body.training_file,

@@ -731,7 +731,8 @@ def oracle_flags(settings: Settings) -> list[str]:
     if settings.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(settings.max_num_batched_tokens)]
     if settings.serve_fine_tuned:
-        flags += ["--enable-lora", "--max-loras", str(settings.max_loras), "--max-lora-rank", "8"]
+        flags += ["--enable-lora", "--max-loras", str(settings.max_loras),
+                  "--max-lora-rank", str(settings.max_lora_rank)]
     return flags
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from config.section import Section
 
 TINY_MODEL_NAME = "ballast-tiny"
 CPU_KV_CACHE_GIB = 1.0
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
 
 
 class EngineSettings(Section):
@@ -60,6 +61,17 @@ class EngineSettings(Section):
     # once beside the base model). False: the base model only, without LoRA's overhead.
     serve_fine_tuned: bool = True
     max_loras: int = Field(4, ge=1)
+    # The largest LoRA rank the engines serve (vLLM's max_lora_rank, one of the values vLLM
+    # takes: 1, 8, 16, 32, 64, 128, 256, 320, 512): the API refuses a fine-tuning job whose
+    # lora_rank is above it. vLLM sizes its LoRA buffers for it: raise it only as far as jobs need.
+    max_lora_rank: int = Field(8, ge=1, le=512)
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_takes(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(f"max_lora_rank is one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices)")
+        return value
 
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always

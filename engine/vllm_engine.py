@@ -102,17 +102,19 @@ def engine_args(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     return vllm_args(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
                      max_num_batched_tokens=settings.max_num_batched_tokens,
                      long_prefill_tokens=settings.long_prefill_tokens, lora=settings.serve_fine_tuned,
-                     max_loras=settings.max_loras) | parse_vllm_flags(settings.vllm_args)
+                     max_loras=settings.max_loras,
+                     max_lora_rank=settings.max_lora_rank) | parse_vllm_flags(settings.vllm_args)
 
 
 # vLLM's arguments that Ballast sets from its own settings, which the API and the control
 # plane read too (a request is checked against max_model_len, slots are counted against
-# max_num_seqs): a value given to vLLM alone would disagree with them.
+# max_num_seqs, a fine-tuning job's lora_rank against max_lora_rank): a value given to vLLM
+# alone would disagree with them.
 OWNED = dict(
     model="BALLAST_MODEL", served_model_name="BALLAST_SERVED_MODEL_NAME", max_model_len="BALLAST_MAX_MODEL_LEN",
     max_num_seqs="BALLAST_MAX_NUM_SEQS", max_num_batched_tokens="BALLAST_MAX_NUM_BATCHED_TOKENS",
     long_prefill_token_threshold="BALLAST_LONG_PREFILL_TOKENS", kv_cache_memory_bytes="BALLAST_KV_CACHE_GIB",
-    enable_lora="BALLAST_SERVE_FINE_TUNED", max_loras="BALLAST_MAX_LORAS",
+    enable_lora="BALLAST_SERVE_FINE_TUNED", max_loras="BALLAST_MAX_LORAS", max_lora_rank="BALLAST_MAX_LORA_RANK",
     scheduling_policy="nothing: preemption needs vLLM's priority scheduling",
 )
 

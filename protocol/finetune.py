@@ -9,11 +9,18 @@ Each line is one example, all of one format:
 Every problem names its line, as OpenAI's validation does; a file with any is refused
 whole (nothing trains on half a file). Token counts are checked by the caller, which
 holds the tokenizer (`too_long`).
+
+And the LoRA adapter a job trains: its rank, alpha and target modules, extensions to
+OpenAI's hyperparameters (`lora_rank`, `lora_alpha`, `lora_target_modules`), their defaults
+and what the API accepts (`lora_problem`); whether the model has the modules is known only
+where it is loaded (training/trainer.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,6 +33,41 @@ MIN_EXAMPLES = 10  # as OpenAI
 MAX_EXAMPLES = 100_000
 
 Format = Literal["chat", "prompt_completion"]
+
+# A job's LoRA adapter where it names none: rank 8 on the attention's q and v projections,
+# the update scaled by alpha / rank = 2.
+LORA_RANK = 8
+LORA_ALPHA = 16.0
+LORA_TARGETS = ("q_proj", "v_proj")
+MAX_LORA_TARGETS = 64
+# A module's name, or the end of its dotted path ("q_proj", "self_attn.q_proj"), as PEFT matches it.
+_MODULE = re.compile(r"[A-Za-z0-9_]{1,128}(\.[A-Za-z0-9_]{1,128}){0,7}")
+
+
+def lora_problem(name: str, value: object, max_rank: int) -> str | None:
+    """What is wrong with a job's `lora_rank`, `lora_alpha` or `lora_target_modules`
+    (`name`), None if nothing. A rank is a power of two up to `max_rank`, the largest the
+    deployment's engines serve (their max_lora_rank)."""
+    if name == "lora_rank":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            return f"lora_rank must be a power of two (1, 2, 4, 8, …); got {json.dumps(value)[:40]}."
+        if value > max_rank:
+            return (f"lora_rank {value} is more than this deployment's engines serve: LoRA ranks up to "
+                    f"{max_rank}.")
+        return None
+    if name == "lora_alpha":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            return f"lora_alpha must be a number above 0; got {json.dumps(value)[:40]}."
+        return None
+    if name == "lora_target_modules":
+        if (not isinstance(value, list) or not value or len(value) > MAX_LORA_TARGETS
+                or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in value)):
+            return (f"lora_target_modules must be a list of 1 to {MAX_LORA_TARGETS} module names (as "
+                    "[\"q_proj\", \"v_proj\"]: letters, digits and '_', dotted paths allowed).")
+        if len(set(value)) < len(value):
+            return "lora_target_modules names a module twice."
+        return None
+    raise ValueError(f"not a LoRA hyperparameter: {name}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from journal import finetune_store
 from journal.events import append
 from journal.leases import acquire
 from protocol import keys
+from tests.api.conftest import build
 
 LINES = "".join(json.dumps(dict(messages=[dict(role="user", content=f"q{i}"), dict(role="assistant", content="a")]))
                 + "\n" for i in range(10)).encode()
@@ -168,3 +169,105 @@ async def test_active_jobs_past_the_tenants_limit_are_refused_at_creation(settin
         await create()
         with pytest.raises(openai.RateLimitError, match="for all models in tenant .*: Limit 3, Active 3"):
             await create()
+
+
+# -- the LoRA adapter's hyperparameters (Ballast's extensions to OpenAI's) ---------------------
+
+
+async def stored_hyperparameters(db, job_id: str) -> dict:
+    async with db.connect() as c:
+        job = await finetune_store.get_job(c, job_id)
+    assert job is not None
+    return job["hyperparameters"]
+
+
+async def test_lora_hyperparameters_are_stored_with_the_job_for_its_trainer(client, db):
+    """lora_rank, lora_alpha and lora_target_modules, given as OpenAI's `hyperparameters` or
+    its `method.supervised.hyperparameters`, are what the job stores (what its engine worker's
+    trainer reads: activities/finetune.py) and what the job object shows; unsaid, "auto":
+    rank 8, alpha 16 on q_proj and v_proj."""
+    file_id = await upload(client)
+    four = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, hyperparameters=dict(
+        n_epochs=2, lora_rank=4, lora_alpha=8, lora_target_modules=four))
+    hp = await stored_hyperparameters(db, job.id)
+    assert (hp["lora_rank"], hp["lora_alpha"], hp["lora_target_modules"], hp["n_epochs"]) == (4, 8.0, four, 2)
+    shown = job.hyperparameters.model_dump()
+    assert (shown["lora_rank"], shown["lora_alpha"], shown["lora_target_modules"]) == (4, 8.0, four)
+
+    method = dict(type="supervised", supervised=dict(hyperparameters=dict(lora_rank=2, lora_target_modules=[
+        "self_attn.q_proj"], batch_size=2)))
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, method=method)
+    hp = await stored_hyperparameters(db, job.id)
+    assert (hp["lora_rank"], hp["lora_alpha"], hp["lora_target_modules"], hp["batch_size"]) == (
+        2, 16.0, ["self_attn.q_proj"], 2)
+
+    job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id,
+                                               hyperparameters=dict(lora_rank="auto", lora_alpha="auto"))
+    hp = await stored_hyperparameters(db, job.id)
+    assert (hp["lora_rank"], hp["lora_alpha"], hp["lora_target_modules"]) == (8, 16.0, ["q_proj", "v_proj"])
+    assert (await client.fine_tuning.jobs.retrieve(job.id)).hyperparameters.model_dump()["lora_rank"] == 8
+
+
+async def test_bad_lora_hyperparameters_are_a_400_naming_the_param_and_create_nothing(client, db, settings):
+    file_id = await upload(client)
+    above = settings.max_lora_rank * 2  # a power of two the engines do not serve
+    cases = [
+        (dict(lora_rank=3), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank=0), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank=-8), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank="8"), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank=True), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank=8.5), "hyperparameters.lora_rank", "power of two"),
+        (dict(lora_rank=above), "hyperparameters.lora_rank", f"LoRA ranks up to {settings.max_lora_rank}"),
+        (dict(lora_alpha=0), "hyperparameters.lora_alpha", "above 0"),
+        (dict(lora_alpha=-1.5), "hyperparameters.lora_alpha", "above 0"),
+        (dict(lora_alpha="big"), "hyperparameters.lora_alpha", "above 0"),
+        (dict(lora_target_modules=[]), "hyperparameters.lora_target_modules", "list of 1 to"),
+        (dict(lora_target_modules="q_proj"), "hyperparameters.lora_target_modules", "list of 1 to"),
+        (dict(lora_target_modules=[7]), "hyperparameters.lora_target_modules", "list of 1 to"),
+        (dict(lora_target_modules=["q proj"]), "hyperparameters.lora_target_modules", "list of 1 to"),
+        (dict(lora_target_modules=["q_proj", ""]), "hyperparameters.lora_target_modules", "list of 1 to"),
+        (dict(lora_target_modules=["q_proj", "q_proj"]), "hyperparameters.lora_target_modules", "twice"),
+    ]
+    before = await count_jobs(db)
+    for given, param, says in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, hyperparameters=given)
+        err = caught.value.body
+        assert (caught.value.code, err["param"]) == ("invalid_value", param), given
+        assert says in err["message"], (given, err["message"])
+    # Given as method.supervised.hyperparameters, the error names that path.
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, method=dict(
+            type="supervised", supervised=dict(hyperparameters=dict(lora_rank=above))))
+    assert caught.value.body["param"] == "method.supervised.hyperparameters.lora_rank"
+    # Only supervised fine-tuning trains here, and the hyperparameters are given in one place.
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, method=dict(type="dpo"))
+    assert caught.value.body["param"] == "method.type"
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id,
+                                             hyperparameters=dict(n_epochs=1), method=dict(
+                                                 type="supervised", supervised=dict(hyperparameters=dict(n_epochs=2))))
+    assert caught.value.body["param"] == "hyperparameters"
+    assert await count_jobs(db) == before
+
+
+async def test_the_largest_rank_is_the_deployments_max_lora_rank(settings, db, temporal_client, default_key):
+    """The API reads the engines' max_lora_rank (BALLAST_MAX_LORA_RANK, which an engine
+    worker hands vLLM) from the same settings: a rank refused under 8 is taken under 16."""
+    file_id = None
+    for max_rank, accepted in ((8, False), (16, True)):
+        async with build(settings.model_copy(update=dict(max_lora_rank=max_rank)), db, temporal_client,
+                         default_key) as http:
+            async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", max_retries=0, http_client=http,
+                                          api_key=default_key) as c:
+                file_id = file_id or await upload(c)
+                create = c.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id,
+                                                   hyperparameters=dict(lora_rank=16))
+                if accepted:
+                    assert (await create).hyperparameters.model_dump()["lora_rank"] == 16
+                else:
+                    with pytest.raises(openai.BadRequestError, match="LoRA ranks up to 8"):
+                        await create

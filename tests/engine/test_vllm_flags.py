@@ -15,9 +15,9 @@ from engine.vllm_engine import BadVllmFlags, Engine, GiB, engine_args, parse_vll
 
 def test_flags_as_vllm_serve_takes_them():
     got = parse_vllm_flags("--tensor-parallel-size 2 --quantization fp8 --gpu-memory-utilization 0.92 "
-                           "--no-enforce-eager --max_lora_rank 16")
+                           "--no-enforce-eager --max_cpu_loras 16")
     assert got == dict(tensor_parallel_size=2, quantization="fp8", gpu_memory_utilization=0.92,
-                       enforce_eager=False, max_lora_rank=16)
+                       enforce_eager=False, max_cpu_loras=16)
     assert parse_vllm_flags("  ") == {}
 
 
@@ -34,6 +34,7 @@ def test_vllm_yaml_config_file(tmp_path):
     ("--max-model-len 4096", "BALLAST_MAX_MODEL_LEN"),
     ("--model other --max-num-seqs 8", "BALLAST_MAX_NUM_SEQS"),
     ("--scheduling-policy fcfs", "priority scheduling"),
+    ("--max-lora-rank 16", "BALLAST_MAX_LORA_RANK"),  # the API checks fine-tuning jobs' lora_rank against it
 ])
 def test_a_bad_flag_fails_naming_itself(flags, named):
     with pytest.raises(BadVllmFlags, match="BALLAST_VLLM_ARGS") as err:
@@ -54,6 +55,19 @@ def test_the_operators_flags_win_over_ballasts_defaults(tmp_path):
     tuned = engine_args(spec, Settings(engine_token="t", vllm_args=flags))
     assert {k: v for k, v in tuned.items() if base.get(k) != v} == dict(enable_prefix_caching=False, seed=7,
                                                                            block_size=32)
+
+
+def test_the_largest_lora_rank_served_is_ballasts_setting(tmp_path):
+    """BALLAST_MAX_LORA_RANK reaches vLLM as max_lora_rank (the API refuses fine-tuning jobs
+    above it), one of the values vLLM takes."""
+    from pydantic import ValidationError
+
+    spec = _spec(tmp_path)
+    assert engine_args(spec, Settings(engine_token="t"))["max_lora_rank"] == 8
+    assert engine_args(spec, Settings(engine_token="t", max_lora_rank=64))["max_lora_rank"] == 64
+    assert "max_lora_rank" not in engine_args(spec, Settings(engine_token="t", serve_fine_tuned=False))
+    with pytest.raises(ValidationError, match="max_lora_rank is one of 1, 8, 16"):
+        Settings(engine_token="t", max_lora_rank=12)
 
 
 def test_eager_and_a_fixed_kv_budget_only_on_cpu(tmp_path):

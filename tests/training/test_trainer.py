@@ -1,17 +1,22 @@
-"""training/trainer.py on the tiny model: a run cut into chunks, each resumed in a fresh
-trainer from the previous chunk's checkpoint bytes, ends with an adapter bitwise equal to
-an uninterrupted run's and the same losses; a corrupted checkpoint is refused by its
-checksum; the saved adapter, merged into the base weights by hand (W + alpha/r · B·A, as
-PEFT defines it), gives the trained model's logits; chat examples train only the
-assistant's tokens, as rendered by the model's own chat template (transformers renders it
-here, the oracle)."""
+"""training/trainer.py (PEFT's LoRA) on the tiny model: a run cut into chunks, each resumed
+in a fresh trainer from the previous chunk's checkpoint bytes, ends with an adapter bitwise
+equal to an uninterrupted run's and the same losses, with the default adapter, a job's own
+rank and targets, and in bfloat16; a corrupted checkpoint is refused by its checksum; the
+saved adapter, merged into the base weights by hand (W + alpha/r · B·A, as PEFT defines it)
+or loaded by PEFT itself, gives the trained model's logits; a checkpoint the hand-written
+trainer before PEFT wrote restores; chat examples train only the assistant's tokens, as
+rendered by the model's own chat template (transformers renders it here, the oracle)."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
+import math
 import random
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +84,7 @@ def test_a_reused_base_model_trains_as_a_freshly_loaded_one(tiny_model, tokenize
     base = other.release()
     pristine = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).state_dict()
     assert base.state_dict().keys() == pristine.keys()
+    assert not hasattr(base, "peft_config") and not any("lora" in name for name, _ in base.named_modules())
     assert all(torch.equal(base.state_dict()[k], pristine[k]) for k in pristine)
     reused = Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=3, seed=7), tokenizer.eos_token_id,
                      base=base)
@@ -391,3 +397,166 @@ def test_the_thread_count_stays_one_while_any_trainer_steps():
         assert seen["later"] == 2
     finally:
         torch.set_num_threads(before)
+
+
+# -- PEFT's adapter: the job's rank, alpha and targets; bfloat16; checkpoints from before PEFT ---
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+BEFORE_PEFT = Path(__file__).with_name("before_peft.pt")
+
+
+def resumed(make, chunks: tuple[int, ...]) -> Trainer:
+    """A run cut into `chunks` of steps, each in a fresh trainer (`make()`, as on another
+    worker) resumed from the previous chunk's checkpoint bytes, torch's global RNG disturbed
+    between them."""
+    ckpt = None
+    for steps in chunks:
+        t = make()
+        if ckpt is not None:
+            t.restore(ckpt.data, ckpt.sha256)
+        torch.rand(5)
+        t.run(steps)
+        ckpt = t.checkpoint()
+    return t
+
+
+def same_run(a: Trainer, b: Trainer) -> bool:
+    wa, wb = a.weights(), b.weights()
+    return (a.losses == b.losses and a.accuracies == b.accuracies and wa.keys() == wb.keys()
+            and all(torch.equal(wa[k], wb[k]) for k in wa))
+
+
+def test_the_adapter_is_keyed_as_peft_keys_it_and_as_the_trainer_before_peft_did(tiny_model, tokenizer, examples):
+    from peft import get_peft_model_state_dict
+
+    t = trainer(tiny_model, tokenizer, examples)
+    assert list(t.weights()) == [f"base_model.model.model.layers.{layer}.self_attn.{proj}.lora_{which}.weight"
+                                 for layer in (0, 1) for proj in ("q_proj", "v_proj") for which in "AB"]
+    assert set(t.weights()) == set(get_peft_model_state_dict(t.peft))
+
+
+def test_a_checkpoint_the_trainer_before_peft_wrote_restores_and_trains_on(tiny_model, tokenizer, examples):
+    """before_peft.pt holds what the hand-written LoRA trainer this one replaced wrote for
+    rank 2, alpha 4 on (v_proj, q_proj) with seed 7: its initial adapter, and its checkpoint
+    after 2 steps. PEFT's adapter here starts from the same weights, bit for bit (drawn from
+    the seed alike), keyed alike and with its parameters in the same order, so that the
+    checkpoint's optimizer state lands on the parameters it belongs to; and it trains on."""
+    old = torch.load(BEFORE_PEFT, weights_only=True)
+    t = trainer(tiny_model, tokenizer, examples, rank=2, alpha=4.0, targets=("v_proj", "q_proj"))
+    assert list(t.weights()) == list(old["initial"])  # the keys, in the optimizer's order
+    assert all(torch.equal(t.weights()[k], v) for k, v in old["initial"].items())
+
+    t.restore(old["checkpoint"], old["sha256"])
+    state = torch.load(io.BytesIO(old["checkpoint"]), weights_only=True)
+    assert t.step == 2 and t.losses == state["losses"]
+    assert all(torch.equal(t.weights()[k], v) for k, v in state["adapter"].items())
+    moments = [t.optimizer.state[p]["exp_avg"] for p in t.parameters()]
+    assert all(torch.equal(m, state["optimizer"]["state"][i]["exp_avg"]) for i, m in enumerate(moments))
+    t.run(2)
+    assert t.step == 4 and len(t.losses) == 4 and all(math.isfinite(x) for x in t.losses)
+
+
+def test_the_jobs_rank_alpha_and_targets_reach_the_adapter(tiny_model, tokenizer, examples, tmp_path):
+    """Rank 4, alpha 4 on the four attention projections: the adapter has them (weights of
+    the rank's shape on each), its adapter_config.json says them, and PEFT loading the saved
+    adapter onto the base model (as vLLM's LoRARequest and transformers + PEFT load it) gives
+    the trained model's logits, as the adapter merged by hand (W + alpha/r · B·A) does."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    t = trainer(tiny_model, tokenizer, examples, rank=4, alpha=4.0, targets=ATTENTION)
+    t.run(3)
+    t.save_adapter(str(tmp_path))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["target_modules"]) == (
+        "LORA", 4, 4.0, list(ATTENTION))
+    assert config["base_model_name_or_path"] == tiny_model.path and config["lora_dropout"] == 0.0
+    adapter = load_file(str(tmp_path / "adapter_model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)
+    layers = {f"model.layers.{i}.self_attn.{proj}" for i in (0, 1) for proj in ATTENTION}
+    assert set(adapter) == {f"base_model.model.{layer}.lora_{which}.weight" for layer in layers for which in "AB"}
+    for layer in layers:
+        linear = base.get_submodule(layer)
+        assert adapter[f"base_model.model.{layer}.lora_A.weight"].shape == (4, linear.in_features)
+        assert adapter[f"base_model.model.{layer}.lora_B.weight"].shape == (linear.out_features, 4)
+        assert adapter[f"base_model.model.{layer}.lora_B.weight"].abs().sum() > 0  # trained
+
+    ids = torch.tensor([list(examples[0].ids)])
+    t.model.eval()
+    with torch.no_grad():
+        trained = t.model(input_ids=ids).logits
+        plain = base(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+        by_peft = loaded(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32)
+        weights = merged.state_dict()
+        for layer in layers:
+            a, b = (adapter[f"base_model.model.{layer}.lora_{which}.weight"] for which in "AB")
+            weights[f"{layer}.weight"] += (4.0 / 4) * b @ a
+        merged.load_state_dict(weights)
+        by_hand = merged(input_ids=ids).logits
+    assert torch.allclose(trained, by_peft, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(trained, by_hand, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(trained, plain, atol=1e-3)
+
+
+def test_chunks_resume_bitwise_with_the_jobs_own_rank_and_targets(tiny_model, tokenizer, examples):
+    hyper = dict(rank=4, alpha=8.0, targets=ATTENTION)
+    whole = trainer(tiny_model, tokenizer, examples, **hyper)
+    whole.run(100)
+    chunked = resumed(lambda: trainer(tiny_model, tokenizer, examples, **hyper), (3, 1, 100))
+    assert whole.done and chunked.done and same_run(whole, chunked)
+    assert whole.losses[-1] < whole.losses[0]
+    default = trainer(tiny_model, tokenizer, examples)
+    default.run(100)
+    assert default.losses != whole.losses  # the job's adapter is not the default one
+
+
+def test_bfloat16_on_the_cpu_trains_and_resumes_bitwise(tiny_model, tokenizer, examples):
+    """What the accelerator runs (the base in bfloat16, the adapter and AdamW in float32),
+    smoke-tested on the CPU, where it is bitwise too. The default here is float32 on the CPU
+    (this machine has no accelerator; on one, bfloat16 on CUDA is the default)."""
+    from training.trainer import placement
+
+    if not torch.cuda.is_available():
+        assert placement() == (torch.device("cpu"), torch.float32)
+        assert trainer(tiny_model, tokenizer, examples).device == torch.device("cpu")
+    assert placement("cuda") == (torch.device("cuda"), torch.bfloat16)  # names it only: nothing runs there
+    assert placement("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+
+    def make() -> Trainer:
+        return Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=3, seed=7), tokenizer.eos_token_id,
+                       device="cpu", dtype=torch.bfloat16)
+
+    whole = make()
+    frozen = {p.dtype for p in whole.model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16} and {p.dtype for p in whole.parameters()} == {torch.float32}
+    whole.run(100)
+    assert whole.done and whole.losses[-1] < whole.losses[0]
+    assert same_run(whole, resumed(make, (3, 1, 100)))
+    single = trainer(tiny_model, tokenizer, examples)
+    single.run(100)
+    assert single.losses != whole.losses  # bfloat16 did run
+
+
+def test_a_target_the_model_lacks_fails_naming_it_and_leaves_the_base_as_it_was(tiny_model, tokenizer, examples):
+    """A job's lora_target_modules are checked where the model is: one the model lacks, or
+    one that is not a linear layer, fails the trainer before the base is touched (the engine
+    worker gives it to the next job), naming the module and the ones there are."""
+    from training.trainer import BadTargets, load_base
+
+    base = load_base(tiny_model.path)
+    linear = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(BadTargets, match=re.escape(f"no LoRA target module 'qkv_proj' (its linear layers: {linear})")):
+        Trainer(tiny_model.path, examples, Hyper(targets=("q_proj", "qkv_proj")), tokenizer.eos_token_id, base=base)
+    not_linear = "'embed_tokens' names model.embed_tokens (Embedding), not a linear layer"
+    with pytest.raises(BadTargets, match=re.escape(not_linear)):
+        Trainer(tiny_model.path, examples, Hyper(targets=("embed_tokens",)), tokenizer.eos_token_id, base=base)
+    assert not any("lora" in name for name, _ in base.named_modules())
+    reused = Trainer(tiny_model.path, examples, Hyper(n_epochs=2, batch_size=3, seed=7), tokenizer.eos_token_id,
+                     base=base)
+    reused.run(2)
+    fresh = trainer(tiny_model, tokenizer, examples)
+    fresh.run(2)
+    assert same_run(reused, fresh)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from temporalio.api.enums.v1 import RetryState, TimeoutType
-from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState, TimeoutError, TimeoutType
 
 from workflows.reasons import INTERNAL, told
 
 
 def failed(cause: BaseException) -> ActivityError:
     err = ActivityError("activity failed", scheduled_event_id=1, started_event_id=2, identity="w", activity_type="a",
-                        activity_id="1", retry_state=RetryState.RETRY_STATE_MAXIMUM_ATTEMPTS_REACHED)
+                        activity_id="1", retry_state=RetryState.MAXIMUM_ATTEMPTS_REACHED)
     err.__cause__ = cause
     return err
 
@@ -26,5 +25,5 @@ def test_an_exceptions_own_text_is_not():
     leak = ApplicationError('connection to server at "10.0.0.7", port 5432 failed: password authentication',
                             type="OperationalError")
     assert told(failed(leak)) == INTERNAL
-    assert told(failed(TimeoutError("timeout", type=TimeoutType.TIMEOUT_TYPE_START_TO_CLOSE,
+    assert told(failed(TimeoutError("timeout", type=TimeoutType.START_TO_CLOSE,
                                     last_heartbeat_details=[]))) == "it timed out"
