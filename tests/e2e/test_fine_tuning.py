@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from config.database import libpq_url
 from protocol import keys
 from training.trainer import Hyper, Trainer, encode_chat
 
@@ -163,7 +164,7 @@ def test_vllm_keeps_a_fine_tuned_models_prefix_cache_apart_as_placement_predicts
 
     def counters() -> tuple[int, int]:
         time.sleep(2.5)  # the engine worker reports its counters every second
-        with psycopg.connect(db_url) as conn:
+        with psycopg.connect(libpq_url(db_url)) as conn:
             stats = [s for (s,) in conn.execute("SELECT stats FROM engines")]
         return sum(s.get("prefix_queries", 0) for s in stats), sum(s.get("prefix_hits", 0) for s in stats)
 
@@ -207,7 +208,7 @@ def test_a_job_trains_on_the_engine_worker_and_ends_as_openai_reports_it(client,
     examples = [encode_chat(tok, c) for c in CHATS]
     assert done.trained_tokens == 2 * sum(len(e.ids) for e in examples)
     # Settled in the quota ledger, checkpoint by checkpoint: SQL audits training as inference.
-    with psycopg.connect(db_url) as conn:
+    with psycopg.connect(libpq_url(db_url)) as conn:
         settled = conn.execute("SELECT sum(input_tokens), count(*) FROM ledger WHERE kind = 'settle' "
                                "AND tier = 'training' AND subject LIKE %s", (f"ftjob:{job.id}:%",)).fetchone()
     assert settled == (done.trained_tokens, len(checkpoints))
@@ -245,7 +246,7 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
     steps = "SELECT coalesce(max((payload->>'step')::int), 0) FROM events WHERE stream = %s AND type = 'ft_checkpoint'"
 
     def saved(job_id: str) -> int:
-        with psycopg.connect(db_url) as conn:
+        with psycopg.connect(libpq_url(db_url)) as conn:
             (step,) = conn.execute(steps, (keys.ftjob(job_id),)).fetchall()[0]
         return step
 
