@@ -232,13 +232,15 @@ class BatchActivities:
         now = int(time.time())
         fields: dict[str, Any] = {}
         async with self.db.begin() as conn:
+            # The batch's `output_expires_after`, from the files' creation (OpenAI's anchor).
+            lifetime = await batch_store.output_expiry(conn, inp.batch_id)
             for kind, file_id in (("output", out_id), ("error", err_id)):
                 if counts[kind]:
                     key = keys.file(file_id)
                     size = await asyncio.to_thread(self.store.size, key)
                     made = dict(id=file_id, tenant=batch["tenant"], purpose="batch_output",
                                 filename=f"{inp.batch_id}_{kind}.jsonl", bytes=size, object_key=key, created_at=now)
-                    await batch_store.create_file(conn, made)
+                    await batch_store.create_file(conn, made, None if lifetime is None else now + lifetime)
                     fields[f"{kind}_file_id"] = file_id
             # The interim status admits no other writer (the API refuses to cancel a
             # finalizing batch, and cancelling only leads here), so this move holds.

@@ -110,7 +110,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     async with svc.db.begin() as conn:
         # Held until the batch is journaled: a DELETE of the file waits for it, then sees the
         # batch (409); one that came first leaves nothing to hold (404).
-        if await batch_store.get_file(conn, body.input_file_id, tenant, now=now) is None:
+        if await batch_store.get_file(conn, body.input_file_id, tenant, now=now, lock=True) is None:
             raise not_found("file", body.input_file_id, "input_file_id")
         lifetime = body.output_expires_after.seconds if body.output_expires_after else None
         await batch_store.create_batch(conn, row, lifetime)

@@ -199,7 +199,8 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
             if file_id is None:
                 continue
             require_id("file", file_id, param)
-            f = await batch_store.get_file(conn, file_id, tenant)
+            # Not expired, and held until the job is journaled (a DELETE then sees it in use).
+            f = await batch_store.get_file(conn, file_id, tenant, now=now, lock=True)
             if f is None:
                 raise not_found("file", file_id, param)
             if f["purpose"] != "fine-tune":

@@ -85,7 +85,7 @@ async def control_worker(settings: Settings) -> None:
         RequestLimits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
     )
     fleet = FleetActivities(db)
-    quota = QuotaActivities(db, settings.unreported_after_s)
+    quota = QuotaActivities(db, settings.unreported_after_s, ObjectStore(settings.object_store_url))
     tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url))
     worker = Worker(
         client,

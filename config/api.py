@@ -57,6 +57,13 @@ class ApiSettings(Section):
     # mid-stream) is journaled and settled from the engine's record (journal/served.py).
     unreported_after_s: float = Field(60.0, gt=0)
 
+    # What one tenant may keep in the file store (/v1/files): how many files and how many
+    # bytes in all, counting its uploads and the output files its batches and fine-tuning
+    # jobs wrote (which are always written; past either limit, uploads are refused until it
+    # deletes files or they expire).
+    max_files_per_tenant: int = Field(10_000, ge=1)
+    max_file_bytes_per_tenant: int = Field(100 * 1024**3, ge=1)
+
     @field_validator("new_tenant_limits")
     @classmethod
     def _known_limits(cls, v: dict[str, int | None]) -> dict[str, int | None]:

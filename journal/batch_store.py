@@ -5,21 +5,39 @@ Every write is an event (`journal.events.append`); reads go to the read models.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    cast,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    text,
+    tuple_,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from journal.events import Event, NewEvent, append, append_one
+from journal.finetune_store import FINAL as FINE_TUNE_FINAL
 from journal.leases import acquire_many
-from journal.schema import batch_items, batches, events, files
+from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
 from policy.lifecycle import can_move
 from protocol import keys
 from protocol.events import EventType, ItemCompleted, ItemFailed
+from storage.objects import ObjectStore
+
+log = logging.getLogger(__name__)
 
 PREFIX_SORT_CHARS = 16_384  # of a prompt, to cluster a page by: a 4k-token system prompt
 
@@ -32,24 +50,213 @@ def stable_id(prefix: str, *parts: object, n: int = 24) -> str:
 
 
 # -- files --------------------------------------------------------------------------
+#
+# A file's row is the projection of its stream's events: `file_created` (the row, its
+# payload what it has always been), `file_expires` (when it stops being served: a fact of
+# its own, so that no payload of an existing type changes) and `file_deleted` (the row
+# goes; whoever deleted it removes the object). The two newer types are projected here,
+# beside the only code that writes them.
+# A batch in one of these still reads its input file (the `batches_open_input` index's).
+OPEN_BATCH = ("validating", "in_progress", "finalizing", "cancelling")
+_OPEN_BATCH_SQL = f"status IN ({', '.join(repr(s) for s in OPEN_BATCH)})"  # as the index states it
 
 
-async def create_file(conn: AsyncConnection, row: dict[str, Any]) -> None:
+
+async def create_file(conn: AsyncConnection, row: dict[str, Any], expires_at: int | None = None) -> None:
+    """Journal the file's row (`row`: the `files` columns but `expires_at`), and when it
+    expires if it does."""
     stream = keys.file_stream(row["id"])
-    await append_one(conn, NewEvent(stream, EventType.FILE_CREATED, row, f"{stream}:created", row["tenant"]))
+    new = [NewEvent(stream, EventType.FILE_CREATED, row, f"{stream}:created", row["tenant"])]
+    if expires_at is not None:
+        new.append(NewEvent(stream, EventType.FILE_EXPIRES, dict(id=row["id"], expires_at=int(expires_at)),
+                            f"{stream}:expires", row["tenant"]))
+    await append(conn, new)
 
 
-async def get_file(conn: AsyncConnection, file_id: str, tenant: str) -> dict[str, Any] | None:
-    row = (await conn.execute(select(files).where(files.c.id == file_id, files.c.tenant == tenant))).first()
+def _live(now: float) -> ColumnElement[bool]:
+    """Not expired at `now`: an expired file is answered as a deleted one until the sweep
+    removes it."""
+    return or_(files.c.expires_at.is_(None), files.c.expires_at > int(now))
+
+
+async def get_file(conn: AsyncConnection, file_id: str, tenant: str, *, now: float | None = None,
+                   lock: bool = False) -> dict[str, Any] | None:
+    """The tenant's file; with `now`, only if it has not expired by then (what a tenant may
+    see: the work that already holds a file reads it without). `lock`: FOR KEY SHARE, so that
+    no DELETE removes it before the caller's transaction ends (a batch being created on it)."""
+    q = select(files).where(files.c.id == file_id, files.c.tenant == tenant)
+    if now is not None:
+        q = q.where(_live(now))
+    if lock:
+        q = q.with_for_update(read=True, key_share=True)
+    row = (await conn.execute(q)).first()
     return dict(row._mapping) if row else None
+
+
+async def list_files(conn: AsyncConnection, tenant: str, *, now: float, limit: int, after: str | None = None,
+                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> list[dict[str, Any]]:
+    """The tenant's live files by (created_at, id), after the cursor `after`.
+
+    The cursor is found by its `file_created` event, so a file deleted or expired since the
+    page that named it still places the next one (a client deleting what it lists pages on);
+    another tenant's id, or an unknown one, pages like the end of the list.
+    """
+    q = select(files).where(files.c.tenant == tenant, _live(now))
+    if purpose is not None:
+        q = q.where(files.c.purpose == purpose)
+    if after is not None:
+        created = (
+            select(cast(events.c.payload["created_at"].astext, BigInteger))
+            .where(events.c.idempotency_key == f"{keys.file_stream(after)}:created", events.c.tenant == tenant,
+                   events.c.type == EventType.FILE_CREATED)
+            .scalar_subquery()
+        )
+        here, cursor = tuple_(files.c.created_at, files.c.id), tuple_(created, literal(after))
+        q = q.where(here < cursor if order == "desc" else here > cursor)
+    if order == "desc":
+        q = q.order_by(files.c.created_at.desc(), files.c.id.desc())
+    else:
+        q = q.order_by(files.c.created_at, files.c.id)
+    return [dict(r._mapping) for r in (await conn.execute(q.limit(limit))).all()]
+
+
+async def lock_tenant_files(conn: AsyncConnection, tenant: str) -> None:
+    """Serialise the tenant's storage quota decisions until the transaction ends: two
+    uploads cannot both take its last file or its last bytes."""
+    await conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('ballast.files:' || :t, 0))"),
+                       dict(t=tenant))
+
+
+async def storage_used(conn: AsyncConnection, tenant: str, now: float) -> tuple[int, int]:
+    """(files, bytes) the tenant keeps: every live file, uploads and the files its batches and
+    fine-tuning jobs wrote alike."""
+    q = select(func.count(), func.coalesce(func.sum(files.c.bytes), 0)).where(files.c.tenant == tenant, _live(now))
+    n, size = (await conn.execute(q)).one()
+    return int(n), int(size)
+
+
+def _open_batch_reads(file_id: Any, tenant: Any):
+    return (select(batches.c.id, batches.c.status)
+            .where(batches.c.input_file_id == file_id, batches.c.tenant == tenant, text(_OPEN_BATCH_SQL)))
+
+
+def _unfinished_job_reads(file_id: Any, tenant: Any):
+    return (select(fine_tuning_jobs.c.id, fine_tuning_jobs.c.status)
+            .where(fine_tuning_jobs.c.tenant == tenant, fine_tuning_jobs.c.status.not_in(FINE_TUNE_FINAL),
+                   or_(fine_tuning_jobs.c.training_file == file_id, fine_tuning_jobs.c.validation_file == file_id)))
+
+
+async def file_user(conn: AsyncConnection, file_id: str, tenant: str) -> str | None:
+    """What still needs the file: a batch not yet ended that reads it as its input, or a
+    fine-tuning job not yet finished that trains or validates on it (as "batch batch_… (in_progress)");
+    None when nothing does."""
+    for what, q in (("batch", _open_batch_reads(file_id, tenant)),
+                    ("fine-tuning job", _unfinished_job_reads(file_id, tenant))):
+        row = (await conn.execute(q.limit(1))).first()
+        if row is not None:
+            return f"{what} {row.id} ({row.status})"
+    return None
+
+
+class FileInUse(Exception):
+    def __init__(self, file_id: str, user: str):
+        super().__init__(f"file {file_id} is still needed by {user}")
+        self.file_id, self.user = file_id, user
+
+
+async def delete_file(conn: AsyncConnection, file_id: str, tenant: str, now: float) -> dict[str, Any] | None:
+    """Journal the deletion of the tenant's live file and return its row (whose object the
+    caller removes once this commits: a row never points at an object already gone); None
+    where there is no such file. Raises FileInUse where an open batch or an unfinished
+    fine-tuning job still needs it.
+
+    Call inside a transaction: the row lock orders it against a batch being created on the
+    file (which holds it FOR KEY SHARE) and against another deletion.
+    """
+    q = select(files).where(files.c.id == file_id, files.c.tenant == tenant, _live(now)).with_for_update()
+    found = (await conn.execute(q)).first()
+    if found is None:
+        return None
+    if (user := await file_user(conn, file_id, tenant)) is not None:
+        raise FileInUse(file_id, user)
+    row = dict(found._mapping)
+    await forget_files(conn, [row], "deleted")
+    return row
+
+
+async def forget_files(conn: AsyncConnection, rows: Sequence[dict[str, Any]], reason: str) -> None:
+    """Journal that these files are gone (their rows go with the events)."""
+    await append(conn, [NewEvent(keys.file_stream(r["id"]), EventType.FILE_DELETED, dict(id=r["id"], reason=reason),
+                                 f"{keys.file_stream(r['id'])}:deleted", r["tenant"]) for r in rows])
+
+
+async def expired_files(conn: AsyncConnection, now: float, limit: int) -> list[dict[str, Any]]:
+    """Up to `limit` files expired at `now` that nothing still needs (see file_user: those
+    wait until their batch or job ends), locked until the transaction ends. Rows another
+    sweep holds are skipped, so sweeps may run side by side."""
+    q = (
+        select(files)
+        .where(files.c.expires_at <= int(now),
+               ~exists(_open_batch_reads(files.c.id, files.c.tenant)),
+               ~exists(_unfinished_job_reads(files.c.id, files.c.tenant)))
+        .order_by(files.c.expires_at)
+        .limit(limit)
+        .with_for_update(of=files, skip_locked=True)
+    )
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
+async def expire_files(conn: AsyncConnection, now: float, limit: int = 500) -> list[str]:
+    """Delete up to `limit` expired rows (as expired_files picks them) and return their
+    object keys, for the caller to remove (ObjectStore.delete) before it commits: a crash in
+    between leaves rows that are expired, so invisible, and the next sweep finishes them.
+    Idempotent: what it deleted is not found again."""
+    rows = await expired_files(conn, now, limit)
+    await forget_files(conn, rows, "expired")
+    return [r["object_key"] for r in rows]
+
+
+async def sweep_expired_files(db: AsyncEngine, store: ObjectStore, *, now: float | None = None, page: int = 500,
+                              most: int = 5000) -> int:
+    """Remove expired files, rows and objects, `page` per transaction and at most `most` a
+    call (the next call takes the rest); returns how many. Idempotent, and safe to run in
+    several processes at once. Meant for a periodic caller (the control worker's)."""
+    done = 0
+    while done < most:
+        async with db.begin() as conn:
+            object_keys = await expire_files(conn, time.time() if now is None else now, min(page, most - done))
+            if not object_keys:
+                break
+            # Objects first, rows when this commits: see expire_files.
+            await asyncio.to_thread(store.delete, object_keys)
+        done += len(object_keys)
+        if len(object_keys) < page:
+            break
+    if done:
+        log.info("removed %d expired files", done)
+    return done
 
 
 # -- batches ------------------------------------------------------------------------
 
 
-async def create_batch(conn: AsyncConnection, row: dict[str, Any]) -> None:
+async def create_batch(conn: AsyncConnection, row: dict[str, Any], output_expires_after: int | None = None) -> None:
+    """Journal the batch; `output_expires_after`: seconds its output and error files live
+    once written (None: until deleted)."""
     stream = keys.batch(row["id"])
-    await append_one(conn, NewEvent(stream, EventType.BATCH_CREATED, row, f"{stream}:created", row["tenant"]))
+    new = [NewEvent(stream, EventType.BATCH_CREATED, row, f"{stream}:created", row["tenant"])]
+    if output_expires_after is not None:
+        new.append(NewEvent(stream, EventType.BATCH_OUTPUT_EXPIRY,
+                            dict(batch_id=row["id"], seconds=int(output_expires_after)),
+                            f"{stream}:output_expiry", row["tenant"]))
+    await append(conn, new)
+
+
+async def output_expiry(conn: AsyncConnection, batch_id: str) -> int | None:
+    """Seconds the batch's output and error files live once written; None: until deleted."""
+    q = select(events.c.payload).where(events.c.idempotency_key == f"{keys.batch(batch_id)}:output_expiry")
+    payload = (await conn.execute(q)).scalar_one_or_none()
+    return None if payload is None else int(payload["seconds"])
 
 
 async def get_batch(conn: AsyncConnection, batch_id: str, tenant: str | None = None, *,

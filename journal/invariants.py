@@ -107,13 +107,16 @@ CHECKS = (
           """,
           "SELECT count(*) FROM events WHERE fence IS NOT NULL", "fenced events"),
     Check("completed_batches_have_files", "a completed batch names an output or error file, and every file it names "
-                                          "exists",
+                                          "exists, or its deletion (by its owner, or at its expiry) is journaled",
           """
+          WITH gone AS (SELECT stream FROM events WHERE type = 'file_deleted')
           SELECT b.id, b.output_file_id, b.error_file_id FROM batches b
            WHERE b.status = 'completed'
              AND ((b.output_file_id IS NULL AND b.error_file_id IS NULL)
-                  OR (b.output_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.output_file_id))
-                  OR (b.error_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.error_file_id)))
+                  OR (b.output_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.output_file_id)
+                      AND NOT EXISTS (SELECT FROM gone WHERE stream = 'file:' || b.output_file_id))
+                  OR (b.error_file_id IS NOT NULL AND NOT EXISTS (SELECT FROM files f WHERE f.id = b.error_file_id)
+                      AND NOT EXISTS (SELECT FROM gone WHERE stream = 'file:' || b.error_file_id)))
           """,
           "SELECT count(*) FROM batches WHERE status = 'completed'", "completed batches"),
     Check("ledger_equals_journal",

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from itertools import groupby
 from typing import TYPE_CHECKING
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam, delete, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -54,6 +54,17 @@ async def project(conn: AsyncConnection, new: Sequence[Event]) -> None:
 @projects(EventType.FILE_CREATED)
 async def _file_created(conn, evs):
     await conn.execute(insert(files).on_conflict_do_nothing(), [e.payload for e in evs])
+
+
+@projects(EventType.FILE_EXPIRES)
+async def _file_expires(conn, evs):
+    stmt = update(files).where(files.c.id == bindparam("b_id")).values(expires_at=bindparam("b_at"))
+    await conn.execute(stmt, [dict(b_id=e.payload["id"], b_at=e.payload["expires_at"]) for e in evs])
+
+
+@projects(EventType.FILE_DELETED)
+async def _file_deleted(conn, evs):
+    await conn.execute(delete(files).where(files.c.id.in_([e.payload["id"] for e in evs])))
 
 
 @projects(EventType.BATCH_CREATED)

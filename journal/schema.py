@@ -56,6 +56,12 @@ files = Table(
     Column("bytes", BigInteger, nullable=False),
     Column("object_key", Text, nullable=False),
     Column("created_at", BigInteger, nullable=False),
+    # When it stops being served, unix seconds; NULL: kept until deleted (migration 0014).
+    # Set by a `file_expires` event (journal/batch_store.py).
+    Column("expires_at", BigInteger, nullable=True),
+    # A tenant's files newest first (GET /v1/files, its quota's count), and the expiry sweep's.
+    Index("files_tenant_created", "tenant", "created_at", "id"),
+    Index("files_expiry", "expires_at", postgresql_where=text("expires_at IS NOT NULL")),
 )
 
 batches = Table(
@@ -83,6 +89,9 @@ batches = Table(
     # The position of the batch_created event: listing is newest first by it.
     Column("seq", BigInteger, nullable=False),
     Index("batches_tenant_seq", "tenant", text("seq DESC")),
+    # Whether a file is still an open batch's input (DELETE /v1/files refuses it; migration 0014).
+    Index("batches_open_input", "input_file_id",
+          postgresql_where=text("status IN ('validating', 'in_progress', 'finalizing', 'cancelling')")),
 )
 
 batch_items = Table(

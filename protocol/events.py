@@ -12,8 +12,13 @@ from typing import Any
 class EventType(StrEnum):
     # Files and batches (journal/batch_store.py), each projected into its read model.
     FILE_CREATED = "file_created"  # the `files` row
+    FILE_EXPIRES = "file_expires"  # id, expires_at (unix seconds)
+    FILE_DELETED = "file_deleted"  # id, reason: "deleted" (DELETE /v1/files) | "expired" (the sweep)
     BATCH_CREATED = "batch_created"  # the `batches` row
     BATCH_STATUS = "batch_status"  # batch_id, status, at, and the fields that status sets
+    # Beside batch_created: how long its output and error files live once written (seconds
+    # from their creation; OpenAI's `output_expires_after`). No read model: finalize reads it.
+    BATCH_OUTPUT_EXPIRY = "batch_output_expiry"  # batch_id, seconds
     ITEM_CREATED = "item_created"  # batch_id, idx, custom_id, the request body
     # A generation's attempt (fenced: the database refuses them without the current lease).
     ITEM_CHUNK = "item_chunk"  # offset, token_ids: tokens generated since the last chunk

@@ -148,8 +148,10 @@ ERROR: Schema = {
 }
 
 _WHY = {400: "The request is invalid; `error.param` names what.", 401: "No API key, or not a valid one.",
-        403: "The key may not do this.", 404: "Not found.", 409: "It exists already.",
-        413: "The body is too large.", 429: "Over a limit; `Retry-After` says when to try again.",
+        403: "The key may not do this.", 404: "Not found.",
+        409: "It conflicts with what exists: it exists already, is still in use, or a limit is reached.",
+        413: "The body is too large, or more than the tenant may store.",
+        429: "Over a limit; `Retry-After` says when to try again.",
         502: "The engine worker failed; try again.",
         503: "Unavailable for now; try again."}
 

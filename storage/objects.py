@@ -14,7 +14,7 @@ bytes, or leaves what was there when it fails.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import BinaryIO
 
@@ -80,3 +80,18 @@ class ObjectStore:
 
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove these objects; one already gone is fine (a retried delete finds less)."""
+        paths = [self._path(k) for k in keys]
+        if not self.local and paths:
+            try:
+                self.fs.rm(paths)  # on S3 one bulk request per 1,000 keys; a key that is not there is no error
+                return
+            except FileNotFoundError:
+                pass  # some were gone already: one by one below
+        for path in paths:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
