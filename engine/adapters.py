@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -19,6 +20,7 @@ from protocol import keys
 from storage.objects import ObjectStore
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
+JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what api/fine_tuning.py makes ("ftjob-" and hex), and no path
 
 
 class AdapterMissing(LookupError):
@@ -26,8 +28,13 @@ class AdapterMissing(LookupError):
 
 
 def job_of(model: str) -> str:
-    """The fine-tuning job id of a fine-tuned model's name."""
-    return model.rsplit(":", 1)[-1]
+    """The fine-tuning job id of a fine-tuned model's name: one plain path segment (it names
+    this host's cache directory and the store's key), or AdapterMissing. The API and the
+    control worker let through only a tenant's own models; this holds whatever reaches here."""
+    job = model.rsplit(":", 1)[-1]
+    if not JOB_ID.fullmatch(job):
+        raise AdapterMissing(f"{model!r} names no fine-tuning job")
+    return job
 
 
 def lora_id(model: str) -> int:
@@ -46,11 +53,12 @@ class Adapters:
         """The LoRARequest for `model`, its adapter fetched first if this worker has not yet."""
         from vllm.lora.request import LoRARequest
 
-        path = self.cache_dir / job_of(model)
+        job = job_of(model)
+        path = self.cache_dir / job
         if not (path / FILES[-1]).exists():
             async with self._locks.setdefault(model, asyncio.Lock()):
                 if not (path / FILES[-1]).exists():
-                    await asyncio.to_thread(self._fetch, job_of(model), path)
+                    await asyncio.to_thread(self._fetch, job, path)
         return LoRARequest(model, lora_id(model), str(path))
 
     def _fetch(self, job_id: str, path: Path) -> None:
