@@ -294,7 +294,11 @@ def _banner(settings: Settings, data: Path, logs: Path, keys: list[Key]) -> None
     api = f"http://{settings.api_host}:{settings.api_port}"
     tenant = next(k for k in keys if not k.admin)
     admin = next(k for k in keys if k.admin)
-    shown = f"{admin.key}   (new; also in {admin.path})" if admin.new else f"in {admin.path}"
+    # A key is printed by the start that made it, and only its file after: a terminal's
+    # scrollback and a captured log of every later start hold no secret.
+    def shown(k: Key) -> str:
+        return f"{k.key}   (new; also in {k.path})" if k.new else f"in {k.path}"
+
     print(
         f"""
 Ballast is up.
@@ -303,10 +307,10 @@ Ballast is up.
   Postgres                 {_shown(settings.database_url)}   services as: {_user(settings.service_db_url)}
   model                    {settings.model_name}
   data                     {data}     logs: {logs}
-  {f"API key ({TENANT})":<25}{tenant.path}{"   (new)" if tenant.new else ""}
-  admin key                {shown}
+  {f"API key ({TENANT})":<25}{shown(tenant)}
+  admin key                {shown(admin)}
   engine token             {_token_source(settings, data)}
-Try:  export OPENAI_API_KEY={tenant.key}
+Try:  export OPENAI_API_KEY=$(cat {tenant.path})
       curl {api}/v1/batches -H "Authorization: Bearer $OPENAI_API_KEY"
 Ctrl-C stops everything.
 """,

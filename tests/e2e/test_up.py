@@ -178,7 +178,8 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         passwords = db_secrets(data_dir)
         key, admin_key, engine_token = keys(data_dir)
         shown = banner(tmp_path / "up-1.log", first)
-        assert f"export OPENAI_API_KEY={key}" in shown and admin_key in shown  # new: both shown
+        assert key in shown and admin_key in shown  # new: both shown, this once
+        assert f"export OPENAI_API_KEY=$(cat {data_dir / 'api-key'})" in shown
         assert str(data_dir / "engine-token") in shown and engine_token not in shown  # where, never what
         assert passwords[0] not in shown and passwords[1] not in shown  # the banner masks the URL
         assert api.get("/v1/batches").status_code == 401  # no key
@@ -215,7 +216,8 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         assert db_secrets(data_dir) == passwords  # made per installation, kept
         check_roles_of_every_process(second, data_dir)
         shown = banner(tmp_path / "up-2.log", second)
-        assert f"export OPENAI_API_KEY={key}" in shown and admin_key not in shown  # the admin's: where, not what
+        assert key not in shown and admin_key not in shown  # where they are, not what
+        assert str(data_dir / "api-key") in shown and str(data_dir / "admin-key") in shown
         again = api.get(f"/v1/batches/{bid}").json()
         assert again["status"] == "completed" and again["request_counts"]["completed"] == 1
         assert api.get(f"/v1/files/{again['output_file_id']}/content").text == output
