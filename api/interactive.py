@@ -48,6 +48,9 @@ from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
+# Up to this many characters a prompt is tokenized on the event loop (tens of microseconds:
+# less than a thread hop); a longer one in a thread (a 1 MiB body takes ~100 ms).
+INLINE_PROMPT_CHARS = 16_384
 
 _background: set[asyncio.Task] = set()  # fire-and-forget work, kept referenced until done
 
@@ -90,7 +93,11 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
         # (as OpenAI's do for a tier the project lacks).
         req = dataclasses.replace(req, service_tier=Tier.DEFAULT.value)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
-    prompt = svc.placer.prompt(req, pool)  # its ids, as the engine will count them (none until the tokenizer loads)
+    # Its ids, as the engine will count them (none until the tokenizer loads): they size the
+    # reservation exactly. A long prompt is tokenized in a thread, so it never holds up the
+    # other requests this process is serving.
+    prompt = (await asyncio.to_thread(svc.placer.prompt, req, pool) if _chars(req) > INLINE_PROMPT_CHARS
+              else svc.placer.prompt(req, pool))
     ticket = await _admit(svc, tenant, req, pool, models[pool], rid, prompt.tokens)
     try:
         run = await _open(svc, tenant, req, pool, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
@@ -102,6 +109,12 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     if req.stream:
         return _Streamed(run, _relay(run, req))
     return await _collect(run, req)
+
+
+def _chars(req: GenerationRequest) -> int:
+    if req.endpoint == CHAT:
+        return sum(len(m.content) for m in req.messages)
+    return len(req.prompt)
 
 
 async def _fine_tuned(svc: Services, tenant: str, body: dict[str, Any], pool: str) -> frozenset[str]:

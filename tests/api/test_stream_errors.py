@@ -211,3 +211,25 @@ async def test_an_engine_refusing_the_token_is_a_502_and_logged(serve, settings,
     assert any("BALLAST_ENGINE_TOKEN" in rec.getMessage() and rec.levelname == "ERROR" for rec in caplog.records)
     await settled()
     assert workflows.started == []
+
+
+@pytest.mark.parametrize("content, off_loop", [("hi", False), ("x" * (interactive.INLINE_PROMPT_CHARS + 1), True)])
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(serve, settings, monkeypatch, content, off_loop):
+    import threading
+
+    from api.services.placer import Placer
+
+    where: list[int] = []
+    real = Placer.prompt
+
+    def prompt(self, req, pool=None):
+        where.append(threading.get_ident())
+        return real(self, req, pool)
+
+    monkeypatch.setattr(Placer, "prompt", prompt)
+    roomy = settings.model_copy(update=dict(max_request_bytes=1 << 20))
+    async with serve(engine(ACCEPTED, TOKEN, FINISH), roomy) as api:
+        r = await api.post(CHAT, json=dict(BODIES[CHAT], messages=[dict(role="user", content=content)]))
+    assert r.status_code == 200, r.text
+    assert len(where) == 1 and (where[0] != threading.get_ident()) == off_loop
+    await settled()
