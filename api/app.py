@@ -60,7 +60,8 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None)
     errors.install(app)
 
-    app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes)
+    app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes,
+                       read_timeout_s=settings.request_read_timeout_s)
     app.add_middleware(Authenticate)  # outermost: no body is read for a caller without a key
     # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
     for v1 in (files, batches, fine_tuning, interactive, models):
@@ -71,6 +72,10 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _TooSlow(Exception):
     pass
 
 
@@ -87,11 +92,15 @@ class LimitBody:
     upload gets the upload's allowance: a form-urlencoded or JSON body to the same path is
     parsed in memory, and gets what any request gets.
 
+    A body that stops arriving for `read_timeout_s` (a client trickling bytes to hold a
+    connection and the memory of what it sent so far) is answered 408 the same way.
+
     Plain ASGI: Starlette's BaseHTTPMiddleware would put a task group and a memory stream
     between every streamed token and the client."""
 
-    def __init__(self, app, upload_limit: int, request_limit: int):
+    def __init__(self, app, upload_limit: int, request_limit: int, read_timeout_s: float | None = None):
         self.app, self.upload_limit, self.request_limit = app, upload_limit, request_limit
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -104,14 +113,22 @@ class LimitBody:
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._refuse(upload, scope, receive, send)
 
-        received, over, started = 0, False, False
+        received, over, slow, started, reading = 0, False, False, False, True
 
         async def counted():
-            nonlocal received, over
-            if over:
+            nonlocal received, over, slow, reading
+            if over or slow:
                 raise _TooLarge
-            message = await receive()
+            if reading and self.read_timeout_s:  # not once the body is in: then it waits for a disconnect
+                try:
+                    message = await asyncio.wait_for(receive(), self.read_timeout_s)
+                except TimeoutError:
+                    slow = True
+                    raise _TooSlow from None
+            else:
+                message = await receive()
             if message["type"] == "http.request":
+                reading = message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > limit:
                     over = True
@@ -120,7 +137,7 @@ class LimitBody:
 
         async def guarded(message):
             nonlocal started
-            if over and not started:
+            if (over or slow) and not started:
                 return  # the app's answer to a cut-off body: ours replaces it
             if message["type"] == "http.response.start":
                 started = True
@@ -129,9 +146,13 @@ class LimitBody:
         try:
             await self.app(scope, counted, guarded)
         except Exception:
-            if not over or started:
+            if not (over or slow) or started:
                 raise
-        if over and not started:
+        if slow and not started:
+            late = errors.error_response(408, f"The request body did not arrive: nothing came for "
+                                              f"{self.read_timeout_s:g} s.", None, "request_timeout")
+            await late(scope, receive, send)
+        elif over and not started:
             await self._refuse(upload, scope, receive, send)
 
     async def _refuse(self, upload: bool, scope, receive, send):

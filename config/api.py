@@ -32,6 +32,9 @@ class ApiSettings(Section):
     max_upload_bytes: int = 200 * 1024 * 1024
     max_request_bytes: int = 1024 * 1024  # any other request body (chat, batch create)
     max_batch_lines: int = 50_000
+    # A request body that stops arriving for this long is answered 408 (a client trickling
+    # bytes holds a connection, and what it sent so far, for as long as it likes otherwise).
+    request_read_timeout_s: float = Field(30.0, gt=0)
 
     # Admission (api/services/admission.py, policy/admission.py): decisions from a local view of
     # usage, re-read every admission_refresh_s (the reconciler folds the ledger as often);

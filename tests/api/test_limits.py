@@ -217,3 +217,28 @@ async def test_content_length_beside_chunked_over_a_real_socket(settings, db, de
         writer.close()
     # Not the app's 400 for a body it read whole (4x the cap of spaces is not JSON): the cap's.
     assert status.split()[1] == "413", status
+
+
+async def test_a_body_that_stops_arriving_is_408_over_a_real_socket(settings, db, default_key):
+    """A client that sends part of its body and then nothing (slowloris) gets a 408 once the
+    read timeout passes, not a connection held open for as long as it likes."""
+    from tests.api.conftest import Untouchable
+
+    quick = settings.model_copy(update=dict(request_read_timeout_s=0.5))
+    async with serve(quick, db, Untouchable("temporal"), default_key, http="h11") as http:
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        upload_head = b'--XX\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"custom'
+        for path, kind, part in (("/v1/chat/completions", "application/json", b'{"model": "ballast-tiny", '),
+                                 ("/v1/files", MULTIPART["content-type"], upload_head)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: {http.headers['authorization']}\r\n"
+                          f"Content-Type: {kind}\r\nContent-Length: 1000\r\n\r\n").encode() + part)
+            await writer.drain()
+            status = (await asyncio.wait_for(reader.readline(), 10)).decode()
+            rest = await asyncio.wait_for(reader.read(4096), 10)
+            writer.close()
+            assert status.split()[1] == "408", (path, status)
+            assert b'"code":"request_timeout"' in rest, rest
+        assert not _objects(settings)
+        # A body sent whole, however slowly overall, is not cut.
+        assert_openai_error(await http.get("/v1/files/%00"), 404, "file_id")
