@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 from fastapi import Depends, Request, Security
@@ -33,6 +33,7 @@ class Services:
     keys: KeyCache  # API key → tenant, bounded-stale (api/services/auth.py)
     admission: Admission | None = None  # limits and the quota ledger (api/services/admission.py); None: admit all
     placer: Placer = field(init=False)  # where requests go (api/services/placer.py)
+    health: dict[str, Any] = field(default_factory=dict)  # /healthz's one shared check (api/health.py)
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.settings)

@@ -1,21 +1,31 @@
-"""GET /healthz: 200 only when every part a request needs is ready."""
+"""GET /healthz: 200 only when every part a request needs is ready.
+
+Open to anyone (probes carry no key), so it must cost little and say little: the parts are
+checked at most once per CACHE_S however many ask (they share one check), and the answer
+is the status alone. A tenant's key also gets each part's state and the tokenizer's; an
+admin key also gets why a part is down (error text names hosts and ports).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 
-from api.deps import ServicesDep
+from api.deps import Services, ServicesDep
+from api.errors import APIError
+from api.services.auth import authenticate
 from policy.pools import pool_queue
 
 router = APIRouter()
+CACHE_S = 1.0
 
 
 async def _pollers(svc, queue: str, kind) -> int:
@@ -41,10 +51,9 @@ async def _engines(svc) -> bool:
     return any(e.model == svc.settings.model_name and not e.draining for e in await svc.engines.live())
 
 
-@router.get("/healthz")
-async def healthz(svc: ServicesDep):
+async def _parts(svc: Services) -> dict[str, str]:
     s = svc.settings
-    parts = dict(
+    return dict(
         zip(
             ("postgres", "temporal_control_worker", "engine_worker", "engine_streaming"),
             await asyncio.gather(
@@ -57,8 +66,30 @@ async def healthz(svc: ServicesDep):
             strict=True,
         )
     )
+
+
+async def _shared(svc: Services) -> dict[str, str]:
+    """The parts' states, checked at most once per CACHE_S: every caller meanwhile shares
+    that one check (shielded: a caller that goes away does not cancel it for the others)."""
+    cache = svc.health
+    if "task" not in cache or time.monotonic() - cache["at"] > CACHE_S:
+        cache.update(at=time.monotonic(), task=asyncio.ensure_future(_parts(svc)))
+    return await asyncio.shield(cache["task"])
+
+
+@router.get("/healthz")
+async def healthz(request: Request, svc: ServicesDep):
+    parts = await _shared(svc)
     ok = all(v == "ok" for v in parts.values())
-    # Not a part: without it requests still serve, placed by load, their sizes estimated.
-    tokenizer = "loaded" if svc.placer.has_tokenizer else "not loaded: placing by load, estimating prompt sizes"
-    return JSONResponse(dict(status="ok" if ok else "unavailable", parts=parts, tokenizer=tokenizer),
-                        status_code=200 if ok else 503)
+    body: dict = dict(status="ok" if ok else "unavailable")
+    header = request.headers.get("authorization")
+    try:
+        who = await authenticate(svc.keys, header) if header else None
+    except APIError:
+        who = None  # a bad or uncheckable key: what anyone gets, never a 401 (probes carry none)
+    if who is not None:
+        body["parts"] = parts if who.admin else {k: v.split(":", 1)[0] for k, v in parts.items()}
+        # Not a part: without it requests still serve, placed by load, their sizes estimated.
+        body["tokenizer"] = "loaded" if svc.placer.has_tokenizer else \
+            "not loaded: placing by load, estimating prompt sizes"
+    return JSONResponse(body, status_code=200 if ok else 503)

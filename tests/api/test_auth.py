@@ -102,7 +102,12 @@ async def test_open_routes_need_no_key(api, anonymous, settings):
         for path in ("/openapi.json", "/docs", "/redoc"):
             assert (await documented.get(path)).status_code == 200, path
     r = await api.get("/healthz", headers={"Authorization": ""})  # Temporal is untouchable: 503, but not 401
-    assert r.status_code == 503 and r.json()["parts"]["postgres"] == "ok"
+    assert r.status_code == 503 and r.json() == {"status": "unavailable"}  # and no more, to anyone
+    r = await api.get("/healthz", headers={"Authorization": "Bearer sk-ballast-" + "x" * 43})  # nor a bad key
+    assert r.status_code == 503 and r.json() == {"status": "unavailable"}
+    r = await api.get("/healthz")  # a tenant's key: each part's state, not why
+    assert r.status_code == 503 and r.json()["parts"]["postgres"] == "ok", r.text
+    assert r.json()["parts"]["temporal_control_worker"] == "down", r.text
 
 
 async def test_the_openai_client_sees_an_authentication_error(settings, db):

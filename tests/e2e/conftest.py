@@ -152,7 +152,7 @@ class Stack:
         """Serving, and with the tokenizer loaded (which it is a second after the engine
         first serves): tests see exact reservations and prefix placement from the start."""
         try:
-            r = httpx.get(self.url + "/healthz", timeout=3)
+            r = httpx.get(self.url + "/healthz", headers=self.headers, timeout=3)  # a key sees the tokenizer
         except httpx.HTTPError:
             return False
         return r.status_code == 200 and r.json()["tokenizer"] == "loaded"
@@ -164,7 +164,8 @@ class Stack:
                 if c.name.startswith("engine") and c is not self.engine:
                     continue
                 assert c.alive, f"{c.name} died:\n{c.log_tail(60)}"
-            assert time.monotonic() < deadline, "stack not healthy: " + httpx.get(self.url + "/healthz").text
+            assert time.monotonic() < deadline, "stack not healthy: " + httpx.get(self.url + "/healthz",
+                                                                                  headers=self.headers).text
             time.sleep(0.5)
 
     def stop(self) -> None:
