@@ -1,4 +1,6 @@
-"""/admin: tenants, their API keys and their limits. Every route needs an admin key.
+"""/admin: tenants, their API keys and their limits, and the admin keys. Every route needs
+an admin key. An admin key belongs to no tenant (it administers, and has no /v1 of its own);
+one made before that rule keeps its tenant until revoked.
 
 A key's plaintext is in the answer that creates it and nowhere else, ever: lists show its
 id, its first characters and its name. Revoking a key takes effect at once on this API
@@ -40,7 +42,11 @@ class Tiers(BaseModel):
 
 class CreateKey(BaseModel):
     name: str | None = Field(default=None, max_length=200)
-    admin: bool = False
+    admin: bool = False  # refused: an admin key belongs to no tenant (POST /admin/keys)
+
+
+class CreateAdminKey(BaseModel):
+    name: str | None = Field(default=None, max_length=200)
 
 
 class Limits(BaseModel):
@@ -81,7 +87,7 @@ def _unknown(tenant: str) -> APIError:
     return not_found("tenant", tenant, "tenant_id")
 
 
-async def _new_key(conn: AsyncConnection, tenant: str, name: str | None, admin: bool) -> dict[str, Any]:
+async def _new_key(conn: AsyncConnection, tenant: str | None, name: str | None, admin: bool) -> dict[str, Any]:
     key_id, plaintext = await tenant_store.create_key(conn, tenant, name, admin)
     row = await tenant_store.get_key(conn, key_id)
     assert row is not None
@@ -141,11 +147,32 @@ async def create_key(tenant_id: str, svc: ServicesDep, _: AdminDep, body: Create
     body = body or CreateKey()
     if body.name is not None:
         check_text(body.name, "name")
+    if body.admin:
+        raise APIError(400, "An admin key belongs to no tenant, so that it never doubles as a tenant's /v1 key: "
+                            "make one with POST /admin/keys.", param="admin", code="invalid_value")
     async with svc.db.begin() as conn:
         try:
-            return await _new_key(conn, tenant_id, body.name, body.admin)
+            return await _new_key(conn, tenant_id, body.name, False)
         except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
+
+
+@router.post("/keys", operation_id="createAdminKey", responses=errors(400))
+async def create_admin_key(svc: ServicesDep, _: AdminDep, body: CreateAdminKey | None = None):
+    """An admin key of no tenant (shown once)."""
+    body = body or CreateAdminKey()
+    if body.name is not None:
+        check_text(body.name, "name")
+    async with svc.db.begin() as conn:
+        return await _new_key(conn, None, body.name, True)
+
+
+@router.get("/keys", operation_id="listAdminKeys", responses=errors())
+async def list_admin_keys(svc: ServicesDep, _: AdminDep):
+    """The admin keys of no tenant, revoked ones too."""
+    async with svc.db.connect() as conn:
+        rows = await tenant_store.list_keys(conn, None)
+    return dict(object="list", data=[key_object(r) for r in rows])
 
 
 @router.get("/tenants/{tenant_id}/keys", operation_id="listKeys", responses=errors(404))

@@ -66,6 +66,9 @@ async def _principal(request: Request,
 
 
 async def _tenant(principal: Annotated[Principal, Depends(_principal)]) -> str:
+    if not principal.tenant:
+        raise APIError(403, "This key administers Ballast and belongs to no tenant; /v1 needs a tenant's key.",
+                       code="tenant_key_required")
     return principal.tenant
 
 
@@ -80,4 +83,4 @@ PrincipalDep = Annotated[Principal, Depends(_principal)]
 TenantDep = Annotated[str, Depends(_tenant)]
 AdminDep = Annotated[Principal, Depends(_admin)]
 # For a router: every route in it needs a tenant's key, whether or not it reads the tenant.
-REQUIRE_KEY = Depends(_principal)
+REQUIRE_KEY = Depends(_tenant)

@@ -7,9 +7,9 @@ child processes, each restarted with backoff if it crashes (ballast/supervise.py
 loop ends `ballast up` with the reason). Ctrl-C or SIGTERM stops every child, each in its
 own process group, so nothing is orphaned.
 
-Every /v1 call needs an API key. The first start makes tenant `default` with a key and an
-admin key, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a later start
-reuses them, and replaces one that no longer works (revoked, or another database).
+Every /v1 call needs an API key. The first start makes tenant `default` with a key, and an
+admin key of no tenant, kept in data_dir/api-key and data_dir/admin-key (mode 0600); a
+later start reuses them, and replaces one that no longer works (revoked, or another database).
 
 The API and the engine worker share a secret, the engine token (BALLAST_ENGINE_TOKEN, which
 an engine worker demands of every request): unless it is set, the first start makes one and
@@ -216,7 +216,7 @@ class Key:
 
 
 async def _keys(url: str, data: Path) -> list[Key]:
-    """Tenant `default`, and a working key and admin key of it in their files. The local
+    """Tenant `default` and a working key of it, and an admin key, in their files. The local
     stack's one tenant is its operator's own: granted `priority` when first made (taken back
     with `ballast tenants tiers default --none`, and not granted again)."""
     db = connect(url, pool_size=1)
@@ -232,7 +232,8 @@ async def _keys(url: str, data: Path) -> list[Key]:
                 if found is not None and found.admin == admin:
                     out.append(Key(path, key, admin, new=False))
                     continue
-                _, key = await tenant_store.create_key(conn, TENANT, f"ballast up ({name})", admin)
+                # The admin key belongs to no tenant: it administers, and never runs work.
+                _, key = await tenant_store.create_key(conn, None if admin else TENANT, f"ballast up ({name})", admin)
                 write_secret(path, key)
                 out.append(Key(path, key, admin, new=True))
             return out

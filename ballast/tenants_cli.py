@@ -1,4 +1,4 @@
-"""`ballast tenants create | list | keys | new-key | revoke | limits | regions | tiers`: tenants and their
+"""`ballast tenants create | list | keys | new-key | admin-key | revoke | limits | regions | tiers`: tenants and their
 keys, straight on the journal's Postgres as its owner.
 
 The database is BALLAST_DATABASE_URL / DATABASE_URL, else the embedded server of a running
@@ -33,14 +33,14 @@ def add_parser(sub: Any) -> None:
     c = cmds.add_parser("create", help="a new tenant and its first key (printed once)")
     c.add_argument("name")
     c.add_argument("--weight", type=int, default=1, help="fair share within a tier (default 1)")
-    c.add_argument("--admin", action="store_true", help="the key may also use /admin")
     cmds.add_parser("list", help="every tenant")
     k = cmds.add_parser("keys", help="a tenant's keys (never the keys themselves)")
     k.add_argument("name")
     n = cmds.add_parser("new-key", help="another key for a tenant (printed once)")
     n.add_argument("name")
     n.add_argument("--key-name", dest="key_name", help="a label for the key")
-    n.add_argument("--admin", action="store_true", help="the key may also use /admin")
+    a = cmds.add_parser("admin-key", help="an admin key, of no tenant: it uses /admin and has no /v1 (printed once)")
+    a.add_argument("--key-name", dest="key_name", help="a label for the key")
     r = cmds.add_parser("revoke", help="revoke a key by its id (key_…); API processes stop taking it within "
                                        "BALLAST_KEY_CACHE_S")
     r.add_argument("key_id")
@@ -115,8 +115,8 @@ async def _create(conn: AsyncConnection, args: argparse.Namespace) -> int:
     await tenant_store.create_tenant(conn, args.name, args.weight)
     if args.new_limits:  # BALLAST_NEW_TENANT_LIMITS
         await tenant_store.set_limits(conn, args.name, ANY_MODEL, **args.new_limits)
-    key_id, key = await tenant_store.create_key(conn, args.name, admin=args.admin)
-    _say(f"created tenant {args.name} (weight {args.weight}) and {'admin ' if args.admin else ''}key {key_id}; "
+    key_id, key = await tenant_store.create_key(conn, args.name)
+    _say(f"created tenant {args.name} (weight {args.weight}) and key {key_id}; "
          f"its limits: `ballast tenants limits {args.name}`; the key is shown this once:")
     print(key)
     return 0
@@ -138,8 +138,15 @@ async def _keys(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 
 async def _new_key(conn: AsyncConnection, args: argparse.Namespace) -> int:
-    key_id, key = await tenant_store.create_key(conn, args.name, args.key_name, args.admin)
-    _say(f"created {'admin ' if args.admin else ''}key {key_id} for tenant {args.name}; the key is shown this once:")
+    key_id, key = await tenant_store.create_key(conn, args.name, args.key_name)
+    _say(f"created key {key_id} for tenant {args.name}; the key is shown this once:")
+    print(key)
+    return 0
+
+
+async def _admin_key(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    key_id, key = await tenant_store.create_key(conn, None, args.key_name, admin=True)
+    _say(f"created admin key {key_id} (of no tenant: /admin only); the key is shown this once:")
     print(key)
     return 0
 
@@ -193,6 +200,7 @@ async def _tiers(conn: AsyncConnection, args: argparse.Namespace) -> int:
 _COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits, regions=_regions,
                  tiers=_tiers)
 _COMMANDS["new-key"] = _new_key
+_COMMANDS["admin-key"] = _admin_key
 
 
 def _say(msg: str) -> None:

@@ -180,7 +180,8 @@ api_keys = Table(
     "api_keys",
     metadata,
     Column("id", Text, primary_key=True),
-    Column("tenant", Text, ForeignKey("tenants.id"), nullable=False),
+    # NULL: an admin key of no tenant (migration 0015), which administers and has no /v1.
+    Column("tenant", Text, ForeignKey("tenants.id"), nullable=True),
     Column("hash", Text, nullable=False, unique=True),  # sha256 hex of the key; the key itself is never stored
     Column("prefix", Text, nullable=False),
     Column("name", Text, nullable=True),

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -35,7 +35,8 @@ RESERVED_TENANTS = frozenset({SYSTEM})
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is from: the tenant its key belongs to, and whether it may administer."""
+    """Who a request is from: the tenant its key belongs to ("": an admin key of no tenant),
+    and whether it may administer."""
 
     tenant: str
     key_id: str
@@ -131,10 +132,15 @@ def well_formed(key: str) -> bool:
     return KEY_FORMAT.fullmatch(key) is not None
 
 
-async def create_key(conn: AsyncConnection, tenant: str, name: str | None = None,
+async def create_key(conn: AsyncConnection, tenant: str | None, name: str | None = None,
                      admin: bool = False) -> tuple[str, str]:
-    """(key id, the key itself): the only time the key is seen; only its hash is kept."""
-    await _require_tenant(conn, tenant)
+    """(key id, the key itself): the only time the key is seen; only its hash is kept.
+    `tenant` None: an admin key of no tenant (it administers, and has no /v1)."""
+    if tenant is None:
+        if not admin:
+            raise ValueError("a key of no tenant is an admin key")
+    else:
+        await _require_tenant(conn, tenant)
     key_id = "key_" + secrets.token_hex(12)
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     await conn.execute(api_keys.insert().values(id=key_id, tenant=tenant, hash=hash_key(plaintext),
@@ -146,11 +152,13 @@ async def lookup(conn: AsyncConnection, plaintext: str) -> Principal | None:
     """The key's principal; None for a key that is unknown or revoked."""
     q = (select(api_keys.c.id, api_keys.c.tenant, api_keys.c.admin, tenants.c.weight, tenants.c.regions,
                 tenants.c.tiers)
-         .join(tenants, tenants.c.id == api_keys.c.tenant)
+         .outerjoin(tenants, tenants.c.id == api_keys.c.tenant)
          .where(api_keys.c.hash == hash_key(plaintext), api_keys.c.revoked_at.is_(None)))
     row = (await conn.execute(q)).first()
     if row is None:
         return None
+    if row.tenant is None:  # an admin of no tenant
+        return Principal("", row.id, True)
     regions = frozenset(row.regions) if row.regions is not None else None
     return Principal(row.tenant, row.id, row.admin, row.weight, regions, frozenset(row.tiers))
 
@@ -158,10 +166,16 @@ async def lookup(conn: AsyncConnection, plaintext: str) -> Principal | None:
 _SHOWN_COLUMNS = [c for c in api_keys.c if c.name != "hash"]
 
 
-async def list_keys(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
-    """The tenant's keys, revoked ones too, oldest first; never their hashes."""
-    await _require_tenant(conn, tenant)
-    q = select(*_SHOWN_COLUMNS).where(api_keys.c.tenant == tenant).order_by(api_keys.c.created_at, api_keys.c.id)
+async def list_keys(conn: AsyncConnection, tenant: str | None) -> list[dict[str, Any]]:
+    """The tenant's keys (None: the admin keys of no tenant), revoked ones too, oldest
+    first; never their hashes."""
+    where: ColumnElement[bool]
+    if tenant is None:
+        where = api_keys.c.tenant.is_(None)
+    else:
+        await _require_tenant(conn, tenant)
+        where = api_keys.c.tenant == tenant
+    q = select(*_SHOWN_COLUMNS).where(where).order_by(api_keys.c.created_at, api_keys.c.id)
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]
 
 

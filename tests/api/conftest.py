@@ -72,10 +72,12 @@ def build(settings: Settings, db, temporal, key: str | None = None, keys: KeyCac
     return client
 
 
-async def new_key(db, tenant: str, *, admin: bool = False) -> str:
-    """A key of `tenant` (created if new), made in the database as the admin API makes it."""
+async def new_key(db, tenant: str | None, *, admin: bool = False) -> str:
+    """A key of `tenant` (created if new; None: an admin key of no tenant), made in the
+    database as the admin API makes it."""
     async with db.begin() as conn:
-        await tenant_store.ensure_tenant(conn, tenant)
+        if tenant is not None:
+            await tenant_store.ensure_tenant(conn, tenant)
         return (await tenant_store.create_key(conn, tenant, "tests", admin))[1]
 
 

@@ -49,7 +49,7 @@ def client_with(settings, db):
 
 @pytest.fixture
 async def admin(settings, db):
-    async with build(settings, db, Untouchable("temporal"), await new_key(db, "default", admin=True)) as client:
+    async with build(settings, db, Untouchable("temporal"), await new_key(db, None, admin=True)) as client:
         yield client
 
 
@@ -145,6 +145,21 @@ async def test_a_tenant_key_is_403_on_admin_routes(api):
         if path.startswith("/admin"):
             err = assert_openai_error(await api.request(method, path, json=body), 403, code="admin_key_required")
             assert err["type"] == "permission_error" and err["message"] == "This endpoint needs an admin key."
+
+
+async def test_an_admin_key_belongs_to_no_tenant_and_has_no_v1(admin, client_with):
+    """An admin administers: it never doubles as a tenant's key, and a tenant's keys are
+    never admin keys."""
+    for method, path, body in ROUTES:
+        if path.startswith("/v1"):
+            assert_openai_error(await admin.request(method, path, json=body), 403, code="tenant_key_required")
+    assert_openai_error(await admin.post("/admin/tenants/default/keys", json=dict(admin=True)), 400, "admin")
+    made = (await admin.post("/admin/keys", json=dict(name="ops"))).json()
+    assert made["admin"] and made["tenant"] is None and made["key"].startswith(made["prefix"])
+    assert made["id"] in [k["id"] for k in (await admin.get("/admin/keys")).json()["data"]]
+    async with client_with(made["key"]) as ops:
+        assert (await ops.get("/admin/tenants")).status_code == 200
+        assert_openai_error(await ops.get("/v1/models"), 403, code="tenant_key_required")
 
 
 async def test_the_admin_flow(admin, client_with, db):

@@ -34,7 +34,7 @@ LINE = dict(custom_id="c0", method="POST", url="/v1/completions", body=dict(mode
 async def a(settings, db):
     tenant = "a-" + uuid.uuid4().hex[:8]
     async with build(settings, db, Untouchable("temporal"), await new_key(db, tenant)) as client:
-        client.tenant = tenant  # type: ignore[attr-defined]
+        client.tenant = tenant
         yield client
 
 
@@ -82,7 +82,7 @@ async def test_every_route_that_takes_an_id_answers_another_tenants_id_as_unknow
     for method, template in routes:
         theirs = await b.request(method, fill(template, objects))
         unknown = await b.request(method, fill(template, UNKNOWN))
-        param = re.search(r"\{(\w+)", template)[1]  # type: ignore[index]
+        param = re.search(r"\{(\w+)", template)[1]
         mine = assert_openai_error(theirs, 404, param)
         ref = assert_openai_error(unknown, 404, param)
         # Nothing tells them apart: the message differs only by the id it quotes.

@@ -39,7 +39,8 @@ async def test_made_once_then_reused_and_replaced_when_revoked(db_url, data_dir)
         assert stat.S_IMODE(k.path.stat().st_mode) == 0o600
         assert k.path.read_text().strip() == k.key
         p = await _principal(db_url, k.key)
-        assert p is not None and p.tenant == "default" and p.admin == k.admin
+        # The working key is the tenant's; the admin key belongs to no tenant.
+        assert p is not None and p.tenant == ("" if k.admin else "default") and p.admin == k.admin
 
     again = await _keys(db_url, data_dir)
     assert [(k.key, k.new) for k in again] == [(k.key, False) for k in first]

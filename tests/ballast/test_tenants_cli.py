@@ -42,13 +42,13 @@ def name() -> str:
 
 
 def test_create_list_keys_revoke(db_url, name):
-    done = ballast(db_url, "create", name, "--weight", "3", "--admin")
+    done = ballast(db_url, "create", name, "--weight", "3")
     key = ok(done).strip()
     assert key.startswith("sk-ballast-") and "\n" not in key  # stdout is the key alone
     assert name in done.stderr and "shown this once" in done.stderr
     [(key_id, tenant, stored, prefix, admin, revoked)] = rows(
         db_url, "SELECT id, tenant, hash, prefix, admin, revoked_at FROM api_keys WHERE tenant = %s", name)
-    assert (tenant, stored, admin, revoked) == (name, hashlib.sha256(key.encode()).hexdigest(), True, None)
+    assert (tenant, stored, admin, revoked) == (name, hashlib.sha256(key.encode()).hexdigest(), False, None)
     assert key.startswith(prefix) and len(prefix) < 20
     assert rows(db_url, "SELECT weight FROM tenants WHERE id = %s", name) == [(3,)]
 
@@ -80,6 +80,16 @@ def test_a_new_tenant_gets_the_configured_limits(db_url, name):
     ok(ballast(db_url, "create", name + "-x", BALLAST_NEW_TENANT_LIMITS='{"requests_per_min": 7}'))
     assert rows(db_url, "SELECT model, requests_per_min, tokens_per_day FROM limits WHERE tenant = %s",
                 name + "-x") == [("*", 7, None)]
+
+
+def test_an_admin_key_belongs_to_no_tenant(db_url):
+    done = ballast(db_url, "admin-key", "--key-name", "ops")
+    key = ok(done).strip()
+    assert key.startswith("sk-ballast-") and "no tenant" in done.stderr
+    [(tenant, admin, label)] = rows(db_url, "SELECT tenant, admin, name FROM api_keys WHERE hash = %s",
+                                    hashlib.sha256(key.encode()).hexdigest())
+    assert (tenant, admin, label) == (None, True, "ops")
+    assert ballast(db_url, "create", "x-" + uuid.uuid4().hex[:6], "--admin").returncode == 2  # no such option
 
 
 def test_limits_show_set_and_clear(db_url, name):
