@@ -62,13 +62,33 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
 
     app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes,
                        read_timeout_s=settings.request_read_timeout_s)
-    app.add_middleware(Authenticate)  # outermost: no body is read for a caller without a key
+    app.add_middleware(Authenticate)  # no body is read for a caller without a key
+    if settings.admin_port is not None:
+        app.add_middleware(AdminListener, port=settings.admin_port)  # outermost: before any key is asked
     # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
     for v1 in (files, batches, fine_tuning, interactive, models):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(admin.router)
     app.include_router(health.router)
     return app
+
+
+class AdminListener:
+    """/admin only on the admin listener (`port`), and on it nothing else but /healthz: a
+    request on the wrong listener is answered as a route that does not exist. Plain ASGI,
+    as LimitBody."""
+
+    def __init__(self, app, port: int):
+        self.app, self.port = app, port
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            on_admin = (scope.get("server") or (None, None))[1] == self.port
+            admin = (scope["path"] + "/").startswith("/admin/")
+            if admin != on_admin and scope["path"] != "/healthz":
+                response = errors.error_response(404, f"No route {scope['path']} here.", None, "not_found")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _TooLarge(Exception):

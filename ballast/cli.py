@@ -114,7 +114,10 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
     _need(settings, "service_db_url", "temporal_address")
     _need_engine_token(settings)
     config = uvicorn.Config(create_app(settings, on_ready=notify_ready), log_level="warning")
-    uvicorn.Server(config).run(sockets=[listen_nodelay(settings.api_host, settings.api_port)])
+    sockets = [listen_nodelay(settings.api_host, settings.api_port)]
+    if settings.admin_port is not None:  # /admin only there (api/app.py, AdminListener)
+        sockets.append(listen_nodelay(settings.admin_host, settings.admin_port))
+    uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 

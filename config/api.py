@@ -20,6 +20,11 @@ NEW_TENANT_LIMITS: dict[str, int | None] = dict(
 class ApiSettings(Section):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # A listener of its own for /admin (unset: /admin on the API's port, behind admin keys).
+    # Set, /admin answers only there and the API's port answers it 404, so the admin API
+    # can stay on a private interface while /v1 faces the world.
+    admin_port: int | None = Field(None, ge=1, le=65535)
+    admin_host: str = "127.0.0.1"
 
     # How long an API process trusts what it looked up about a key: a revoked key stops
     # working within this bound (at once in the process that revoked it).
