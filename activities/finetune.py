@@ -27,8 +27,10 @@ from temporalio.exceptions import ApplicationError
 from journal import batch_store, finetune_store, ledger
 from journal.events import append
 from journal.leases import acquire
+from policy.admission import DAY_S, day_spent
 from protocol import keys
 from protocol.finetune import LORA_ALPHA, LORA_RANK, LORA_TARGETS, MIN_EXAMPLES, Row, problems, rows
+from protocol.limits import ANY_MODEL
 from protocol.temporal import (
     FineTuneRef,
     FineTuneStatusInput,
@@ -47,9 +49,12 @@ if TYPE_CHECKING:  # torch only where training runs: the control worker never im
 
 class FineTuneActivities:
     def __init__(self, db: AsyncEngine, store: ObjectStore, model_path: str | None = None, max_model_len: int = 0,
-                 slots: Any = None):
+                 slots: Any = None, max_tokens: int | None = None):
+        """`max_tokens`: the most tokens one job's files may hold, encoded (None: no cap): the
+        examples live in the engine worker's memory while its chunks train."""
         self.db, self.store = db, store
         self.model_path, self.max_model_len, self.slots = model_path, max_model_len, slots
+        self.max_tokens = max_tokens
         self._tokenizer: Any = None
         # Base models loaded and idle: each chunk takes one (or loads one) and gives it back,
         # so a worker loads its base weights once per chunk it runs at a time, not per chunk.
@@ -147,6 +152,15 @@ class FineTuneActivities:
             files = {param: await batch_store.get_file(conn, job[param], job["tenant"])
                      for param in ("training_file", "validation_file") if job[param]}
             ckpts = await finetune_store.checkpoints(conn, inp.job_id)
+            spent = await self._day_spent(conn, job, now)
+        if spent is not None:  # nothing trains today: the workflow waits for the next UTC day
+            until = now - now % DAY_S + DAY_S
+            async with self.db.begin() as conn:
+                await append(conn, [finetune_store.job_event(
+                    job["id"], job["tenant"], f"day-spent:{int(until)}",
+                    f"Waiting for the next UTC day: the tenant's tokens_per_day ({spent.tokens_per_day} for "
+                    f"{'every model' if spent.model == ANY_MODEL else spent.model}) is spent.", "warn")])
+            return TrainChunkResult(ckpts[-1]["step"] if ckpts else 0, 0, False, wait_until=until)
         for param, file in files.items():
             if file is None:
                 raise ApplicationError(f"The {param.replace('_', ' ')} {job[param]} is missing.", non_retryable=True)
@@ -171,6 +185,21 @@ class FineTuneActivities:
             return await self._run(inp, trainer, job, ckpts, fence, examples, valid, clock)
         finally:
             self._bases.append(trainer.release())
+
+    @staticmethod
+    async def _day_spent(conn, job: dict[str, Any], now: float):
+        """The tokens_per_day limit of the job's tenant (for all its models, or the job's) that
+        its tokens of the UTC day have reached, training's included; None: there is room."""
+        tenant, model = job["tenant"], job["model"]
+        sets = [s for s in (await ledger.load_limits(conn, tenant)).get(tenant, ())
+                if s.model in (ANY_MODEL, model) and s.tokens_per_day is not None]
+        if not sets:
+            return None
+        day = now - now % DAY_S
+        used = {m: c.day_tokens for m, c in (await ledger.usage(conn, tenant, now, day, now, in_flight=False)).items()}
+        for m, n in (await ledger.trained_tokens(conn, tenant, day)).items():
+            used[m] = used.get(m, 0) + n
+        return day_spent([(s, sum(used.values()) if s.model == ANY_MODEL else used.get(model, 0)) for s in sets])
 
     async def _run(self, inp: TrainChunkInput, trainer: Trainer, job: dict[str, Any], ckpts: list[dict[str, Any]],
                    fence: int, examples: list[Example], valid: list[Example] | None,
@@ -292,7 +321,8 @@ class FineTuneActivities:
         from training.trainer import encode_chat, encode_prompt_completion
 
         tok = self._tok()
-        out = []
+        out: list[Example] = []
+        held = 0
         with self.store.open(object_key) as f:
             for r in rows(f, min_examples=0):
                 if not isinstance(r, Row):
@@ -302,6 +332,11 @@ class FineTuneActivities:
                 if self.max_model_len and len(ex.ids) > self.max_model_len:
                     raise ApplicationError(f"Line {r.line}: the example is {len(ex.ids)} tokens, more than the "
                                            f"model's context of {self.max_model_len}.", non_retryable=True)
+                held += len(ex.ids)
+                if self.max_tokens is not None and held > self.max_tokens:  # stop before it takes more memory
+                    raise ApplicationError(f"Line {r.line}: the file holds more than {self.max_tokens} tokens, "
+                                           "the most one job may train on here (BALLAST_MAX_TRAINING_TOKENS).",
+                                           non_retryable=True)
                 out.append(ex)
         return out
 

@@ -202,7 +202,8 @@ async def engine_worker(settings: Settings) -> None:
         queues = [pool, region_queue(pool, settings.region), own_queue(pool, settings.region, engine_id),
                   settings.engine_queue]
         # Fine-tuning chunks too: they hold batch slots, so they yield to chat as batch does.
-        tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url), spec.path, spec.max_model_len, slots)
+        tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url), spec.path, spec.max_model_len, slots,
+                                    max_tokens=settings.max_training_tokens)
         workers = [Worker(client, task_queue=q, activities=[acts.generate, tuning.train_chunk],
                           # Enough slots that the engine slots, not Temporal, decide how much runs at once.
                           max_concurrent_activities=settings.max_num_seqs * 2,

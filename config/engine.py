@@ -73,6 +73,11 @@ class EngineSettings(Section):
             raise ValueError(f"max_lora_rank is one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's choices)")
         return value
 
+    # The most tokens one fine-tuning job's files may hold, encoded: its examples stay in the
+    # engine worker's memory (tens of bytes a token) while its chunks train. A job over it
+    # fails at once, naming the line where it passed it.
+    max_training_tokens: int = Field(10_000_000, ge=1)
+
     # An engine worker journals its generations' new tokens in one append every
     # checkpoint_interval_s, and at once when one has checkpoint_tokens unsaved (and always
     # before an item yields). A crash costs an item at most what it generated since the last

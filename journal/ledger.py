@@ -30,7 +30,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from journal.schema import admission_holders, limits, quota_usage
+from journal.schema import admission_holders, ledger, limits, quota_usage
 from protocol import keys
 from protocol.limits import ANY_MODEL, LIMITS, LimitSet
 
@@ -307,6 +307,18 @@ async def usage(conn: AsyncConnection, tenant: str, minute: float, day: float, n
                                             since=timestamp(since)))).all()
     return {r.model: Counts(minute, day, r.requests, r.input_tokens, r.output_tokens, r.day_tokens, r.in_flight)
             for r in rows}
+
+
+async def trained_tokens(conn: AsyncConnection, tenant: str, since: float) -> dict[str, int]:
+    """The tokens the tenant's fine-tuning settled since `since` (unix seconds), by model:
+    training reserves nothing (a chunk's tokens are known once it has trained), so its
+    settles stand alone, outside the reservations `usage` reads."""
+    rows = (await conn.execute(
+        select(ledger.c.model, func.sum(ledger.c.input_tokens + ledger.c.output_tokens))
+        .where(ledger.c.tenant == tenant, ledger.c.tier == "training", ledger.c.kind == SETTLE,
+               ledger.c.at >= timestamp(since))
+        .group_by(ledger.c.model))).all()
+    return {model: int(n) for model, n in rows}
 
 
 # -- what an admitting process reads and writes about itself ------------------------------------

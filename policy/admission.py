@@ -205,6 +205,17 @@ def admit_fine_tune(scopes: Sequence[tuple[LimitSet, int]]) -> Admit | Refuse:
     return ADMIT
 
 
+def day_spent(scopes: Sequence[tuple[LimitSet, int]]) -> LimitSet | None:
+    """The first of the limits that apply ('*' first) whose `tokens_per_day` the tenant's
+    tokens of the day (`scopes`: each with the usage in its scope) have reached; None: there
+    is room. Training checks it before each chunk: a chunk's tokens are known only once it
+    has trained, so a job may pass its limit by one chunk, never more."""
+    for limits, used in sorted(scopes, key=lambda s: (s[0].model != ANY_MODEL, s[0].model)):
+        if limits.tokens_per_day is not None and used >= limits.tokens_per_day:
+            return limits
+    return None
+
+
 def describe(r: Refuse, tenant: str, model: str, tier: str) -> str:
     """The 429's message, in OpenAI's words where it has them."""
     if r.limit == "capacity":

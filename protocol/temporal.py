@@ -243,6 +243,9 @@ class TrainChunkResult:
     total_steps: int
     done: bool
     preempted: bool = False  # stopped early for interactive work; the next chunk resumes
+    # The tenant's tokens_per_day is spent: no step was trained, and the next chunk waits
+    # until then (unix seconds: the next UTC day).
+    wait_until: float | None = None
 
 
 @dataclass

@@ -86,6 +86,14 @@ class FineTuneWorkflow:
                 return await self._status(inp, "failed", f"Training failed: {told(err)}")
             if result is not None and result.done:
                 return await self._status(inp, "succeeded")
+            if result is not None and result.wait_until:
+                # The tenant's tokens of the day are spent (its job events say so): the next
+                # chunk waits for the next UTC day; a pause or a cancel ends the wait.
+                wait = max(1.0, result.wait_until - workflow.now().timestamp())
+                try:
+                    await workflow.wait_condition(lambda: self._paused or self._cancel, timeout=wait)
+                except TimeoutError:
+                    pass
         workflow.continue_as_new(replace(inp, validated=True, paused=self._paused, cancel_requested=self._cancel))
 
     async def _chunk(self, inp: FineTuneInput) -> TrainChunkResult | None:

@@ -311,3 +311,13 @@ def test_a_fine_tune_is_admitted_while_every_limit_has_a_place_left():
     assert admit_fine_tune([(tiny, 1), (everything, 3)]) == Refuse("concurrent_fine_tunes", 3, FINE_TUNE_RETRY_S,
                                                                     "*", 3, 1)
     assert admit_fine_tune([(LimitSet("*", concurrent_fine_tunes=0), 0)]).limit == "concurrent_fine_tunes"
+
+
+def test_training_waits_once_a_days_tokens_are_spent_in_any_scope():
+    from policy.admission import day_spent
+
+    everything, this_model = LimitSet(tokens_per_day=100), LimitSet(model="m", tokens_per_day=10)
+    assert day_spent([]) is None and day_spent([(LimitSet(requests_per_min=1), 10**9)]) is None
+    assert day_spent([(everything, 99), (this_model, 9)]) is None
+    assert day_spent([(this_model, 10), (everything, 100)]) == everything  # '*' is named first
+    assert day_spent([(everything, 5), (this_model, 10)]) == this_model

@@ -61,18 +61,18 @@ def store(tmp_path):
     return ObjectStore(str(tmp_path / "objects"))
 
 
-async def make_job(db, store: ObjectStore) -> str:
+async def make_job(db, store: ObjectStore, tenant: str = "ft") -> str:
     tag = uuid.uuid4().hex[:10]
     file_id, job_id = f"file-{tag}", f"ftjob-{tag}"
     body = "".join(json.dumps(e) + "\n" for e in EXAMPLES).encode()
     with store.writer(f"files/{file_id}") as f:
         f.write(body)
     async with db.begin() as c:
-        await batch_store.create_file(c, dict(id=file_id, tenant="ft", purpose="fine-tune", filename="train.jsonl",
+        await batch_store.create_file(c, dict(id=file_id, tenant=tenant, purpose="fine-tune", filename="train.jsonl",
                                               bytes=len(body), object_key=f"files/{file_id}",
                                               created_at=int(time.time())))
         await append_one(c, finetune_store.created_event(dict(
-            id=job_id, tenant="ft", model="ballast-tiny", training_file=file_id, validation_file=None,
+            id=job_id, tenant=tenant, model="ballast-tiny", training_file=file_id, validation_file=None,
             hyperparameters=dict(n_epochs=2, batch_size=3, learning_rate=1e-3), seed=7, suffix="colours",
             metadata=None, status="validating_files", error=None, fine_tuned_model=None, trained_tokens=None,
             result_files=[], created_at=int(time.time()), finished_at=None)))
@@ -318,3 +318,48 @@ async def test_a_chunk_preempted_by_a_chat_resumes_after_it_bitwise_equal(tempor
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert await losses(db, job_id) == await losses(db, whole_id)
     await Replayer(workflows=[FineTuneWorkflow]).replay_workflow(await handle.fetch_history())
+
+
+async def test_training_waits_for_the_next_day_once_the_tenants_daily_tokens_are_spent(temporal_address, db, store,
+                                                                                      tiny_model):
+    """tokens_per_day counts training: once a chunk's settled tokens reach it, the next chunk
+    trains nothing and the job waits for the next UTC day (saying so in its events), still
+    running; a cancel ends the wait."""
+    from journal import tenant_store
+
+    tenant = "ftday-" + uuid.uuid4().hex[:6]
+    async with db.begin() as c:
+        await tenant_store.ensure_tenant(c, tenant)
+        await tenant_store.set_limits(c, tenant, "*", tokens_per_day=1)
+    job_id = await make_job(db, store, tenant)
+    client = await Client.connect(temporal_address)
+    run = Run(client, db, FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len), 2)
+    w1, w2 = run.workers()
+    async with w1, w2:
+        handle = await run.start(job_id)
+        waiting = "SELECT payload->>'message' FROM events WHERE stream = :s AND type = 'ft_event' " \
+                  "AND payload->>'message' LIKE 'Waiting for the next UTC day%'"
+        said = await wait_until(lambda: sql(db, waiting, s=keys.ftjob(job_id)), "the job says it waits")
+        assert "tokens_per_day (1 for every model)" in said[0][0]
+        assert await steps_done(db, job_id) == 2  # the first chunk trained; the next one did not
+        await asyncio.sleep(1.0)
+        assert await steps_done(db, job_id) == 2 and await status(db, job_id) == "running"
+        settled = await sql(db, "SELECT sum(input_tokens) FROM ledger WHERE kind = 'settle' AND tenant = :t", t=tenant)
+        assert settled[0][0] >= 1  # the limit was reached by training's own settled tokens
+        await handle.signal(FineTuneWorkflow.cancel)
+        assert await handle.result() == "cancelled"
+
+
+async def test_a_job_over_the_workers_token_cap_fails_naming_it(temporal_address, db, store, tiny_model):
+    """The examples live in the engine worker's memory: a file past BALLAST_MAX_TRAINING_TOKENS
+    fails the job at once, at the line where it passed the cap, before anything trains."""
+    job_id = await make_job(db, store)
+    client = await Client.connect(temporal_address)
+    acts = FineTuneActivities(db, store, tiny_model.path, tiny_model.max_model_len, max_tokens=100)
+    run = Run(client, db, acts, 2)
+    w1, w2 = run.workers()
+    async with w1, w2:
+        assert await (await run.start(job_id)).result() == "failed"
+    [(error,)] = await sql(db, "SELECT error FROM fine_tuning_jobs WHERE id = :j", j=job_id)
+    assert "more than 100 tokens" in error["message"] and "BALLAST_MAX_TRAINING_TOKENS" in error["message"], error
+    assert await steps_done(db, job_id) == 0
