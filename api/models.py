@@ -10,7 +10,9 @@ all a client can rely on), or when the fine-tune finished.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter
@@ -54,6 +56,32 @@ async def _listed(svc: Services, tenant: str, fine_tunes: bool = True) -> list[d
 @router.get("", operation_id="listModels")
 async def list_models(svc: ServicesDep, tenant: TenantDep):
     return dict(object="list", data=await _listed(svc, tenant))
+
+
+@router.delete("/{model:path}", operation_id="deleteModel", responses=errors(403, 404))
+async def delete_model(model: str, svc: ServicesDep, tenant: TenantDep):
+    """Delete one of the tenant's fine-tuned models, as OpenAI's API does: no longer listed
+    or callable, its adapter and checkpoints removed from the object store. Its job, its
+    events and the ledger stay (the audit trail); its result files are the tenant's files."""
+    if not keys.is_fine_tuned(model):
+        if any(m == model for m in await svc.models()):
+            raise APIError(403, f"The model '{model}' is not a fine-tuned model of yours; only those can be deleted.",
+                           param="model", code="model_not_deletable")
+        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    async with svc.db.begin() as conn:
+        job = await finetune_store.model_job(conn, tenant, model)
+        if job is None:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        objects = [c["object_key"] for c in await finetune_store.checkpoints(conn, job["id"])]
+        await finetune_store.delete_model(conn, job, int(time.time()))
+    # After the commit: a crash here leaves objects no one can reach (the model is gone),
+    # never a listed model without its adapter.
+    objects += [f"{keys.adapter(job['id'])}/{name}" for name in keys.ADAPTER_FILES]
+    try:
+        await asyncio.to_thread(svc.store.delete, objects)
+    except OSError as err:
+        log.warning("model %s deleted; its objects could not all be removed: %s", model, err)
+    return dict(id=model, object="model", deleted=True)
 
 
 @router.get("/{model:path}", operation_id="retrieveModel", responses=errors(404))

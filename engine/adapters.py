@@ -19,7 +19,7 @@ from typing import Any
 from protocol import keys
 from storage.objects import ObjectStore
 
-FILES = ("adapter_config.json", "adapter_model.safetensors")
+FILES = keys.ADAPTER_FILES
 JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what api/fine_tuning.py makes ("ftjob-" and hex), and no path
 
 

@@ -89,7 +89,8 @@ async def succeeded(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
     """The tenant's jobs that succeeded, oldest first: each is a model it may call."""
     q = select(fine_tuning_jobs).where(
         fine_tuning_jobs.c.tenant == tenant, fine_tuning_jobs.c.status == "succeeded",
-        fine_tuning_jobs.c.fine_tuned_model.is_not(None)).order_by(fine_tuning_jobs.c.seq)
+        fine_tuning_jobs.c.fine_tuned_model.is_not(None), fine_tuning_jobs.c.model_deleted_at.is_(None)
+    ).order_by(fine_tuning_jobs.c.seq)
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]
 
 
@@ -98,10 +99,25 @@ async def fine_tuned_models(conn: AsyncConnection, tenant: str) -> list[str]:
 
 
 async def owns_model(conn: AsyncConnection, tenant: str, model: str) -> bool:
-    q = select(fine_tuning_jobs.c.id).where(fine_tuning_jobs.c.tenant == tenant,
-                                            fine_tuning_jobs.c.fine_tuned_model == model,
-                                            fine_tuning_jobs.c.status == "succeeded")
-    return (await conn.execute(q)).first() is not None
+    return await model_job(conn, tenant, model) is not None
+
+
+async def model_job(conn: AsyncConnection, tenant: str, model: str) -> dict[str, Any] | None:
+    """The job that trained `model`, one of the tenant's fine-tuned models not deleted."""
+    q = select(fine_tuning_jobs).where(fine_tuning_jobs.c.tenant == tenant,
+                                       fine_tuning_jobs.c.fine_tuned_model == model,
+                                       fine_tuning_jobs.c.status == "succeeded",
+                                       fine_tuning_jobs.c.model_deleted_at.is_(None))
+    row = (await conn.execute(q)).first()
+    return dict(row._mapping) if row else None
+
+
+async def delete_model(conn: AsyncConnection, job: dict[str, Any], at: int) -> None:
+    """Journal that the tenant deleted the job's fine-tuned model (once: the key says so)."""
+    stream = keys.ftjob(job["id"])
+    await append_one(conn, NewEvent(stream, EventType.FT_MODEL_DELETED,
+                                    dict(job_id=job["id"], model=job["fine_tuned_model"], at=at),
+                                    f"{stream}:model_deleted", job["tenant"]))
 
 
 async def get_job(conn: AsyncConnection, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:

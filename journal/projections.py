@@ -153,6 +153,13 @@ async def _ft_job_created(conn, evs):
 _FT_STATUS_FIELDS = ("error", "fine_tuned_model", "trained_tokens", "result_files", "finished_at")
 
 
+@projects(EventType.FT_MODEL_DELETED)
+async def _ft_model_deleted(conn, evs):
+    for e in evs:
+        await conn.execute(update(fine_tuning_jobs).where(fine_tuning_jobs.c.id == e.payload["job_id"])
+                           .values(model_deleted_at=e.payload["at"]))
+
+
 @projects(EventType.FT_STATUS)
 async def _ft_status(conn, evs):
     for e in evs:

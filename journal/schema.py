@@ -130,6 +130,8 @@ fine_tuning_jobs = Table(
     Column("result_files", JSONB, nullable=False, server_default="[]"),
     Column("created_at", BigInteger, nullable=False),
     Column("finished_at", BigInteger),
+    # When its tenant deleted the fine-tuned model (migration 0016): no longer listed or callable.
+    Column("model_deleted_at", BigInteger),
     # The position of the ft_job_created event: listing is newest first by it.
     Column("seq", BigInteger, nullable=False),
     Index("fine_tuning_jobs_tenant_seq", "tenant", text("seq DESC")),

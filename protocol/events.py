@@ -33,6 +33,7 @@ class EventType(StrEnum):
     FT_STATUS = "ft_status"  # job_id, status, at, and the fields that status sets
     FT_CHECKPOINT = "ft_checkpoint"  # job_id, step, object_key, sha256, losses (fenced)
     FT_EVENT = "ft_event"  # one line of the job's /events
+    FT_MODEL_DELETED = "ft_model_deleted"  # job_id, model, at: its tenant deleted the fine-tuned model
     # The fleet controller (workflows/fleet.py).
     SURGE_STARTED = "surge_started"  # pressure, engines, caps
     SURGE_ENDED = "surge_ended"

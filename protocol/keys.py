@@ -56,6 +56,9 @@ def adapter(job_id: str) -> str:
     return f"fine-tuning/{job_id}/adapter"
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's, under `adapter`
+
+
 def fine_tuned(base: str, suffix: str | None, job_id: str) -> str:
     """`ft:<base>:<suffix>:<job>`: OpenAI's shape without the organization."""
     return f"ft:{base}:{suffix or ''}:{job_id}"

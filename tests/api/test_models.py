@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import uuid
 
+import httpx
+import pytest
+
 from journal import engine_registry
 from tests.api.conftest import assert_openai_error
 
@@ -57,3 +60,48 @@ async def test_another_pools_model_is_listed_while_an_engine_serves_it_with_its_
 async def test_an_unknown_model_is_404_model_not_found(api):
     assert_openai_error(await api.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
     assert_openai_error(await api.get("/v1/models/%00%ED%A0%80"), 404, "model", "model_not_found")
+
+
+async def test_a_tenant_deletes_its_fine_tuned_model_as_openais_client_does(api, other_api, db):
+    """Gone from the list and from every call, its adapter and checkpoints gone from the
+    store; its job stays, with its history. Only its tenant can, and only a fine-tuned model."""
+    import time
+
+    import openai
+
+    from journal import finetune_store
+    from journal.events import append_one
+    from journal.leases import acquire
+    from protocol import keys
+
+    job_id = "ftjob-" + uuid.uuid4().hex[:24]
+    model = f"ft:ballast-tiny:gone:{job_id}"
+    store, now = api.services.store, int(time.time())
+    owned = [keys.checkpoint(job_id, 2), *(f"{keys.adapter(job_id)}/{n}" for n in keys.ADAPTER_FILES)]
+    for key in owned:
+        with store.writer(key) as f:
+            f.write(b"weights")
+    async with db.begin() as conn:
+        await finetune_store.create_job(conn, dict(
+            id=job_id, tenant="default", model="ballast-tiny", training_file="file-x", validation_file=None,
+            hyperparameters=dict(n_epochs=1, batch_size=1, learning_rate_multiplier=1.0), seed=1, suffix="gone",
+            metadata=None, status="succeeded", error=None, fine_tuned_model=model, trained_tokens=1, result_files=[],
+            created_at=now, finished_at=now))
+        fence = await acquire(conn, keys.ftjob(job_id), "test")  # a checkpoint is an attempt's, fenced
+        await append_one(conn, finetune_store.checkpoint_event(job_id, "default", 2, owned[0], "0" * 64, [1.0], fence))
+    assert model in await _listed(api)
+    assert_openai_error(await other_api.delete(f"/v1/models/{model}"), 404, "model", "model_not_found")
+    assert_openai_error(await api.delete("/v1/models/ballast-tiny"), 403, "model", "model_not_deletable")
+
+    client = openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=api.headers["authorization"][7:],
+                                max_retries=0, http_client=httpx.AsyncClient(transport=api._transport))
+    gone = await client.models.delete(model)
+    assert (gone.id, gone.deleted, gone.object) == (model, True, "model")
+    assert model not in await _listed(api) and not any(store.exists(k) for k in owned)
+    assert_openai_error(await api.get(f"/v1/models/{model}"), 404, "model", "model_not_found")
+    chat = dict(model=model, max_tokens=1, messages=[dict(role="user", content="hi")])
+    assert_openai_error(await api.post("/v1/chat/completions", json=chat), 404, "model", "model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        await client.models.delete(model)  # once
+    job = (await api.get(f"/v1/fine_tuning/jobs/{job_id}")).json()
+    assert job["status"] == "succeeded" and job["fine_tuned_model"] == model  # the record stays
