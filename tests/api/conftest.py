@@ -9,7 +9,9 @@ the test database as the admin API makes them; `other_api` one of a tenant of it
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -93,12 +95,19 @@ async def api(settings, db, default_key):
         yield client
 
 
+@contextlib.asynccontextmanager
+async def tenant_api(settings, db, prefix: str) -> AsyncIterator[httpx.AsyncClient]:
+    """As `api`, for a new tenant of its own (`client.tenant`, named `prefix-…`)."""
+    tenant = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    async with build(settings, db, Untouchable("temporal"), await new_key(db, tenant)) as client:
+        client.tenant = tenant  # type: ignore[attr-defined]
+        yield client
+
+
 @pytest.fixture
 async def other_api(settings, db):
     """As `api`, for a tenant of its own (`other_api.tenant`), new in each test."""
-    tenant = "other-" + uuid.uuid4().hex[:8]
-    async with build(settings, db, Untouchable("temporal"), await new_key(db, tenant)) as client:
-        client.tenant = tenant
+    async with tenant_api(settings, db, "other") as client:
         yield client
 
 

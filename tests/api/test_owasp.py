@@ -25,16 +25,14 @@ import pytest
 from fastapi.routing import APIRoute
 
 from journal import batch_store, finetune_store
-from tests.api.conftest import Untouchable, assert_openai_error, build, new_key
+from tests.api.conftest import Untouchable, assert_openai_error, build, tenant_api
 
 LINE = dict(custom_id="c0", method="POST", url="/v1/completions", body=dict(model="ballast-tiny", prompt="hi"))
 
 
 @pytest.fixture
 async def a(settings, db):
-    tenant = "a-" + uuid.uuid4().hex[:8]
-    async with build(settings, db, Untouchable("temporal"), await new_key(db, tenant)) as client:
-        client.tenant = tenant
+    async with tenant_api(settings, db, "a") as client:
         yield client
 
 
