@@ -31,7 +31,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db = connect(settings.require("service_db_url"))
+        db = connect(settings.require("service_db_url"), name="ballast-api")
         client = temporal or await connect_temporal(settings)
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("kind", choices=["control", "engine", "list", "drain"])
     w.add_argument("id", nargs="?", help="drain: the engine worker's id (as `ballast worker list` shows it)")
     sub.add_parser("migrate",
-                   help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting the services' role")
+                   help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting each service's "
+                        "role and setting the passwords given (BALLAST_{API,CONTROL,ENGINE}_DATABASE_PASSWORD)")
     tenants_cli.add_parser(sub)
     # The benchmarks are their own program, above this one (they start stacks with it).
     for name, what in (("bench", "benchmarks that print ratios measured side by side (`ballast bench -h`)"),
@@ -102,6 +103,9 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
         # The migration that creates the role sets its password once; a password changed
         # since (or a role made without one) is applied on every migrate.
         set_password(owner, settings.service_role, settings.service_database_password)
+    # Each service's own role is made without one: its password is applied on every migrate.
+    for role, password in settings.role_passwords().items():
+        set_password(owner, role, password)
     return 0
 
 

@@ -17,11 +17,14 @@ keeps it in data_dir/engine-token (mode 0600), for later starts and for engine w
 started by hand on other hosts. Only the API and the engine worker are handed it.
 
 Postgres roles: migrations and the tenant keys run as the owner (the embedded server's
-superuser, whose password is in data_dir/postgres-password); the API and the workers are
-handed only the services' role's URL (BALLAST_SERVICE_ROLE), never the owner's URL or
-password. On the embedded server that role's password is made on the first start and kept
-in data_dir/service-db-password (0600), unless BALLAST_SERVICE_DATABASE_PASSWORD sets it.
-No process `ballast up` starts inherits an owner credential from its environment.
+superuser, whose password is in data_dir/postgres-password); the API, the control worker
+and the engine workers are each handed only their own role's URL (ballast_api,
+ballast_control, ballast_engine: migration 0017 grants each what its service does), never
+the owner's URL or password nor another service's. Each role's password is made on the
+first start and kept in data_dir/<service>-db-password (0600), unless
+BALLAST_<SERVICE>_DATABASE_PASSWORD sets it; BALLAST_SERVICE_DATABASE_URL, where set, is
+handed to every service instead. No process `ballast up` starts inherits an owner
+credential from its environment.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from ballast.supervise import Supervisor
 from ballast.temporal_server import TemporalDevServer
 from ballast.tenants_cli import URL_FILE
 from config import Settings
-from config.database import as_role
+from config.database import SERVICE_ROLES, as_role
 from journal import tenant_store
 from journal.db import connect
 from journal.migrate import upgrade
@@ -56,7 +59,6 @@ READY_TIMEOUT_S = 300
 TENANT = "default"
 KEY_FILES = (("api-key", False), ("admin-key", True))  # file in data_dir, admin?
 ENGINE_TOKEN_FILE = "engine-token"
-SERVICE_PASSWORD_FILE = "service-db-password"
 # Where `ballast up` may have been handed the owner's credentials: no child inherits them.
 OWNER_ENV = ("DATABASE_URL", "BALLAST_DATABASE_URL", "PGPASSWORD", "PGPASSFILE")
 
@@ -117,7 +119,7 @@ def _start(settings: Settings, data: Path, logs: Path,
                             say=lambda msg: print(f"\n{msg}", file=sys.stderr, flush=True),
                             on_serving=(lambda _: cpus.keep_off_model_workers(os.getpid()))
                             if settings.isolate_engine_cpus else None)
-    owner_url, service_url, service_password = _postgres(settings, data, stack, supervisor)
+    owner_url, service_urls, passwords = _postgres(settings, data, stack, supervisor)
     if not settings.temporal_address:
         port = settings.temporal_port if procs.port_is_free(settings.temporal_port) else procs.free_port()
         ui = settings.temporal_ui_port if procs.port_is_free(settings.temporal_ui_port) else procs.free_port()
@@ -138,24 +140,27 @@ def _start(settings: Settings, data: Path, logs: Path,
         env["BALLAST_TEMPORAL_ADDRESS"] = settings.temporal_address
     env["BALLAST_DATA_DIR"] = str(data)
     _step("migrating the journal (alembic upgrade head)")
-    upgrade(owner_url, service_url=service_url)  # as the owner; it creates the services' role
-    if service_password is not None:
-        # The migration that creates the role sets its password then only: an older data
-        # dir's role has none, or another one.
-        set_password(owner_url, settings.service_role, service_password)
+    upgrade(owner_url)  # as the owner; it creates the services' roles
+    for role, password in passwords.items():
+        # The roles are made without one; an older data dir's may have another.
+        set_password(owner_url, role, password)
     keys = asyncio.run(_keys(owner_url, data))
     token = engine_token(settings, data)
     env.pop("BALLAST_ENGINE_TOKEN", None)
-    # The services' role only. The CLI wants a BALLAST_DATABASE_URL of the API and the
-    # workers, which they use for nothing but this: theirs is the services' URL too.
-    env.pop("BALLAST_SERVICE_DATABASE_PASSWORD", None)
-    env.update(BALLAST_DATABASE_URL=service_url, BALLAST_SERVICE_DATABASE_URL=service_url)
+    for kind in ("service", *SERVICE_ROLES):  # each service is handed its own URL below, no password
+        env.pop(f"BALLAST_{kind.upper()}_DATABASE_PASSWORD", None)
+
+    def own(kind: str, base: dict[str, str]) -> dict[str, str]:
+        # Each service its own role's URL only. The CLI wants a BALLAST_DATABASE_URL of the
+        # API and the workers, which they use for nothing but this: theirs is their own too.
+        return dict(base, BALLAST_DATABASE_URL=service_urls[kind], BALLAST_SERVICE_DATABASE_URL=service_urls[kind])
+
     with_token = dict(env, BALLAST_ENGINE_TOKEN=token)  # for the engine worker and the API only
 
     stack.callback(supervisor.stop_all, 30)  # the workers and the API, before Postgres and Temporal
-    parts = [*_engine_workers(settings, with_token),
-             ("control worker", ["worker", "control"], env, settings.bookkeeping_nice, "control"),
-             ("api", ["api"], with_token, 0, "api")]
+    parts = [*_engine_workers(settings, own("engine", with_token)),
+             ("control worker", ["worker", "control"], own("control", env), settings.bookkeeping_nice, "control"),
+             ("api", ["api"], own("api", with_token), 0, "api")]
     for name, args, child_env, nice, log_name in parts:
         _step(f"starting the {name} (log: {logs / (log_name + '.log')})")
         supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{log_name}.log",
@@ -164,29 +169,33 @@ def _start(settings: Settings, data: Path, logs: Path,
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),
         database_url=owner_url,
-        service_database_url=service_url,
     ))
     return supervisor, effective, keys
 
 
 def _postgres(settings: Settings, data: Path, stack: ExitStack,
-              supervisor: Supervisor) -> tuple[str, str, str | None]:
-    """(the owner's URL, the services' URL, the services' password to set on their role
-    where `ballast up` manages it: on its embedded server, unless a service URL is given)."""
+              supervisor: Supervisor) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(the owner's URL; each service's URL, by service; the password to set on each role,
+    by role: none where one URL is given for every service)."""
     if settings.database_url:
-        return settings.database_url, settings.require("service_db_url"), None
-    _step(f"starting embedded Postgres in {data / 'pg'}")
-    pg = stack.enter_context(EmbeddedPostgres(data))
-    assert pg.child is not None  # started
-    supervisor.adopt("embedded postgres", pg.child, pg.restart, pg.log_path)
-    # For `ballast tenants` in another terminal; gone when the server is.
-    url_file = data / URL_FILE
-    write_secret(url_file, pg.url)
-    stack.callback(url_file.unlink, missing_ok=True)
+        owner = settings.database_url
+    else:
+        _step(f"starting embedded Postgres in {data / 'pg'}")
+        pg = stack.enter_context(EmbeddedPostgres(data))
+        assert pg.child is not None  # started
+        supervisor.adopt("embedded postgres", pg.child, pg.restart, pg.log_path)
+        # For `ballast tenants` in another terminal; gone when the server is.
+        url_file = data / URL_FILE
+        write_secret(url_file, pg.url)
+        stack.callback(url_file.unlink, missing_ok=True)
+        owner = pg.url
     if settings.service_database_url:
-        return pg.url, settings.service_database_url, None
-    password = settings.service_database_password or kept_secret(data / SERVICE_PASSWORD_FILE)
-    return pg.url, as_role(pg.url, settings.service_role, password), password
+        return owner, dict.fromkeys(SERVICE_ROLES, settings.service_database_url), {}
+    urls, passwords = {}, {}
+    for kind, role in SERVICE_ROLES.items():
+        password = settings.role_password(kind) or kept_secret(data / f"{kind}-db-password")
+        urls[kind], passwords[role] = as_role(owner, role, password), password
+    return owner, urls, passwords
 
 
 def _engine_workers(settings: Settings, env: dict[str, str]) -> list[tuple[str, list[str], dict[str, str], int, str]]:
@@ -261,8 +270,10 @@ def _token_source(settings: Settings, data: Path) -> str:
     return f"{data / ENGINE_TOKEN_FILE}   (engine workers elsewhere: BALLAST_ENGINE_TOKEN=<its content>)"
 
 
-def _user(url: str | None) -> str | None:
-    return make_url(url).username if url else None
+def _services(settings: Settings) -> str:
+    if settings.service_database_url:
+        return f"{make_url(settings.service_database_url).username} (all)"
+    return ", ".join(f"{role} ({kind})" for kind, role in SERVICE_ROLES.items())
 
 
 def _shown(url: str | None) -> str:
@@ -305,7 +316,7 @@ def _banner(settings: Settings, data: Path, logs: Path, keys: list[Key]) -> None
 Ballast is up.
   API (OpenAI-compatible)  {api}/v1     health: {api}/healthz
   Temporal                 {settings.temporal_address}   Web UI: http://127.0.0.1:{settings.temporal_ui_port}
-  Postgres                 {_shown(settings.database_url)}   services as: {_user(settings.service_db_url)}
+  Postgres                 {_shown(settings.database_url)}   services as: {_services(settings)}
   model                    {settings.model_name}
   data                     {data}     logs: {logs}
   {f"API key ({TENANT})":<25}{shown(tenant)}

@@ -7,7 +7,7 @@ setting one of them forgets (the model on the API, the owner's URL on a worker) 
 test rather than every batch line. The shape is plain data:
 
     PROCESSES[name] = Process(command=("worker", "engine"), long_running=True,
-                              database="service", needs={...}, never={...})
+                              database="engine", needs={...}, never={...})
 
 and `problems(envs)` checks a whole deployment, {process name: its environment}, at once
 (`engine-<pool>` names one of several engine pools).
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from config.database import SERVICE_ROLE
+from config.database import SERVICE_ROLES
 from config.engine import TINY_MODEL_NAME
 
 # The deployment's model, which the API, the control worker and its engine pool must agree
@@ -37,8 +37,10 @@ SHARED_ENV = (*MEETING_ENV, *MODEL_ENV)
 
 # Never a default, never in a file under version control: a secret store (Kubernetes
 # Secrets, compose's .env) hands them over.
+# The password `migrate` sets on each service's role (config.database.SERVICE_ROLES).
+ROLE_PASSWORD_ENV = tuple(f"BALLAST_{k.upper()}_DATABASE_PASSWORD" for k in SERVICE_ROLES)
 SECRET_ENV = ("BALLAST_DATABASE_URL", "DATABASE_URL", "BALLAST_SERVICE_DATABASE_URL",
-              "BALLAST_SERVICE_DATABASE_PASSWORD", "BALLAST_ENGINE_TOKEN", "TEMPORAL_API_KEY")
+              "BALLAST_SERVICE_DATABASE_PASSWORD", *ROLE_PASSWORD_ENV, "BALLAST_ENGINE_TOKEN", "TEMPORAL_API_KEY")
 
 # A variable a process may be handed under another name, which config reads when it is
 # unset: DATABASE_URL, what platforms hand a service; the Temporal SDK's own (config/temporal.py).
@@ -49,27 +51,29 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 _SERVICE = frozenset({*SHARED_ENV, "BALLAST_DATABASE_URL"})
+# A service is handed its own role's URL: no role's password, nor the owner's.
+_NEVER = frozenset({"BALLAST_SERVICE_DATABASE_PASSWORD", *ROLE_PASSWORD_ENV})
 
 
 @dataclass(frozen=True)
 class Process:
     command: tuple[str, ...]  # argv after `ballast`
     long_running: bool  # False: a one-shot job, run to completion before the others start
-    database: Literal["owner", "service"]  # whose login BALLAST_DATABASE_URL is
+    database: Literal["owner", "api", "control", "engine"]  # whose login BALLAST_DATABASE_URL is
     needs: frozenset[str]  # environment variables it must be handed (or one of their ALIASES)
     never: frozenset[str] = frozenset()  # ... and must not be
 
 
 PROCESSES: dict[str, Process] = {
-    # Migrations, as the owner; it also sets the services' role's password.
-    "migrate": Process(("migrate",), False, "owner",
-                       frozenset({"BALLAST_DATABASE_URL", "BALLAST_SERVICE_DATABASE_PASSWORD"})),
-    "api": Process(("api",), True, "service",
-                   _SERVICE | {"BALLAST_ENGINE_TOKEN", "BALLAST_API_HOST", "BALLAST_API_PORT"}),
-    "control": Process(("worker", "control"), True, "service", _SERVICE, never=frozenset({"BALLAST_ENGINE_TOKEN"})),
-    "engine": Process(("worker", "engine"), True, "service",
+    # Migrations, as the owner; it also sets each service's role's password.
+    "migrate": Process(("migrate",), False, "owner", frozenset({"BALLAST_DATABASE_URL", *ROLE_PASSWORD_ENV})),
+    "api": Process(("api",), True, "api",
+                   _SERVICE | {"BALLAST_ENGINE_TOKEN", "BALLAST_API_HOST", "BALLAST_API_PORT"}, never=_NEVER),
+    "control": Process(("worker", "control"), True, "control", _SERVICE,
+                       never=_NEVER | {"BALLAST_ENGINE_TOKEN"}),
+    "engine": Process(("worker", "engine"), True, "engine",
                       _SERVICE | {"BALLAST_ENGINE_TOKEN", "BALLAST_ENGINE_HOST", "BALLAST_ENGINE_PORT",
-                                  "BALLAST_ENGINE_URL"}),
+                                  "BALLAST_ENGINE_URL"}, never=_NEVER),
 }
 
 
@@ -99,7 +103,7 @@ def served_model(env: Mapping[str, str]) -> str:
     return TINY_MODEL_NAME
 
 
-def problems(envs: Mapping[str, Mapping[str, str]], *, service_role: str = SERVICE_ROLE,
+def problems(envs: Mapping[str, Mapping[str, str]], *, roles: Mapping[str, str] = SERVICE_ROLES,
              exact_model: bool = True) -> list[str]:
     """What is wrong with a deployment, {process name: its environment}: empty when every
     process is there and handed what it needs, nothing it must not have, the same meeting
@@ -120,13 +124,14 @@ def problems(envs: Mapping[str, Mapping[str, str]], *, service_role: str = SERVI
         found += [f"{name}: is handed {key}" for key in sorted(spec.never) if key in env]
         url = value(env, "BALLAST_DATABASE_URL")
         user = urlsplit(url).username if url else None
-        if url and spec.database == "service" and user != service_role:
-            found.append(f"{name}: logs in to the journal as {user!r}, not the services' role {service_role!r}")
-        if url and spec.database == "owner" and user == service_role:
-            found.append(f"{name}: runs migrations as the services' role {service_role!r}")
+        role = roles.get(spec.database)
+        if url and role and user != role:
+            found.append(f"{name}: logs in to the journal as {user!r}, not the {spec.database} role {role!r}")
+        if url and spec.database == "owner" and user in roles.values():
+            found.append(f"{name}: runs migrations as a service's role {user!r}")
         own = env.get("BALLAST_SERVICE_DATABASE_URL")
-        if own and spec.database == "service" and urlsplit(own).username != service_role:
-            found.append(f"{name}: BALLAST_SERVICE_DATABASE_URL is not the services' role's")
+        if own and role and urlsplit(own).username != role:
+            found.append(f"{name}: BALLAST_SERVICE_DATABASE_URL is not the {spec.database} role's ({role!r})")
         if "BALLAST_MODEL" in spec.needs:
             served[name] = served_model(env)
     found += _differing(MEETING_ENV, envs)

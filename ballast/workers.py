@@ -24,6 +24,7 @@ from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
 from ballast import procs
 from config import Settings
+from config.database import SERVICE_ROLES
 from config.temporal import connect_temporal
 from journal.db import connect
 from policy.grouping import own_queue
@@ -43,6 +44,8 @@ from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QUOTA_ID, QuotaReconciler
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from engine.gate import GatedEngine
 
 log = logging.getLogger("ballast.worker")
@@ -76,9 +79,23 @@ async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engi
         w.cancel()
 
 
+async def _warn_if_overprivileged(db: AsyncEngine, service: str) -> None:
+    """A worker that could mint keys holds more than it uses: say so, and what to hand it."""
+    from sqlalchemy import text
+
+    async with db.connect() as conn:
+        user, keys = (await conn.execute(text(
+            "SELECT current_user, has_table_privilege('api_keys', 'INSERT')"))).one()
+    if keys:
+        log.warning("the %s worker logs in as %r, which may write API keys and limits: hand it the %s role's "
+                    "URL (%s; docs/deployment.md#postgres-roles-and-secrets)", service, user, service,
+                    SERVICE_ROLES[service])
+
+
 async def control_worker(settings: Settings) -> None:
     client = await connect_temporal(settings)
-    db = connect(settings.require("service_db_url"))
+    db = connect(settings.require("service_db_url"), name="ballast-control")
+    await _warn_if_overprivileged(db, "control")
     acts = BatchActivities(
         db,
         ObjectStore(settings.object_store_url),
@@ -159,7 +176,8 @@ async def engine_worker(settings: Settings) -> None:
         log.warning("engine gate on: batch generations hold at the budgets in %s", settings.engine_gate)
         engine = GatedEngine(engine, settings.engine_gate)
     client = await connect_temporal(settings)
-    db = connect(settings.require("service_db_url"))
+    db = connect(settings.require("service_db_url"), name="ballast-engine")
+    await _warn_if_overprivileged(db, "engine")
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
                         min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s,
                         preemption=settings.batch_preemption, max_share=settings.batch_max_share)

@@ -44,7 +44,7 @@ from ballast import procs, topology
 from ballast.temporal_server import temporal_cli
 from bench.tls import Pki, haproxy, haproxy_conf, make_pki
 from config import Settings
-from config.database import SERVICE_ROLE, as_role, libpq_url
+from config.database import SERVICE_ROLES, as_role, libpq_url
 
 BUCKET = "ballast"
 S3_PORT = 9000
@@ -221,9 +221,8 @@ def start(fleet: Fleet, settings: Settings, *, say=print) -> None:
     # What every Ballast process shares: the meeting places and the model. Each host has
     # its own copy of the model (the tiny one, built the same everywhere); only its
     # settings name it.
-    service_password = secrets.token_urlsafe(16)
+    passwords = {kind: secrets.token_urlsafe(16) for kind in SERVICE_ROLES}
     token = secrets.token_urlsafe(24)
-    service_url = as_role(fleet.owner_url, SERVICE_ROLE, service_password)
     shared = dict(BALLAST_TEMPORAL_ADDRESS=f"{net.addr('temporal')}:{TEMPORAL_PORT}",
                   BALLAST_TEMPORAL_NAMESPACE="default", BALLAST_CONTROL_QUEUE=settings.control_queue,
                   BALLAST_ENGINE_QUEUE=settings.engine_queue,
@@ -249,19 +248,24 @@ def start(fleet: Fleet, settings: Settings, *, say=print) -> None:
         return env
 
     env_for("migrate", "control", BALLAST_DATABASE_URL=fleet.owner_url,
-            BALLAST_SERVICE_DATABASE_PASSWORD=service_password)
-    service = dict(BALLAST_DATABASE_URL=service_url, BALLAST_SERVICE_DATABASE_URL=service_url)
+            **{f"BALLAST_{kind.upper()}_DATABASE_PASSWORD": pw for kind, pw in passwords.items()})
+
+    def login(kind: str) -> dict[str, str]:
+        """Service `kind`'s own role's URL, and nothing of another's."""
+        url = as_role(fleet.owner_url, SERVICE_ROLES[kind], passwords[kind])
+        return dict(BALLAST_DATABASE_URL=url, BALLAST_SERVICE_DATABASE_URL=url)
+
     hosts = fleet.placed
     hosts.update(control="control", migrate="control")
     for n in (1, 2):
         host = hosts[f"engine-{n}"] = f"engine{n}"
-        env_for(f"engine-{n}", host, **service, BALLAST_ENGINE_TOKEN=token, BALLAST_ENGINE_HOST=net.addr(host),
+        env_for(f"engine-{n}", host, **login("engine"), BALLAST_ENGINE_TOKEN=token, BALLAST_ENGINE_HOST=net.addr(host),
                 BALLAST_ENGINE_PORT=str(ENGINE_PORT), BALLAST_ENGINE_URL=f"http://{net.addr(host)}:{ENGINE_PORT}",
                 BALLAST_KV_CACHE_GIB="0.5", BALLAST_MAX_NUM_SEQS=str(settings.max_num_seqs))
-    env_for("control", "control", **service)
+    env_for("control", "control", **login("control"))
     for n in (1, 2):
         host = hosts[f"api-{n}"] = f"api{n}"
-        env_for(f"api-{n}", host, **service, BALLAST_ENGINE_TOKEN=token, BALLAST_API_HOST=net.addr(host),
+        env_for(f"api-{n}", host, **login("api"), BALLAST_ENGINE_TOKEN=token, BALLAST_API_HOST=net.addr(host),
                 BALLAST_API_PORT=str(API_PORT))
     # The deployment contract, as docker-compose and the Helm chart are held to it, and
     # nothing that would let one host reach another but through the network.

@@ -11,6 +11,10 @@ from config.section import Section
 # The role the API and workers connect as: it may append to and read the journal, never
 # rewrite it or change the schema. Migration 0004 creates it and grants what it needs.
 SERVICE_ROLE = "ballast_service"
+# The role of each service (migration 0017), each granted only what that service does. A
+# process logs in as one of them through BALLAST_SERVICE_DATABASE_URL, which its
+# deployment hands it; `ballast migrate` sets their passwords.
+SERVICE_ROLES = dict(api="ballast_api", control="ballast_control", engine="ballast_engine")
 
 
 def sync_url(url: str) -> str:
@@ -45,16 +49,21 @@ class DatabaseSettings(Section):
     database_url: str | None = Field(
         default=None, validation_alias=AliasChoices("BALLAST_DATABASE_URL", "DATABASE_URL")
     )
-    # Two roles: migrations run as database_url's user, the owner; the API and workers
-    # connect as service_role, which may append to and read the journal but never rewrite
-    # it or change the schema (migration 0004 creates and grants it). Their URL is
-    # service_database_url, else database_url logged in as service_role with
-    # service_database_password, which the migration that creates the role sets on it
-    # (`ballast up` on its embedded server, which asks every role for a password, makes
-    # one unless this is set, and hands the API and workers that URL, never the owner's).
+    # Migrations run as database_url's user, the owner. A service process connects with
+    # service_database_url: its deployment hands each service its own role's URL
+    # (SERVICE_ROLES; docs/deployment.md#postgres-roles-and-secrets). Unset, it is
+    # database_url logged in as service_role with service_database_password: the one role
+    # every service shared before each had its own (migration 0004 makes it; the tests
+    # that run every service in one process use it).
     service_role: str = SERVICE_ROLE
     service_database_url: str | None = None
     service_database_password: str | None = None
+    # Each service's own role's password: `ballast migrate` sets each one given here on its
+    # role, and `ballast up` hands each service its own (made and kept in data_dir where
+    # unset). Only migrate is handed them: a service gets its URL alone.
+    api_database_password: str | None = None
+    control_database_password: str | None = None
+    engine_database_password: str | None = None
 
     @property
     def service_db_url(self) -> str | None:
@@ -64,3 +73,11 @@ class DatabaseSettings(Section):
         if not self.database_url:
             return None
         return as_role(self.database_url, self.service_role, self.service_database_password)
+
+    def role_passwords(self) -> dict[str, str]:
+        """{role: password} of each service's role whose password is set here."""
+        return {role: pw for kind, role in SERVICE_ROLES.items() if (pw := self.role_password(kind))}
+
+    def role_password(self, kind: str) -> str | None:
+        """The password set here for service `kind`'s own role."""
+        return getattr(self, f"{kind}_database_password")

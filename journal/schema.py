@@ -151,6 +151,9 @@ engines = Table(
     Column("batch_cap", Integer, nullable=True),
     # `ballast worker drain ID` (migration 0008): no new work goes there.
     Column("draining", Boolean, nullable=False, server_default="false"),
+    # The login that announced it, filled by the database (migration 0017): an engine's
+    # login may touch its own rows only.
+    Column("login", Text, nullable=False, server_default=text("current_user")),
 )
 
 # One lease per stream fenced by attempts (migration 0004): an attempt takes the next

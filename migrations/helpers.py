@@ -37,3 +37,14 @@ def grant_services(privileges: str, *tables: str) -> None:
     role, _ = service_login(context.config)
     quote = op.get_bind().dialect.identifier_preparer.quote
     op.execute(f"GRANT {privileges} ON {', '.join(map(quote, tables))} TO {quote(role)}")
+
+
+# Each service's own role (0017 creates them): a later migration that adds a table grants
+# each service what it does there, and tests/journal/test_service_roles.py holds them to it.
+SERVICE_ROLES = dict(api="ballast_api", control="ballast_control", engine="ballast_engine")
+
+
+def grant_role(service: str, privileges: str, *tables: str) -> None:
+    """Grant service `service`'s own role `privileges` (e.g. "SELECT, INSERT") on `tables`."""
+    role = SERVICE_ROLES[service]
+    op.execute(f"GRANT {privileges} ON {', '.join(tables)} TO {role}")

@@ -15,14 +15,17 @@ import secrets
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ballast import pg
 from config import Settings
+from config.database import SERVICE_ROLES, as_role
 from journal.db import connect
 from journal.migrate import upgrade
 
@@ -38,12 +41,15 @@ def pg_server_url(tmp_path_factory):
     root = Path(tempfile.mkdtemp(prefix="ballast-test-pg-"))
     server = pg.EmbeddedPostgres(root)
     server.start()
-    # The server asks every role for its password, the services' role included: the
-    # migrations set this one on it, and Settings (so every process a test starts, which
-    # inherits it) reads it, as BALLAST_SERVICE_DATABASE_PASSWORD.
+    # The server asks every role for its password, the services' roles included: the
+    # migrations (and migrated_database) set these on them, and Settings (so every process
+    # a test starts, which inherits them) reads them, as BALLAST_SERVICE_DATABASE_PASSWORD
+    # and BALLAST_{API,CONTROL,ENGINE}_DATABASE_PASSWORD.
     env = pytest.MonkeyPatch()
-    if not os.environ.get("BALLAST_SERVICE_DATABASE_PASSWORD"):
-        env.setenv("BALLAST_SERVICE_DATABASE_PASSWORD", secrets.token_urlsafe(24))
+    for name in ("BALLAST_SERVICE_DATABASE_PASSWORD",
+                 *(f"BALLAST_{kind.upper()}_DATABASE_PASSWORD" for kind in SERVICE_ROLES)):
+        if not os.environ.get(name):
+            env.setenv(name, secrets.token_urlsafe(24))
     try:
         yield server.url
     finally:
@@ -57,7 +63,7 @@ def migrated_database(server_url: str, prefix: str) -> Iterator[str]:
     """A new database on the server, migrated to head; its owner URL. Dropped afterwards."""
     name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     url = pg.create_database(server_url, name)
-    upgrade(url, service_url=service_url_for(url))
+    migrate(url)
     try:
         yield url
     finally:
@@ -69,6 +75,19 @@ def db_url(pg_server_url):
     """The test database, as its owner: what migrations use."""
     with migrated_database(pg_server_url, "ballast_test") as url:
         yield url
+
+
+def migrate(owner_url: str) -> None:
+    """Upgrade to head as the owner, and set each service role's password where one is set
+    (the embedded server's; the machine's trusts them)."""
+    upgrade(owner_url, service_url=service_url_for(owner_url))
+    for role, password in Settings().role_passwords().items():
+        pg.set_password(owner_url, role, password)
+
+
+def role_url_for(owner_url: str, kind: str) -> str:
+    """The database as service `kind`'s own role (config.database.SERVICE_ROLES)."""
+    return as_role(owner_url, SERVICE_ROLES[kind], Settings().role_password(kind))
 
 
 def service_url_for(owner_url: str) -> str:
@@ -83,22 +102,31 @@ def service_db_url(db_url):
     return service_url_for(db_url)
 
 
-@pytest.fixture(scope="session")
-async def db(service_db_url):
-    engine = connect(service_db_url)
+@asynccontextmanager
+async def engine_at(url: str, **kw: Any) -> AsyncIterator[AsyncEngine]:
+    engine = connect(url, **kw)
     try:
         yield engine
     finally:
         await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+async def services_db(service_db_url):
+    """Every service's rights at once (ballast_service), for tests that run them in one process."""
+    async with engine_at(service_db_url) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def db(services_db):
+    return services_db
 
 
 @pytest.fixture(scope="session")
 async def owner_db(db_url):
-    engine = connect(db_url, pool_size=2)
-    try:
+    async with engine_at(db_url, pool_size=2) as engine:
         yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture(scope="session")

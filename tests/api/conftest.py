@@ -5,6 +5,10 @@ Temporal is real only for the tests that ask for it.
 Every client carries an API key: `api` and `temporal_api` one of tenant `default`, made in
 the test database as the admin API makes them; `other_api` one of a tenant of its own.
 `bare_api` has no database, so its one key is known to its key cache beforehand.
+
+`db` here is the API's own role (ballast_api), as `ballast api` logs in: the app runs, and
+each test sets its scene, with only what the API may do. `services_db` is for a scene the
+API never makes itself (a batch's items, as the control worker journals them).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from config import Settings
 from journal import tenant_store
 from journal.tenant_store import Principal
 from storage.objects import ObjectStore
+from tests.conftest import engine_at, role_url_for
 
 UPLOAD_LIMIT = 64 * 1024
 REQUEST_LIMIT = 16 * 1024
@@ -38,6 +43,12 @@ class Untouchable:
 
     def __getattr__(self, attr: str):
         raise AssertionError(f"the request reached {self._name}.{attr}")
+
+
+@pytest.fixture(scope="session")
+async def db(db_url):
+    async with engine_at(role_url_for(db_url, "api"), name="ballast-api") as engine:
+        yield engine
 
 
 @pytest.fixture

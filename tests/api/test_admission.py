@@ -285,7 +285,7 @@ async def reconcile(db, ttl_s: float = 30.0):
     return await ActivityEnvironment().run(QuotaActivities(db).reconcile_quota, ReconcileInput(ttl_s))
 
 
-async def test_another_processes_admissions_count_once_folded(harness, settings, db):
+async def test_another_processes_admissions_count_once_folded(harness, settings, db, services_db):
     """Process A admits; once its flusher, the fold and B's refresh have run, B counts
     them: B admits only what is left of the limit (and A's own count is exact all along)."""
     await harness.limit(requests_per_min=5)
@@ -297,7 +297,7 @@ async def test_another_processes_admissions_count_once_folded(harness, settings,
             assert isinstance(a.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5), Ticket)
         await a.flush()
         await a.flush()  # uncorrected reservations wait one tick for the engine's figures
-        await reconcile(db)
+        await reconcile(services_db)  # the control worker's
         await b.refresh()
         got = [b.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5) for _ in range(3)]
         assert [isinstance(g, Ticket) for g in got] == [True, True, False]
@@ -308,7 +308,7 @@ async def test_another_processes_admissions_count_once_folded(harness, settings,
         assert [isinstance(g, Ticket) for g in more] == [True, True, False]
         for adm in (a, b, a, b):
             await adm.flush()
-        await reconcile(db)
+        await reconcile(services_db)  # the control worker's
         for adm in (a, b):
             await adm.refresh()
             refused = adm.reserve_local(uuid.uuid4().hex, harness.tenant, MODEL, "priority", 5, 5, 5)
@@ -317,7 +317,7 @@ async def test_another_processes_admissions_count_once_folded(harness, settings,
         await b.stop()
 
 
-async def test_a_killed_processes_reservations_expire(settings, db):
+async def test_a_killed_processes_reservations_expire(settings, db, services_db):
     async with db.begin() as conn:
         await tenant_store.ensure_tenant(conn, "expiry")
     holder = f"doomed-{uuid.uuid4().hex[:8]}"
@@ -326,7 +326,7 @@ async def test_a_killed_processes_reservations_expire(settings, db):
     assert all(isinstance(t, Ticket) for t in tickets)
     await a.stop()  # the process is gone: its reservations were written, never settled
     await asyncio.sleep(1.2)
-    await reconcile(db, ttl_s=1.0)
+    await reconcile(services_db, ttl_s=1.0)
     async with db.connect() as c:
         rows = (await c.execute(text("SELECT kind, count(*) FROM ledger WHERE holder = :h GROUP BY kind ORDER BY kind"),
                                 dict(h=holder))).all()
@@ -347,3 +347,4 @@ async def test_the_synchronous_baseline_admits_exactly_to_the_limit(harness, set
     got[0].cancel()
     await sync.flush()
     assert (await ledger_rows(db, got[0].subject))[-1][0] == "refund"
+

@@ -28,8 +28,10 @@ CUSTOM_IDS = [f"c{i}" for i in range(N)]
 
 
 @pytest.fixture
-def acts(settings, db):
-    return BatchActivities(db, ObjectStore(settings.object_store_url), RequestLimits("ballast-tiny", 1024), 100)
+def acts(settings, services_db):
+    """The control worker's batch activities."""
+    return BatchActivities(services_db, ObjectStore(settings.object_store_url), RequestLimits("ballast-tiny", 1024),
+                           100)
 
 
 async def _create(api) -> str:
@@ -53,6 +55,7 @@ async def _finalize(acts, batch_id: str, outcome: BatchOutcome) -> str:
 
 
 async def _settle(db, batch_id: str, idx: int, ok: bool = True) -> None:
+    """An item's result, as the engine worker that ran it journals it."""
     body = {"object": "chat.completion"} if ok else {"error": {"message": "no", "code": "x"}}
     async with db.begin() as conn:
         fence = await acquire(conn, keys.item(batch_id, idx), "test")
@@ -111,12 +114,13 @@ async def test_cancelled_before_validation_twice_and_after_the_workflow_closed(t
     await _refused(api, batch_id, "cancelled")
 
 
-async def test_a_cancel_after_every_item_finished_ends_cancelled_with_them_all_in_the_output(temporal_api, acts, db):
+async def test_a_cancel_after_every_item_finished_ends_cancelled_with_them_all_in_the_output(temporal_api, acts, db,
+                                                                                            services_db):
     api = temporal_api
     batch_id = await _create(api)
     await _validate(acts, batch_id)
     for i in range(N):
-        await _settle(db, batch_id, i)
+        await _settle(services_db, batch_id, i)
     await _cancel(api, batch_id, "cancelling")
     # The workflow's run saw every item done: it asks for `completed`.
     assert await _finalize(acts, batch_id, "completed") == "cancelled"
@@ -128,12 +132,12 @@ async def test_a_cancel_after_every_item_finished_ends_cancelled_with_them_all_i
     await _refused(api, batch_id, "cancelled")
 
 
-async def test_a_cancel_mid_run_puts_each_item_once_in_output_or_error(temporal_api, acts, db):
+async def test_a_cancel_mid_run_puts_each_item_once_in_output_or_error(temporal_api, acts, db, services_db):
     api = temporal_api
     batch_id = await _create(api)
     await _validate(acts, batch_id)
-    await _settle(db, batch_id, 0)
-    await _settle(db, batch_id, 1, ok=False)
+    await _settle(services_db, batch_id, 0)
+    await _settle(services_db, batch_id, 1, ok=False)
     await _cancel(api, batch_id, "cancelling")
     await _cancel(api, batch_id, "cancelling")
     assert await _finalize(acts, batch_id, "cancelled") == "cancelled"
@@ -145,12 +149,12 @@ async def test_a_cancel_mid_run_puts_each_item_once_in_output_or_error(temporal_
     assert err["c1"]["response"]["status_code"] == 400 and err["c2"]["error"]["code"] == "batch_cancelled"
 
 
-async def test_a_cancel_during_finalization_or_after_completion_is_refused(temporal_api, acts, db):
+async def test_a_cancel_during_finalization_or_after_completion_is_refused(temporal_api, acts, db, services_db):
     api = temporal_api
     batch_id = await _create(api)
     await _validate(acts, batch_id)
     for i in range(N):
-        await _settle(db, batch_id, i)
+        await _settle(services_db, batch_id, i)
     # What finalize does first; the files are being written now.
     async with db.begin() as conn:
         assert await batch_store.move_status(conn, batch_id, "finalizing", 1.0)
@@ -164,11 +168,11 @@ async def test_a_cancel_during_finalization_or_after_completion_is_refused(tempo
     assert list(out) == CUSTOM_IDS and not err
 
 
-async def test_an_expired_batch_is_finalizing_first_so_no_cancel_strands_it(temporal_api, acts, db):
+async def test_an_expired_batch_is_finalizing_first_so_no_cancel_strands_it(temporal_api, acts, db, services_db):
     api = temporal_api
     batch_id = await _create(api)
     await _validate(acts, batch_id)
-    await _settle(db, batch_id, 2)
+    await _settle(services_db, batch_id, 2)
     assert await _finalize(acts, batch_id, "expired") == "expired"
     await _refused(api, batch_id, "expired")
 

@@ -303,7 +303,7 @@ async def test_expire_files_returns_the_keys_of_the_rows_it_deleted(db, http, te
     http.services.store.delete(object_keys)  # again: already gone is fine
 
 
-async def test_output_expires_after_reaches_the_batchs_files(temporal_api, settings, db):
+async def test_output_expires_after_reaches_the_batchs_files(temporal_api, settings, db, services_db):
     async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],
                                   max_retries=0, http_client=temporal_api) as client:
         f = await client.files.create(file=("in.jsonl", io.BytesIO(LINE)), purpose="batch")
@@ -316,7 +316,8 @@ async def test_output_expires_after_reaches_the_batchs_files(temporal_api, setti
         with pytest.raises(openai.ConflictError) as caught:
             await client.files.delete(f.id)
         assert caught.value.code == "file_in_use"
-        acts = BatchActivities(db, ObjectStore(settings.object_store_url), RequestLimits("ballast-tiny", 1024), 100)
+        acts = BatchActivities(services_db, ObjectStore(settings.object_store_url),
+                               RequestLimits("ballast-tiny", 1024), 100)
         await ActivityEnvironment().run(acts.validate_batch, ValidateInput(batch.id))
         assert await ActivityEnvironment().run(acts.finalize_batch, FinalizeInput(batch.id, "cancelled", 1.0)) == \
             "cancelled"
@@ -416,7 +417,7 @@ async def test_a_file_name_past_255_characters_is_400(http, db, settings, tenant
     assert len(await rows_of(db, tenant)) == 1 and len(objects(settings)) == 1
 
 
-async def test_the_control_workers_quota_tick_sweeps_expired_files(http, db, settings, tenant):
+async def test_the_control_workers_quota_tick_sweeps_expired_files(http, db, services_db, settings, tenant):
     """Wired where it runs: the quota reconciler's activity starts the sweep in the background."""
     from temporalio.testing import ActivityEnvironment
 
@@ -425,7 +426,7 @@ async def test_the_control_workers_quota_tick_sweeps_expired_files(http, db, set
 
     store = http.services.store
     fid = await _expired(db, store, tenant)
-    quota = QuotaActivities(db, store=store)
+    quota = QuotaActivities(services_db, store=store)
     await ActivityEnvironment().run(quota.reconcile_quota, ReconcileInput(holder_ttl_s=30))
     assert quota._files is not None
     await quota._files

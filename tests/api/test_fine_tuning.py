@@ -95,11 +95,11 @@ async def test_pause_resume_and_cancel_follow_the_status(client, db):
         await client.fine_tuning.jobs.cancel(job.id)
 
 
-async def test_events_and_checkpoints_list_what_the_journal_holds_newest_first(client, db):
+async def test_events_and_checkpoints_list_what_the_journal_holds_newest_first(client, services_db):
     job = await client.fine_tuning.jobs.create(model="ballast-tiny", training_file=await upload(client))
-    async with db.begin() as c:
+    async with services_db.begin() as c:  # as the engine worker training it journals them
         fence = await acquire(c, keys.ftjob(job.id), "test")
-    async with db.begin() as c:
+    async with services_db.begin() as c:
         await append(c, [
             finetune_store.checkpoint_event(job.id, "default", 2, keys.checkpoint(job.id, 2), "a" * 64, [2.0, 1.5],
                                             fence),

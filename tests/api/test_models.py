@@ -33,7 +33,8 @@ async def test_lists_the_deployments_model_first_with_a_stable_created(api):
     assert (await api.get("/v1/models/ballast-tiny")).json() == own
 
 
-async def test_another_pools_model_is_listed_while_an_engine_serves_it_with_its_own_context(api, db):
+async def test_another_pools_model_is_listed_while_an_engine_serves_it_with_its_own_context(api, services_db):
+    db = services_db  # an engine announces, the operator drains
     engine_id = await _announce(db, "org/other-model", max_model_len=64)  # hub ids have a slash
     try:
         assert await _listed(api) == ["ballast-tiny", "org/other-model"]
@@ -62,7 +63,7 @@ async def test_an_unknown_model_is_404_model_not_found(api):
     assert_openai_error(await api.get("/v1/models/%00%ED%A0%80"), 404, "model", "model_not_found")
 
 
-async def test_a_tenant_deletes_its_fine_tuned_model_as_openais_client_does(api, other_api, db):
+async def test_a_tenant_deletes_its_fine_tuned_model_as_openais_client_does(api, other_api, db, services_db):
     """Gone from the list and from every call, its adapter and checkpoints gone from the
     store; its job stays, with its history. Only its tenant can, and only a fine-tuned model."""
     import time
@@ -81,7 +82,7 @@ async def test_a_tenant_deletes_its_fine_tuned_model_as_openais_client_does(api,
     for key in owned:
         with store.writer(key) as f:
             f.write(b"weights")
-    async with db.begin() as conn:
+    async with services_db.begin() as conn:  # a job trained and checkpointed, as the workers journal it
         await finetune_store.create_job(conn, dict(
             id=job_id, tenant="default", model="ballast-tiny", training_file="file-x", validation_file=None,
             hyperparameters=dict(n_epochs=1, batch_size=1, learning_rate_multiplier=1.0), seed=1, suffix="gone",

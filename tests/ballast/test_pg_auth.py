@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from ballast import pg, procs
-from config.database import SERVICE_ROLE, as_role, libpq_url
+from config.database import SERVICE_ROLE, SERVICE_ROLES, as_role, libpq_url
 from journal.migrate import upgrade
 
 
@@ -47,6 +47,8 @@ def installation() -> Iterator[tuple[pg.EmbeddedPostgres, str, str]]:
             owner = pg.create_database(server.url, "journal")
             service = as_role(owner, SERVICE_ROLE, secrets.token_urlsafe(16))
             upgrade(owner, service_url=service)
+            for role in SERVICE_ROLES.values():  # as `ballast migrate` and `ballast up` do
+                pg.set_password(owner, role, secrets.token_urlsafe(16))
             yield server, owner, service
         finally:
             server.stop()
@@ -84,7 +86,7 @@ def test_the_server_trusts_no_one(installation):
     assert rules and {t for t, _, _ in rules} >= {"local", "host"}, rules  # the socket and TCP
     assert all(method == "scram-sha-256" and error is None for _, method, error in rules), rules
     assert encryption == "scram-sha-256"
-    assert set(verifiers) == {pg.PG_USER, SERVICE_ROLE}
+    assert set(verifiers) == {pg.PG_USER, SERVICE_ROLE, *SERVICE_ROLES.values()}
     assert all(v and v.startswith("SCRAM-SHA-256$") for v in verifiers.values()), verifiers
 
 

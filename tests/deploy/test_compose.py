@@ -36,6 +36,7 @@ from pydantic import AliasChoices
 from ballast import cli, topology
 from ballast.procs import READY_FILE_ENV
 from config import TINY_MODEL_NAME, Settings
+from config.database import SERVICE_ROLES
 
 yaml = pytest.importorskip("yaml")
 
@@ -52,11 +53,11 @@ ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 # value of its own, so that where one of them shows up tells whose it is.
 DOTENV = {
     "POSTGRES_PASSWORD": "owner-" + secrets.token_hex(8),
-    "BALLAST_SERVICE_DATABASE_PASSWORD": "service-" + secrets.token_hex(8),
+    **{f"BALLAST_{k.upper()}_DATABASE_PASSWORD": f"{k}-" + secrets.token_hex(8) for k in SERVICE_ROLES},
     "TEMPORAL_DB_PASSWORD": "temporal-" + secrets.token_hex(8),
     "BALLAST_ENGINE_TOKEN": "engine-" + secrets.token_hex(8),
 }
-SERVICE_ROLE_CONTAINERS = tuple(n for n, p in topology.PROCESSES.items() if p.database == "service")
+SERVICE_ROLE_CONTAINERS = tuple(n for n, p in topology.PROCESSES.items() if p.database in SERVICE_ROLES)
 # A variable named so holds a secret: it must never have a default.
 SECRET_NAME = re.compile(r"PASSWORD|TOKEN|SECRET|(^|_)API_KEY$|(^|_)KEY$|PRIVATE")
 
@@ -284,8 +285,9 @@ def test_database_url_points_at_postgres(services, monkeypatch):
             assert parts.username == pg_env.get("POSTGRES_USER", "postgres")
             assert parts.password == pg_env["POSTGRES_PASSWORD"] == DOTENV["POSTGRES_PASSWORD"]
         else:
-            assert (parts.username, parts.password) == (migrate.service_role,
-                                                        DOTENV["BALLAST_SERVICE_DATABASE_PASSWORD"]), name
+            # Its own role, with the very password migrate sets on that role.
+            assert (parts.username, parts.password) == (SERVICE_ROLES[name], migrate.role_password(name)), name
+            assert parts.password == DOTENV[f"BALLAST_{name.upper()}_DATABASE_PASSWORD"], name
 
 
 def test_only_migrate_is_handed_the_owners_credentials(services, monkeypatch):
@@ -296,7 +298,6 @@ def test_only_migrate_is_handed_the_owners_credentials(services, monkeypatch):
     assert owner_password == DOTENV["POSTGRES_PASSWORD"]  # the secret searched for is the owner's
     migrate = _settings_of(services["migrate"], monkeypatch)
     assert urlsplit(migrate.database_url).username == owner
-    assert migrate.service_db_url and urlsplit(migrate.service_db_url).username != owner
     seen_by = {name for name, s in services.items() if any(owner_password in v for v in _env(s).values())}
     assert seen_by == {"postgres", "migrate"}, seen_by  # Temporal's services included: they have a role of their own
     for name in SERVICE_ROLE_CONTAINERS:
@@ -307,9 +308,12 @@ def test_only_migrate_is_handed_the_owners_credentials(services, monkeypatch):
         settings = _settings_of(services[name], monkeypatch)
         for url in (settings.database_url, settings.service_db_url):
             parts = urlsplit(url)
-            assert parts.username == migrate.service_role and parts.username != owner, f"{name}: {url}"
-        # The very URL migrate sets the password of: same role, same password.
-        assert settings.service_db_url == migrate.service_db_url, name
+            assert parts.username == SERVICE_ROLES[name] != owner, f"{name}: {url}"
+        # No role's password but in its own URL: another service's is another's login.
+        assert not settings.role_passwords() and not settings.service_database_password, name
+        others = [v for k, v in DOTENV.items() if k.endswith("_DATABASE_PASSWORD") and not k.startswith(
+            f"BALLAST_{name.upper()}_")]
+        assert not [v for v in env.values() for o in others if o in v], name
 
 
 def test_secrets_have_no_defaults():

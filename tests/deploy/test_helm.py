@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -41,17 +40,22 @@ RELEASE, NAMESPACE = "ballast", "llm"
 
 # What `helm install --set-string ...` passes: the secrets no values file may hold.
 OWNER_URL = "postgresql://ballast:owner-pw@pg.example:5432/ballast"
-SERVICE_URL = "postgresql://ballast_service:service-pw@pg.example:5432/ballast"
+KINDS = ("api", "control", "engine")
+ROLE_URL = {k: f"postgresql://ballast_{k}:{k}-pw@pg.example:5432/ballast" for k in KINDS}
 INSTALL = {
-    "database": {"owner": {"url": OWNER_URL, "servicePassword": "service-pw"}, "service": {"url": SERVICE_URL}},
+    "database": {"owner": {"url": OWNER_URL, **{f"{k}Password": f"{k}-pw" for k in KINDS}},
+                 "service": {f"{k}Url": ROLE_URL[k] for k in KINDS}},
     "engineToken": {"value": "engine-token"},
 }
 # The Secrets' values, where the operator names Secrets of their own (existingSecret).
-EXISTING = {("database", "owner", "urlKey"): OWNER_URL, ("database", "owner", "servicePasswordKey"): "service-pw",
-            ("database", "service", "urlKey"): SERVICE_URL, ("engineToken", "key"): "engine-token",
-            ("temporal", "apiKey", "key"): "temporal-api-key"}
+EXISTING: dict[tuple[str, ...], str] = {("database", "owner", "urlKey"): OWNER_URL,
+                                         **{("database", "owner", f"{k}PasswordKey"): f"{k}-pw" for k in KINDS},
+                                         **{("database", "service", f"{k}UrlKey"): ROLE_URL[k] for k in KINDS},
+                                                                      ("engineToken", "key"): "engine-token",
+                                         ("temporal", "apiKey", "key"): "temporal-api-key"}
 # The values that are secrets: empty in every values file.
-SECRET_VALUES = [("database", "owner", "url"), ("database", "owner", "servicePassword"), ("database", "service", "url"),
+SECRET_VALUES = [("database", "owner", "url"), *[("database", "owner", f"{k}Password") for k in KINDS],
+                 *[("database", "service", f"{k}Url") for k in KINDS],
                  ("engineToken", "value"), ("temporal", "apiKey", "value"), ("temporal", "tls", "clientCert"),
                  ("temporal", "tls", "clientKey"), ("temporal", "tls", "serverCA")]
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
@@ -221,12 +225,12 @@ def test_every_variable_is_a_setting_or_the_temporal_sdks(case):
 def test_each_process_gets_what_the_contract_says(case):
     """ballast/topology.py over the whole release: every process there, each with what it
     needs and not what it must not have (no engine token on the control worker), the api and
-    the workers logged in as the services' role, migrate as the owner, one model and one set
+    the workers each logged in as its own role, migrate as the owner, one model and one set
     of meeting places (pools may load the model from elsewhere, under the same name)."""
     _, values, docs = case
     secrets = _secret_data(docs, values)
     envs = {name: _env(c, secrets) for name, c, _ in _containers(docs)}
-    assert topology.problems(envs, service_role=values["database"]["serviceRole"], exact_model=False) == []
+    assert topology.problems(envs, exact_model=False) == []
 
 
 def test_long_running_processes_never_see_the_owners_secret(case):
@@ -241,8 +245,14 @@ def test_long_running_processes_never_see_the_owners_secret(case):
             assert owner in refs
         else:
             assert docs_owner not in refs, f"{name} is handed the owner's Secret"
-            url = _env(c, _secret_data(docs, values))["BALLAST_DATABASE_URL"]
-            assert urlsplit(url).username == values["database"]["serviceRole"], name
+            env = _env(c, _secret_data(docs, values))
+            kind = topology.kind(name) or name
+            assert env["BALLAST_DATABASE_URL"] == env["BALLAST_SERVICE_DATABASE_URL"] == ROLE_URL[kind], name
+            # Its own role's URL alone: another service's is another's login.
+            keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in c.get("env") or []
+                    if "secretKeyRef" in e.get("valueFrom", {})}
+            others = {values["database"]["service"][f"{k}UrlKey"] for k in KINDS if k != kind}
+            assert not keys & others, (name, keys)
 
 
 def test_secrets_arrive_only_through_secret_references(case):
@@ -269,7 +279,8 @@ def test_no_values_file_holds_a_secret(values_file):
 
 def test_without_the_secrets_the_chart_refuses_to_render():
     """As compose's ${VAR:?}: an install that forgets one fails, naming it."""
-    for path in (("database", "owner", "url"), ("database", "service", "url"), ("engineToken", "value")):
+    for path in (("database", "owner", "url"), ("database", "owner", "enginePassword"),
+                 ("database", "service", "controlUrl"), ("engineToken", "value")):
         user = copy.deepcopy(INSTALL)
         _get(user, path[:-1]).pop(path[-1])
         with pytest.raises(helm.HelmError, match=re.escape(".".join(path))):

@@ -33,10 +33,10 @@ import pytest
 
 from ballast import pg, procs
 from ballast.cpus import descendants
+from config.database import SERVICE_ROLES
 from journal import tenant_store
 from journal.db import connect
-from journal.migrate import upgrade
-from tests.conftest import service_url_for
+from tests.conftest import migrate, role_url_for
 
 UPLOAD_LIMIT = 256 * 1024
 WAIT_S = 240  # how long a wait on an observed state may take before the test fails: a hang guard, not a speed bet
@@ -87,9 +87,10 @@ def make_key(db_url: str, tenant: str = "default", tiers: tuple[str, ...] = ("pr
 
 
 class Stack:
-    def __init__(self, root: Path, env: dict[str, str], key: str):
+    def __init__(self, root: Path, env: dict[str, str], key: str, db_urls: Mapping[str, str]):
         self.root = root
         self.env = env
+        self.db_urls = db_urls  # each service's own role's URL, by service
         self.url = f"http://127.0.0.1:{env['BALLAST_API_PORT']}"
         self.key = key
         self.headers = {"Authorization": f"Bearer {key}"}
@@ -109,7 +110,11 @@ class Stack:
         return OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0)
 
     def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> procs.Child:
-        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args], env=dict(self.env, **(env or {})),
+        """`ballast *args`, logged in to the journal as its service's own role."""
+        kind = args[0] if args[0] == "api" else args[1]
+        own = dict(BALLAST_DATABASE_URL=self.db_urls[kind], BALLAST_SERVICE_DATABASE_URL=self.db_urls[kind])
+        child = procs.spawn(name, [sys.executable, "-m", "ballast.cli", *args],
+                            env=dict(self.env, **own, **(env or {})),
                             log_path=self.root / "logs" / f"{name}.log")
         self.children[name] = child
         return child
@@ -177,11 +182,8 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
     """Engine worker, control worker and API on `db_url` (its owner's URL, which only the
     test itself uses: the services get the services' role's alone), with task queues of
     their own; `settings` are BALLAST_* variables on top."""
-    service = service_url_for(db_url)
     env = dict(
         os.environ,
-        BALLAST_DATABASE_URL=service,
-        BALLAST_SERVICE_DATABASE_URL=service,
         BALLAST_TEMPORAL_ADDRESS=temporal_address,
         BALLAST_DATA_DIR=str(root),
         BALLAST_MODEL=tiny_model.path,
@@ -204,7 +206,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)
-    s = Stack(root, env, make_key(db_url))
+    s = Stack(root, env, make_key(db_url), {kind: role_url_for(db_url, kind) for kind in SERVICE_ROLES})
     try:
         s.start_engine()
         s.start("control", "worker", "control")
@@ -224,7 +226,7 @@ def own_stack(tmp_path_factory, pg_server_url: str, temporal_address: str, tiny_
     name = f"ballast_test_{tag}_{os.getpid()}"
     url = pg.create_database(pg_server_url, name)
     try:
-        upgrade(url, service_url=service_url_for(url))
+        migrate(url)
         s = start_stack(tmp_path_factory.mktemp(tag), url, temporal_address, tiny_model, f"{tag}-{os.getpid()}",
                         **settings)
         try:

@@ -35,10 +35,11 @@ def pool(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
 async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_model, engine):
     stack, url = pool
     elsewhere = Path(tempfile.mkdtemp(prefix="ballast-test-elsewhere-"))
-    keep = ("BALLAST_DATABASE_URL", "BALLAST_TEMPORAL_ADDRESS", "BALLAST_ENGINE_TOKEN", "BALLAST_ENGINE_QUEUE",
+    keep = ("BALLAST_TEMPORAL_ADDRESS", "BALLAST_ENGINE_TOKEN", "BALLAST_ENGINE_QUEUE",
             "BALLAST_MAX_MODEL_LEN", "BALLAST_KV_CACHE_GIB")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BALLAST_") and k != "DATABASE_URL"}
-    env.update({k: stack.env[k] for k in keep}, BALLAST_DATA_DIR=str(elsewhere / "data"), BALLAST_REGION="far",
+    env.update({k: stack.env[k] for k in keep}, BALLAST_DATABASE_URL=stack.db_urls["engine"],
+               BALLAST_DATA_DIR=str(elsewhere / "data"), BALLAST_REGION="far",
                BALLAST_ENGINE_PORT=str(procs.free_port()))
     joined = procs.spawn("joined", [sys.executable, "-m", "ballast.cli", "worker", "engine"],
                          env=env, cwd=elsewhere, log_path=elsewhere / "engine.log")

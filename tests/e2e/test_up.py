@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from ballast import procs
-from config.database import SERVICE_ROLE, libpq_url
+from config.database import SERVICE_ROLES, libpq_url
 
 pytestmark = pytest.mark.e2e
 
@@ -82,22 +82,24 @@ def keys(data_dir: Path) -> tuple[str, str, str]:
     return out[0], out[1], out[2]
 
 
-def db_secrets(data_dir: Path) -> tuple[str, str]:
-    """The superuser's password and the services' role's, kept 0600 in the data dir; each
-    checked to be the real one: the server lets its role in with it."""
+def db_secrets(data_dir: Path) -> dict[str, str]:
+    """The superuser's password and each service's role's, kept 0600 in the data dir, by
+    role; each checked to be the real one: the server lets its role in with it."""
     url = (data_dir / "postgres-url").read_text().strip()
-    out = []
-    for name, role in (("postgres-password", "postgres"), ("service-db-password", SERVICE_ROLE)):
+    out = {}
+    for name, role in (("postgres-password", "postgres"),
+                       *((f"{kind}-db-password", role) for kind, role in SERVICE_ROLES.items())):
         path = data_dir / name
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
         password = path.read_text().strip()
         login = make_url(url).set(username=role, password=password).render_as_string(hide_password=False)
         with psycopg.connect(libpq_url(login), connect_timeout=10) as conn:
             assert conn.execute("SELECT current_user").fetchone() == (role,)
-        out.append(password)
+        out[role] = password
     assert stat.S_IMODE((data_dir / "postgres-url").stat().st_mode) == 0o600
-    assert make_url(url).password == out[0]
-    return out[0], out[1]
+    assert make_url(url).password == out["postgres"]
+    assert len(set(out.values())) == len(out)  # a password of its own each
+    return out
 
 
 def _proc(pid: int, what: str) -> bytes | None:
@@ -110,9 +112,10 @@ def _proc(pid: int, what: str) -> bytes | None:
 
 def check_roles_of_every_process(child: procs.Child, data_dir: Path) -> None:
     """Nothing `ballast up` started (vLLM's processes, Postgres and Temporal included) has
-    the superuser's password in its environment or argv; the API and the workers connect
-    as the services' role, with its password."""
-    superuser_password, service_password = db_secrets(data_dir)
+    the superuser's password in its environment or argv; the API and each worker connect
+    as its own service's role, with its password, and hold no other role's."""
+    passwords = db_secrets(data_dir)
+    superuser_password = passwords["postgres"]
     seen: dict[int, tuple[bytes, bytes]] = {}
     for pid in descendants(child.pid):
         cmdline, environ = _proc(pid, "cmdline"), _proc(pid, "environ")
@@ -129,10 +132,13 @@ def check_roles_of_every_process(child: procs.Child, data_dir: Path) -> None:
             services[b" ".join(argv[argv.index(b"ballast.cli") + 1:]).decode()] = variables
     assert sorted(services) == ["api", "worker control", "worker engine"], sorted(services)
     for name, variables in services.items():
+        role = SERVICE_ROLES[name.split()[-1]]
         for key in (b"BALLAST_DATABASE_URL", b"BALLAST_SERVICE_DATABASE_URL"):
             u = make_url(variables[key].decode())
-            assert (u.username, u.password) == (SERVICE_ROLE, service_password), f"{name}: {key!r} as {u.username}"
+            assert (u.username, u.password) == (role, passwords[role]), f"{name}: {key!r} as {u.username}"
         assert b"DATABASE_URL" not in variables and b"PGPASSWORD" not in variables, name
+        others = [p.encode() for r, p in passwords.items() if r != role]
+        assert not [v for v in variables.values() for o in others if o in v], f"{name} holds another role's password"
     assert len(seen) > len(services) + 2, seen.keys()  # postgres, temporal and vLLM's were looked at too
 
 
@@ -181,7 +187,7 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         assert key in shown and admin_key in shown  # new: both shown, this once
         assert f"export OPENAI_API_KEY=$(cat {data_dir / 'api-key'})" in shown
         assert str(data_dir / "engine-token") in shown and engine_token not in shown  # where, never what
-        assert passwords[0] not in shown and passwords[1] not in shown  # the banner masks the URL
+        assert not [p for p in passwords.values() if p in shown]  # the banner masks the URL
         assert api.get("/v1/batches").status_code == 401  # no key
         api.headers["Authorization"] = f"Bearer {key}"
         assert (data_dir / "postgres-url").exists()  # for `ballast tenants` meanwhile

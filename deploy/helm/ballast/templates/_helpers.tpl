@@ -92,8 +92,6 @@ worker, the migration and the release model's pools cannot disagree. For an engi
   value: {{ required "temporal.address: the Temporal frontend (host:port)" $.Values.temporal.address | quote }}
 - name: TEMPORAL_NAMESPACE
   value: {{ $.Values.temporal.namespace | quote }}
-- name: BALLAST_SERVICE_ROLE
-  value: {{ $.Values.database.serviceRole | quote }}
 {{- with $.Values.database.sslMode }}
 - name: PGSSLMODE
   value: {{ . | quote }}
@@ -149,18 +147,19 @@ envFrom:
 {{- end }}
 {{- end -}}
 
-{{/* The services' role's URL, for the api and the workers (never the owner's). */}}
+{{/* A service's own role's URL, for the api and each worker (never the owner's nor another's): (dict "root" . "kind" "api"). */}}
 {{- define "ballast.env.serviceDatabase" -}}
+{{- $key := index .root.Values.database.service (printf "%sUrlKey" .kind) -}}
 - name: BALLAST_DATABASE_URL
   valueFrom:
     secretKeyRef:
-      name: {{ include "ballast.serviceSecret" . }}
-      key: {{ .Values.database.service.urlKey }}
+      name: {{ include "ballast.serviceSecret" .root }}
+      key: {{ $key }}
 - name: BALLAST_SERVICE_DATABASE_URL
   valueFrom:
     secretKeyRef:
-      name: {{ include "ballast.serviceSecret" . }}
-      key: {{ .Values.database.service.urlKey }}
+      name: {{ include "ballast.serviceSecret" .root }}
+      key: {{ $key }}
 {{- end -}}
 
 {{- define "ballast.env.engineToken" -}}
