@@ -313,12 +313,21 @@ async def trained_tokens(conn: AsyncConnection, tenant: str, since: float) -> di
     """The tokens the tenant's fine-tuning settled since `since` (unix seconds), by model:
     training reserves nothing (a chunk's tokens are known once it has trained), so its
     settles stand alone, outside the reservations `usage` reads."""
-    rows = (await conn.execute(
-        select(ledger.c.model, func.sum(ledger.c.input_tokens + ledger.c.output_tokens))
-        .where(ledger.c.tenant == tenant, ledger.c.tier == "training", ledger.c.kind == SETTLE,
-               ledger.c.at >= timestamp(since))
-        .group_by(ledger.c.model))).all()
-    return {model: int(n) for model, n in rows}
+    return (await trained_by_tenant(conn, since, tenant)).get(tenant, {})
+
+
+async def trained_by_tenant(conn: AsyncConnection, since: float,
+                            tenant: str | None = None) -> dict[str, dict[str, int]]:
+    """As `trained_tokens`, for every tenant (or one): {tenant: {model: tokens}}."""
+    q = (select(ledger.c.tenant, ledger.c.model, func.sum(ledger.c.input_tokens + ledger.c.output_tokens))
+         .where(ledger.c.tier == "training", ledger.c.kind == SETTLE, ledger.c.at >= timestamp(since))
+         .group_by(ledger.c.tenant, ledger.c.model))
+    if tenant is not None:
+        q = q.where(ledger.c.tenant == tenant)
+    out: dict[str, dict[str, int]] = {}
+    for t, model, n in (await conn.execute(q)).all():
+        out.setdefault(t, {})[model] = int(n)
+    return out
 
 
 # -- what an admitting process reads and writes about itself ------------------------------------

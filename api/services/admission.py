@@ -273,9 +273,12 @@ class Admission:
             await ledger.lock_tenant(conn, tenant)
             sets = (await ledger.load_limits(conn, tenant)).get(tenant, ())
             if sets or fleet_busy:
-                by_model = await ledger.usage(conn, tenant, minute, day, now,
-                                              day_tokens=any(s.tokens_per_day is not None for s in sets),
+                daily = any(s.tokens_per_day is not None for s in sets)
+                by_model = await ledger.usage(conn, tenant, minute, day, now, day_tokens=daily,
                                               in_flight=any(s.concurrent_requests is not None for s in sets))
+                if daily:  # the tenant's fine-tuning spends the same daily tokens
+                    for m, n in (await ledger.trained_tokens(conn, tenant, day)).items():
+                        by_model.setdefault(m, Counts(minute, day)).day_tokens += n
                 scopes = []
                 for s in sets:
                     if s.model == ANY_MODEL or s.model == model:
@@ -335,8 +338,12 @@ class Admission:
             await ledger.seen(conn, self.holder)
             limits = await ledger.load_limits(conn)
             rows = await ledger.others(conn, self.holder)
-        now = self.clock()
-        minute, day = window_start(now, MINUTE_S), window_start(now, DAY_S)
+            now = self.clock()
+            minute, day = window_start(now, MINUTE_S), window_start(now, DAY_S)
+            # Fine-tuning's tokens, which engine workers settle with no reservation: another
+            # holder's spending of the same daily tokens.
+            trained = await ledger.trained_by_tenant(conn, day) if any(
+                s.tokens_per_day is not None for sets in limits.values() for s in sets) else {}
         latest_day = max((r["starts_at"].timestamp() for r in rows if r["window"] == "day"), default=None)
         others: dict[str, dict[str, Counts]] = {}
         for r in rows:
@@ -352,4 +359,7 @@ class Admission:
                 if starts == latest_day:
                     c.in_flight += r["in_flight"]
                     c.batch_queue_tokens += r["batch_queue_tokens"]
+        for tenant, by_model in trained.items():
+            for model, n in by_model.items():
+                others.setdefault(tenant, {}).setdefault(model, Counts(minute, day)).day_tokens += n
         self._limits, self._others, self.refreshed_at = limits, others, now

@@ -28,11 +28,12 @@ from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
 from api import interactive
 from api.services.admission import Admission, Ticket
-from journal import tenant_store
+from journal import ledger, tenant_store
 from policy.admission import Refuse
 from policy.placement import EngineView
 from protocol import keys
 from protocol.temporal import JournalRequestInput, ReconcileInput
+from protocol.tiers import Tier
 from tests.api.conftest import Workflows, assert_openai_error
 
 CHAT = "/v1/chat/completions"
@@ -348,3 +349,21 @@ async def test_the_synchronous_baseline_admits_exactly_to_the_limit(harness, set
     await sync.flush()
     assert (await ledger_rows(db, got[0].subject))[-1][0] == "refund"
 
+
+@pytest.mark.parametrize("mode", ["local", "sync"])
+async def test_fine_tuning_spends_the_same_daily_tokens_as_chat(harness, services_db, mode):
+    """Training settles its tokens with no reservation (on an engine worker); the API's
+    admission counts them against tokens_per_day all the same, in either mode."""
+    harness.admission.mode = mode
+    await harness.limit(tokens_per_day=1000)
+    await harness.admission.refresh()
+    assert (await harness.chat()).status_code == 200  # well under the day's tokens
+    async with services_db.begin() as conn:  # a training chunk's settle, as the engine worker writes it
+        await ledger.insert(conn, [ledger.Entry(ledger.SETTLE, keys.ftjob_step(f"ftjob-{uuid.uuid4().hex}", 8),
+                                                harness.tenant, MODEL, Tier.TRAINING, 1000, 0)])
+    async with services_db.connect() as conn:
+        trained = (await conn.execute(text("SELECT sum(input_tokens) FROM ledger WHERE tenant = :t AND tier = "
+                                           "'training'"), dict(t=harness.tenant))).scalar()
+    assert trained == 1000  # the day's whole allowance, by training alone
+    await harness.admission.refresh()  # the local view learns it as it learns other holders'
+    assert_openai_error(await harness.chat(), 429, code="rate_limit_exceeded")
