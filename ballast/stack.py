@@ -140,7 +140,9 @@ def _start(settings: Settings, data: Path, logs: Path,
         env["BALLAST_TEMPORAL_ADDRESS"] = settings.temporal_address
     env["BALLAST_DATA_DIR"] = str(data)
     _step("migrating the journal (alembic upgrade head)")
-    upgrade(owner_url)  # as the owner; it creates the services' roles
+    # As the owner; it creates the services' roles (and grants the one URL given for every
+    # service, where one is).
+    upgrade(owner_url, service_url=settings.service_database_url)
     for role, password in passwords.items():
         # The roles are made without one; an older data dir's may have another.
         set_password(owner_url, role, password)

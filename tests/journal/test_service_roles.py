@@ -80,6 +80,12 @@ def test_each_role_holds_only_its_matrix(db_url, kind):
             assert bool(held & {"INSERT", "UPDATE", "DELETE"}) == (want == W), (role, table, held)
             if table == "events":
                 assert held == {"SELECT", "INSERT"}, (role, held)
+        # Under row-level security a grant with no policy for the role reads no row at all.
+        for (table,) in conn.execute("SELECT relname FROM pg_class WHERE relrowsecurity AND relkind = 'r'"):
+            if MATRIX[table][col] is not None:
+                policies = conn.execute("SELECT count(*) FROM pg_policies WHERE tablename = %s AND %s = ANY(roles) "
+                                        "AND cmd IN ('ALL', 'SELECT')", (table, role)).fetchone()
+                assert policies and policies[0] >= 1, f"{role} may read {table} but no policy lets it see a row"
 
 
 def _refused(url: str, sql: str, params: tuple = ()) -> None:
