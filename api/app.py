@@ -12,6 +12,7 @@ from temporalio.client import Client
 
 from api import admin, batches, errors, files, fine_tuning, health, interactive, models
 from api.deps import REQUIRE_KEY, Services
+from api.request_ids import RequestId
 from api.services.admission import Admission
 from api.services.auth import Authenticate, KeyCache
 from api.services.engine_directory import EngineDirectory
@@ -64,7 +65,8 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
                        read_timeout_s=settings.request_read_timeout_s)
     app.add_middleware(Authenticate)  # no body is read for a caller without a key
     if settings.admin_port is not None:
-        app.add_middleware(AdminListener, port=settings.admin_port)  # outermost: before any key is asked
+        app.add_middleware(AdminListener, port=settings.admin_port)  # before any key is asked
+    app.add_middleware(RequestId)  # outermost: every response carries its id, refusals included
     # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
     for v1 in (files, batches, fine_tuning, interactive, models):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))

@@ -32,6 +32,7 @@ from temporalio.common import WorkflowIDReusePolicy
 
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
+from api.request_ids import request_id
 from api.services.admission import Ticket
 from api.services.placer import Prompt
 from journal import finetune_store
@@ -101,7 +102,7 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     ticket = await _admit(svc, tenant, req, pool, models[pool], rid, prompt.tokens)
     try:
         run = await _open(svc, tenant, req, pool, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
-                          prompt=prompt)
+                          prompt=prompt, http_id=request_id(request))
     except BaseException:
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
@@ -253,12 +254,12 @@ class EngineFailed(Exception):
 async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, body: dict[str, Any], t0: float,
                 rid: str,
                 ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None,
-                prompt: Prompt | None = None) -> OpenRequest:
+                prompt: Prompt | None = None, http_id: str | None = None) -> OpenRequest:
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = engine_wire.EngineJob(rid, req.endpoint, body, RANK[req.service_tier], tenant, req.service_tier, weight,
-                                svc.placer.me)
+                                svc.placer.me, http_id or "")
     engine, upstream = await _connect(svc, job, req, pool, regions, prompt)
     lines = upstream.aiter_lines()
     try:
@@ -276,7 +277,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, b
         e = first.error
         raise APIError(first.status, first.message, param=e.get("param"), code=e.get("code"))
     record = InteractiveInput(rid, tenant, req.service_tier, pool, req.endpoint, engine.id,
-                              first.prompt_tokens)
+                              first.prompt_tokens, http_request_id=http_id)
     if ticket is not None:
         ticket.correct(first.prompt_tokens)  # the engine's count replaces the estimate
         record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,

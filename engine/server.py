@@ -83,7 +83,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     yield _failed(404, str(err), "model", "model_not_found")
                     return
                 except Exception as err:  # the client gets an error event, not a cut stream
-                    log.exception("generation %s failed", job.request_id)
+                    log.exception("generation %s (x-request-id %s) failed", job.request_id, job.http_request_id)
                     yield _failed(500, f"The engine failed while generating: {type(err).__name__}.", None,
                                   "engine_error")
                     return
@@ -91,10 +91,13 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                 yield wire.encode(wire.Finished(reason or "stop", len(ids), ttft,
                                                 round(1000 * (time.perf_counter() - t0), 2)))
             finally:  # however it ended, the API gone mid-stream included
+                log.info("served %s (x-request-id %s) of %s/%s: %d prompt + %d completion tokens, %s",
+                         job.request_id, job.http_request_id or "-", tenant, tier, len(prompt), len(ids),
+                         reason or "unfinished")
                 if served is not None:
                     served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                                 endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=len(ids),
-                                finish_reason=reason))
+                                finish_reason=reason, http_request_id=job.http_request_id or None))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -52,12 +52,14 @@ class FakeEngine:
 
     def __init__(self, tokens: int = 1):
         self.tokens, self.calls = tokens, 0
+        self.jobs: list[dict] = []  # what the API handed it
         self.hold: asyncio.Event | None = None
         self.fail = False
 
     def transport(self) -> httpx.MockTransport:
         def generate(request: httpx.Request) -> httpx.Response:
             self.calls += 1
+            self.jobs.append(json.loads(request.content))
             return httpx.Response(200, content=self._stream(self.hold),
                                   headers={"content-type": "application/x-ndjson"})
 
@@ -367,3 +369,16 @@ async def test_fine_tuning_spends_the_same_daily_tokens_as_chat(harness, service
     assert trained == 1000  # the day's whole allowance, by training alone
     await harness.admission.refresh()  # the local view learns it as it learns other holders'
     assert_openai_error(await harness.chat(), 429, code="rate_limit_exceeded")
+
+
+async def test_a_clients_request_id_reaches_the_engine_and_the_journal(harness, db):
+    mine = f"client-{uuid.uuid4().hex}"
+    r = await harness.client.post(CHAT, json=body(), headers={"x-request-id": mine})
+    assert r.status_code == 200 and r.headers["x-request-id"] == mine, r.text
+    assert harness.engine.jobs[-1]["http_request_id"] == mine
+    await harness.journal_all()
+    async with db.connect() as c:
+        journaled = (await c.execute(text(
+            "SELECT payload->>'http_request_id' FROM events WHERE type = 'request_finished' "
+            "AND payload->>'request_id' = :r"), dict(r=r.json()["id"]))).scalar()
+    assert journaled == mine

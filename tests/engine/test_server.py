@@ -5,6 +5,7 @@ the endpoint streams as ever. In process, over a stand-in engine (no vLLM)."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -93,7 +94,18 @@ async def test_every_stream_that_ends_is_recorded_as_served_with_the_engines_cou
         await http.post("/v1/generate", json=dict(JOB, body=dict(JOB["body"], max_tokens=10**6)))  # refused: 4xx
     assert r.status_code == 200
     assert served == [dict(request_id="req-1", tenant="acme", tier="default", model="ballast-tiny",
-                           endpoint="/v1/completions", prompt_tokens=3, completion_tokens=2, finish_reason="length")]
+                           endpoint="/v1/completions", prompt_tokens=3, completion_tokens=2, finish_reason="length",
+                           http_request_id=None)]
+
+
+async def test_the_clients_request_id_is_in_the_engines_record_and_log(caplog):
+    served: list[dict] = []
+    caplog.set_level(logging.INFO, logger="engine.server")
+    async with client(FakeEngine(), {"Authorization": f"Bearer {TOKEN}"}, served.append) as http:
+        r = await http.post("/v1/generate", json=dict(JOB, http_request_id="client-7"))
+    assert r.status_code == 200
+    assert served[0]["http_request_id"] == "client-7"
+    assert [m for m in caplog.messages if "req-1" in m and "x-request-id client-7" in m], caplog.messages
 
 
 async def test_refused_before_the_body_is_read():

@@ -1,0 +1,50 @@
+"""x-request-id: the one id a request is known by everywhere. The client's own where it
+sends a usable one (up to 128 of A-Z a-z 0-9 . _ : -), else one made here (`req_` and 32
+hex digits, the shape of OpenAI's); returned on every response, errors and refusals
+included, as OpenAI's API does; logged on the access line, handed to the engine worker
+with an interactive request and journaled with its outcome (`http_request_id`)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = "x-request-id"
+_USABLE = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+access = logging.getLogger("ballast.access")
+
+
+def request_id(conn: HTTPConnection) -> str | None:
+    return getattr(conn.state, "request_id", None)
+
+
+class RequestId:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == HEADER.encode()), None)
+        rid = given.decode() if given is not None and _USABLE.fullmatch(given) else f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        t0, status = time.perf_counter(), 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (HEADER.encode(), rid.encode())])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access.info("%s %s %s %d %.1fms", rid, scope["method"], scope["path"], status,
+                        1000 * (time.perf_counter() - t0))
