@@ -259,7 +259,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, b
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
     job = engine_wire.EngineJob(rid, req.endpoint, body, RANK[req.service_tier], tenant, req.service_tier, weight,
-                                svc.placer.me, http_id or "")
+                                svc.placer.me, http_id)
     engine, upstream = await _connect(svc, job, req, pool, regions, prompt)
     lines = upstream.aiter_lines()
     try:

@@ -97,7 +97,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                 if served is not None:
                     served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                                 endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=len(ids),
-                                finish_reason=reason, http_request_id=job.http_request_id or None))
+                                finish_reason=reason, http_request_id=job.http_request_id))
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

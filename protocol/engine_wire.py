@@ -39,7 +39,8 @@ class EngineJob:
     tier: str | None = None
     weight: float = 1.0
     api: str = ""
-    http_request_id: str = ""  # the client's x-request-id (api/request_ids.py): in the engine's log and record
+    # The HTTP request's x-request-id (api/request_ids.py): in the engine's log and record.
+    http_request_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -218,6 +218,18 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
     return s
 
 
+def start_batch(api: httpx.Client, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """One greedy completions line uploaded, and a batch of it created, through the API:
+    (file id, batch id)."""
+    line = dict(custom_id="c0", method="POST", url="/v1/completions",
+                body=dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0))
+    file_id = api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")},
+                       data={"purpose": "batch"}).json()["id"]
+    batch_id = api.post("/v1/batches", json=dict(input_file_id=file_id, endpoint="/v1/completions",
+                                                 completion_window="24h")).json()["id"]
+    return file_id, batch_id
+
+
 @contextmanager
 def own_stack(tmp_path_factory, pg_server_url: str, temporal_address: str, tiny_model, tag: str,
               **settings: str) -> Iterator[tuple[Stack, str]]:

@@ -23,7 +23,7 @@ from api.app import create_app
 from config import Settings
 from tests.api.conftest import assert_openai_error
 from tests.api.test_owasp import UNKNOWN, fill, id_routes
-from tests.e2e.conftest import make_key
+from tests.e2e.conftest import make_key, start_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -40,12 +40,7 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
     a = stack.http()
     b = httpx.Client(base_url=stack.url, timeout=60,
                      headers={"Authorization": f"Bearer {make_key(db_url, 'owasp-b-' + uuid.uuid4().hex[:8])}"})
-    line = dict(custom_id="c0", method="POST", url="/v1/completions",
-                body=dict(model=tiny_model.name, prompt="hello", max_tokens=4, temperature=0))
-    file_id = a.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")},
-                     data={"purpose": "batch"}).json()["id"]
-    batch_id = a.post("/v1/batches", json=dict(input_file_id=file_id, endpoint="/v1/completions",
-                                               completion_window="24h")).json()["id"]
+    file_id, batch_id = start_batch(a, tiny_model.name, "hello", 4)
     chat = dict(messages=[dict(role="user", content="hi"), dict(role="assistant", content="hello")])
     train_id = a.post("/v1/files", files={"file": ("train.jsonl", json.dumps(chat) + "\n")},
                       data={"purpose": "fine-tune"}).json()["id"]

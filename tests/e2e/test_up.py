@@ -7,7 +7,6 @@ services' role's URL, as /proc shows their environment and command lines."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from sqlalchemy.engine import make_url
 
 from ballast import procs
 from config.database import SERVICE_ROLES, libpq_url
+from tests.e2e.conftest import start_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -195,12 +195,7 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         assert set(parts.values()) == {"ok"}
         ui = httpx.get(f"http://127.0.0.1:{env['BALLAST_TEMPORAL_UI_PORT']}", timeout=10)
         assert ui.status_code == 200  # the Temporal Web UI is reachable
-        line = dict(custom_id="only", method="POST", url="/v1/completions",
-                    body=dict(model=tiny_model.name, prompt="persist me", max_tokens=8, temperature=0))
-        fid = api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line) + "\n")},
-                       data={"purpose": "batch"}).json()["id"]
-        bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint="/v1/completions",
-                                                completion_window="24h")).json()["id"]
+        _, bid = start_batch(api, tiny_model.name, "persist me", 8)
         deadline = time.monotonic() + 120
         while (b := api.get(f"/v1/batches/{bid}").json())["status"] != "completed":
             assert time.monotonic() < deadline and b["status"] not in ("failed", "cancelled"), b
