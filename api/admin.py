@@ -1,4 +1,5 @@
-"""/admin: tenants, their API keys and their limits, and the admin keys. Every route needs
+"""/admin: tenants, their API keys, their limits and the erasure of their content, and the
+admin keys. Every route needs
 an admin key. An admin key belongs to no tenant (it administers, and has no /v1 of its own);
 one made before that rule keeps its tenant until revoked.
 
@@ -9,6 +10,7 @@ process and within BALLAST_KEY_CACHE_S on every other.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.deps import AdminDep, ServicesDep
 from api.errors import APIError, check_text, not_found, possible_id
-from journal import tenant_store
+from journal import erasure, tenant_store
 from protocol.limits import ANY_MODEL, LIMITS
 from protocol.schema import errors
 from protocol.tiers import GRANTED
@@ -133,6 +135,27 @@ async def set_tiers(tenant_id: str, body: Tiers, svc: ServicesDep, _: AdminDep):
         row = await tenant_store.get_tenant(conn, tenant_id)
     assert row is not None
     return tenant_object(row)
+
+
+@router.post("/tenants/{tenant_id}/erase", operation_id="eraseTenantContent", responses=errors(404, 409))
+async def erase(tenant_id: str, svc: ServicesDep, who: AdminDep):
+    """Erase the tenant's content: its files, checkpoints and adapters (its fine-tuned models
+    are deleted), and the requests, generated tokens, responses, filenames and metadata its
+    journal events carry. Every event, its counts and usage, and the ledger stay (the audit
+    trail), with one `content_erased` event that records this. Refused (409) while a batch
+    or fine-tuning job of the tenant is still running. Repeatable: a second call erases what
+    came since."""
+    async with svc.db.connect() as conn:
+        if await tenant_store.get_tenant(conn, tenant_id) is None:
+            raise _unknown(tenant_id)
+    try:
+        done = await erasure.erase_tenant_content(svc.db, svc.store, tenant_id, who.key_id)
+    except erasure.StillRunning as err:
+        raise APIError(409, f"Tenant {tenant_id} still has work running, which needs its content: "
+                            f"{', '.join(err.running[:10])}{' …' if len(err.running) > 10 else ''}. Cancel it "
+                            "(POST /v1/batches/{id}/cancel, /v1/fine_tuning/jobs/{id}/cancel), wait for it to end, "
+                            "and erase again.", param="tenant_id", code="tenant_busy") from None
+    return dict(object="tenant.erasure", **asdict(done))
 
 
 @router.get("/tenants", operation_id="listTenants", responses=errors())

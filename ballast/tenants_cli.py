@@ -1,5 +1,5 @@
-"""`ballast tenants create | list | keys | new-key | admin-key | revoke | limits | regions | tiers`: tenants and their
-keys, straight on the journal's Postgres as its owner.
+"""`ballast tenants create | list | keys | new-key | admin-key | revoke | limits | regions | tiers | erase`:
+tenants, their keys and their content, straight on the journal's Postgres as its owner.
 
 The database is BALLAST_DATABASE_URL / DATABASE_URL, else the embedded server of a running
 `ballast up` in the same data dir (it leaves its URL in data_dir/postgres-url while it
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -19,10 +21,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from config import Settings
-from journal import tenant_store
+from journal import erasure, tenant_store
 from journal.db import connect
 from protocol.limits import ANY_MODEL, LIMITS
 from protocol.tiers import GRANTED
+from storage.objects import ObjectStore
 
 URL_FILE = "postgres-url"  # written by `ballast up` while its embedded Postgres runs
 
@@ -60,6 +63,11 @@ def add_parser(sub: Any) -> None:
     lim.add_argument("name")
     lim.add_argument("--model", default=ANY_MODEL,
                      help="the model they apply to (default '*': every model)")
+    e = cmds.add_parser("erase", help="erase a tenant's content (files, checkpoints, adapters, and the requests, "
+                                      "tokens and responses in its journal events); its events, counts and ledger "
+                                      "stay. Refused while its batches or fine-tuning jobs still run")
+    e.add_argument("name")
+    e.add_argument("--yes", action="store_true", help="do it (without it, say what would be refused and stop)")
     for dim in LIMITS:
         # SUPPRESS: a dimension not given is absent from args, told apart from `none`.
         lim.add_argument("--" + dim.replace("_", "-"), dest=dim, type=_limit, metavar="N|none",
@@ -91,6 +99,7 @@ def database_url(settings: Settings) -> str:
 def main(args: argparse.Namespace, settings: Settings) -> int:
     url = database_url(settings)
     args.new_limits = settings.new_tenant_limits
+    args.store_url = settings.object_store_url
     try:
         return asyncio.run(_run(args, url))
     except OperationalError as err:
@@ -197,8 +206,26 @@ async def _tiers(conn: AsyncConnection, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _erase(conn: AsyncConnection, args: argparse.Namespace) -> int:
+    if await tenant_store.get_tenant(conn, args.name) is None:
+        raise LookupError(f"no tenant {args.name}")
+    if not args.yes:
+        running = await erasure.running_work(conn, args.name)
+        _say(f"tenant {args.name}: " + (f"erasing would be refused: still running: {', '.join(running)}" if running
+                                        else "nothing runs; `--yes` erases its content, for good"))
+        return 1 if running else 0
+    try:
+        done = await erasure.erase_content(conn, ObjectStore(args.store_url), args.name, "cli", time.time())
+    except erasure.StillRunning as err:
+        _say(f"ballast: {err}: cancel it, let it end, and erase again")
+        return 1
+    _say(f"erased the content of tenant {args.name}; its events, counts and ledger stay:")
+    _table(["WHAT", "COUNT"], [[k, v] for k, v in asdict(done).items() if isinstance(v, int) and k != "at"])
+    return 0
+
+
 _COMMANDS = dict(create=_create, list=_list, keys=_keys, revoke=_revoke, limits=_limits, regions=_regions,
-                 tiers=_tiers)
+                 tiers=_tiers, erase=_erase)
 _COMMANDS["new-key"] = _new_key
 _COMMANDS["admin-key"] = _admin_key
 

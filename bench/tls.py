@@ -81,7 +81,8 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 def haproxy() -> str:
     found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
     if found is None:
-        raise FileNotFoundError("haproxy is not installed: run `make install`, which installs it from apt")
+        raise FileNotFoundError("haproxy is not installed: run `make test-deps` (`make test` does), "
+                                "which installs it from apt")
     return found
 
 

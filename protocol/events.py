@@ -34,6 +34,8 @@ class EventType(StrEnum):
     FT_CHECKPOINT = "ft_checkpoint"  # job_id, step, object_key, sha256, losses (fenced)
     FT_EVENT = "ft_event"  # one line of the job's /events
     FT_MODEL_DELETED = "ft_model_deleted"  # job_id, model, at: its tenant deleted the fine-tuned model
+    # A tenant's content erased (journal/erasure.py): at, who asked, and what was masked.
+    CONTENT_ERASED = "content_erased"
     # The fleet controller (workflows/fleet.py).
     SURGE_STARTED = "surge_started"  # pressure, engines, caps
     SURGE_ENDED = "surge_ended"

@@ -2,8 +2,9 @@
 subjects and Temporal workflow ids), object store keys, fine-tuned model names. Audits,
 workflows and SQL join on these, so each is built here and nowhere else.
 
-`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`, and
-`ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens);
+`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`,
+`ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens), and
+`tenant:<id>` (what was done to the tenant as a whole: its erasures);
 `files/<id>`, `fine-tuning/<job>/checkpoints/step-<n>.pt`, `fine-tuning/<job>/adapter`;
 `ft:<base>:<suffix>:<job>`.
 """
@@ -26,6 +27,10 @@ def request(request_id: str) -> str:
 def served(request_id: str) -> str:
     """What an engine worker recorded it served (journal/served.py)."""
     return f"served:{request_id}"
+
+
+def tenant(tenant_id: str) -> str:
+    return f"tenant:{tenant_id}"
 
 
 def ftjob(job_id: str) -> str:

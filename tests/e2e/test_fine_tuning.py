@@ -252,20 +252,23 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
 
     def until(job_id: str, status: str) -> None:
         deadline = time.monotonic() + 60
-        while client.fine_tuning.jobs.retrieve(job_id).status != status:
-            assert time.monotonic() < deadline, f"{job_id} never {status}"
+        while (now := client.fine_tuning.jobs.retrieve(job_id).status) != status:
+            assert time.monotonic() < deadline, f"{job_id} never {status} (it is {now})"
             time.sleep(0.1)
 
+    # Seconds of training each (1,500 and 5,000 steps), so the pause, which reaches the
+    # chunk at its next heartbeat (0.8 of the heartbeat timeout at most), finds it mid-run
+    # even on a loaded machine.
     jobs = []
-    for seed in (1, 2):  # 500 steps each: seconds of training, paused within a fraction of one
+    for seed, epochs in ((1, 150), (2, 500)):
         jobs.append(job := client.fine_tuning.jobs.create(model="ballast-tiny", training_file=file_id, seed=seed,
-                                                          hyperparameters=dict(n_epochs=50, batch_size=1)))
+                                                          hyperparameters=dict(n_epochs=epochs, batch_size=1)))
         stack.wait_stats(lambda st: f"ft:{job.id}" in st["holds"], "the job training on the engine worker")
         time.sleep(0.2)
         client.fine_tuning.jobs.pause(job.id)
         until(job.id, "paused")
     held = saved(jobs[0].id)
-    assert 0 < held < 500  # it checkpointed when paused, mid-run
+    assert 0 < held < 1500  # it checkpointed when paused, mid-run
     time.sleep(2)
     assert saved(jobs[0].id) == held  # nothing trains while paused
     newest = stack.root / "objects" / keys.checkpoint(jobs[0].id, held)
@@ -274,15 +277,15 @@ def test_pause_resume_and_cancel_through_the_api(client, stack, tiny_model, db_u
     newest.write_bytes(bytes(data))
     client.fine_tuning.jobs.resume(jobs[0].id)
     done = wait_final(client, jobs[0].id)
-    assert done.status == "succeeded" and saved(jobs[0].id) == 500
+    assert done.status == "succeeded" and saved(jobs[0].id) == 1500
     warned = [e.message for e in client.fine_tuning.jobs.list_events(jobs[0].id, limit=100) if e.level == "warn"]
     assert warned == [f"The checkpoint at step {held} fails its checksum; resuming from an earlier one."]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
     whole = Trainer(tiny_model.path, [encode_chat(tok, c) for c in CHATS],
-                    Hyper(n_epochs=50, batch_size=1, learning_rate=1e-3, seed=1), tok.eos_token_id)
-    whole.run(500)
+                    Hyper(n_epochs=150, batch_size=1, learning_rate=1e-3, seed=1), tok.eos_token_id)
+    whole.run(1500)
     with open(stack.root / "objects" / keys.adapter(jobs[0].id) / "adapter_model.safetensors", "rb") as f:
         served = load(f.read())
     assert all(torch.equal(served[k], v) for k, v in whole.weights().items())
