@@ -208,7 +208,7 @@ async def _tiers(conn: AsyncConnection, args: argparse.Namespace) -> int:
 
 async def _erase(conn: AsyncConnection, args: argparse.Namespace) -> int:
     if await tenant_store.get_tenant(conn, args.name) is None:
-        raise LookupError(f"no tenant {args.name}")
+        raise tenant_store.UnknownTenant(f"No tenant {args.name!r}.")
     if not args.yes:
         running = await erasure.running_work(conn, args.name)
         _say(f"tenant {args.name}: " + (f"erasing would be refused: still running: {', '.join(running)}" if running

@@ -4,6 +4,7 @@ against sha256 computed here."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import subprocess
@@ -14,6 +15,9 @@ import psycopg
 import pytest
 
 from config.database import libpq_url
+from journal import batch_store
+from journal.db import connect
+from protocol import keys
 
 
 def ballast(db_url: str | None, *args: str, data_dir=None, **more_env: str) -> subprocess.CompletedProcess:
@@ -153,3 +157,36 @@ def test_the_url_a_running_ballast_up_leaves_is_used(db_url, tmp_path, name):
     (tmp_path / "postgres-url").write_text(db_url)
     ok(ballast(None, "create", name, data_dir=tmp_path))
     assert rows(db_url, "SELECT id FROM tenants WHERE id = %s", name) == [(name,)]
+
+
+def test_erase_removes_a_tenants_files_and_records_it(db_url, name, tmp_path):
+    """The CLI's erasure as the owner, with the object store of BALLAST_DATA_DIR: the file's
+    row and bytes go, the erasure is journaled with what it did. (The whole of erasure is
+    tests/e2e/test_erasure.py.)"""
+    ok(ballast(db_url, "create", name))
+    dry = ballast(db_url, "erase", name, data_dir=tmp_path)  # without --yes: only what it would do
+    assert dry.returncode == 0 and "nothing runs" in dry.stderr, dry.stderr
+    file_id = "file-" + uuid.uuid4().hex[:24]
+    key = keys.file(file_id)
+    (tmp_path / "objects" / key).parent.mkdir(parents=True)
+    (tmp_path / "objects" / key).write_bytes(b"secret")
+
+    async def upload() -> None:
+        db = connect(db_url, pool_size=1)
+        try:
+            async with db.begin() as conn:
+                await batch_store.create_file(conn, dict(id=file_id, tenant=name, purpose="batch", filename="s.jsonl",
+                                                         bytes=6, object_key=key, created_at=0))
+        finally:
+            await db.dispose()
+
+    asyncio.run(upload())
+    done = ballast(db_url, "erase", name, "--yes", data_dir=tmp_path)
+    assert done.returncode == 0 and "erased the content" in done.stderr, done.stderr
+    assert not (tmp_path / "objects" / key).exists()
+    assert rows(db_url, "SELECT count(*) FROM files WHERE tenant = %s", name) == [(0,)]
+    [(by, files, objects)] = rows(db_url, "SELECT payload->>'by', payload->'files', payload->'objects' FROM events "
+                                          "WHERE tenant = %s AND type = 'content_erased'", name)
+    assert (by, files, objects) == ("cli", 1, 1)
+    gone = ballast(db_url, "erase", "no-such-tenant", "--yes", data_dir=tmp_path)
+    assert gone.returncode == 1 and "No tenant" in gone.stderr
