@@ -23,11 +23,13 @@ ifeq ($(EXTRA),cpu)
 endif
 	@touch $@
 
-# HAProxy from the OS packages: the TLS terminator the tests and `make hosts` put in front of
-# Temporal (stunnel cannot: gRPC demands ALPN h2). Installed once; sudo unless we are root.
+# From the OS packages, once (sudo unless we are root): HAProxy, the TLS terminator the tests
+# and `make hosts` put in front of Temporal (stunnel cannot: gRPC demands ALPN h2), and
+# Prometheus, which the metrics tests run to scrape every process.
 test-deps:
-	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || \
-	  { s=$$([ "$$(id -u)" = 0 ] || echo sudo); $$s apt-get update -qq && $$s apt-get install -y -qq haproxy; }
+	@{ command -v haproxy || test -x /usr/sbin/haproxy; } >/dev/null && command -v prometheus >/dev/null || \
+	  { s=$$([ "$$(id -u)" = 0 ] || echo sudo); $$s apt-get update -qq && \
+	    $$s apt-get install -y -qq --no-install-recommends haproxy prometheus; }
 
 run: install
 	$(VENV)/bin/ballast up

@@ -40,6 +40,7 @@ from protocol.temporal import (
 )
 from protocol.tiers import RANK, Tier
 from storage.objects import ObjectStore
+from telemetry import families
 
 if TYPE_CHECKING:  # torch only where training runs: the control worker never imports it
     from torch.nn import Module
@@ -214,7 +215,8 @@ class FineTuneActivities:
         hold = self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort) if self.slots else _no_slot()
         async with hold:
             clock.start()
-            cancelled = await self._steps(trainer, inp, clock, stopped)
+            trained = families.TRAINING_STEPS.labels(families.tenant(job["tenant"]), job["model"])
+            cancelled = await self._steps(trainer, inp, clock, stopped, trained)
             clock.trained("done" if trainer.done else "cancelled" if cancelled else
                           "preempted" if stopped.is_set() else "steps")
             await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), valid,
@@ -225,7 +227,8 @@ class FineTuneActivities:
             raise asyncio.CancelledError
         return TrainChunkResult(trainer.step, trainer.total_steps, trainer.done, preempted=stopped.is_set())
 
-    async def _steps(self, trainer: Trainer, inp: TrainChunkInput, clock: ChunkClock, stopped: asyncio.Event) -> bool:
+    async def _steps(self, trainer: Trainer, inp: TrainChunkInput, clock: ChunkClock, stopped: asyncio.Event,
+                     trained: Any) -> bool:
         """Train this chunk's steps, one at a time; True if the workflow cancelled us (the
         step in progress is finished first: the trainer is never left half-stepped). A
         chunk is at least `inp.steps` steps, and longer while what it costs beyond its
@@ -242,6 +245,7 @@ class FineTuneActivities:
                 await step
                 return True
             self.stepped(trainer)
+            trained.inc()
             activity.heartbeat(trainer.step)
         return False
 

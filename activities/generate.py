@@ -45,6 +45,7 @@ from protocol.events import EventType, ItemChunk, ItemPreempted
 from protocol.requests import RequestLimits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
+from telemetry import families
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class GenerationActivities:
                 log.warning("%s: try %d failed: %s", at.stream, tries, failure.message)
                 if failure.status_code < 500 or tries == ITEM_TRIES:
                     await self.checkpointer.submit([at.failed(failure)])
+                    self._count(at, "failed")
                     return GenerateResult("failed", idx=at.idx)
                 await asyncio.sleep(self.retry_delay_s * tries)
                 async with self.db.connect() as conn:  # resume from what is journaled now
@@ -135,6 +137,7 @@ class GenerationActivities:
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(self.engine, req)
         if isinstance(ready, ProtocolError):
             await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
+            self._count(at, "failed")
             return GenerateResult("failed", idx=idx)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
         prompt, params = ready.prompt, ready.sampling
@@ -154,7 +157,15 @@ class GenerationActivities:
         meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
         body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
         await self.checkpointer.submit([*at.due(), at.completed(body)])
+        self._count(at, "completed", len(tokens) - resumed_from)
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
+
+    def _count(self, at: Attempt, outcome: str, tokens: int = 0) -> None:
+        """The item's outcome here, journaled, in this worker's metrics (telemetry/families.py)."""
+        tenant, model = families.tenant(at.batch["tenant"]), self.engine.spec.name
+        families.BATCH_ITEMS.labels(tenant, model, outcome).inc()
+        if tokens:
+            families.BATCH_TOKENS.labels(tenant, model).inc(tokens)
 
     async def _on_engine(self, at: Attempt, prompt: list[int], params: sampling.Sampling) -> str | None:
         """One stretch of the item on vLLM, under a batch slot: its finish reason, or
@@ -190,6 +201,7 @@ class GenerationActivities:
                 raise
         if hold.preempted.is_set() and reason in ("abort", None):
             await self.checkpointer.submit([*at.due(), at.preempted(len(tokens))], urgent=True)
+            self._count(at, PREEMPTED)
             return PREEMPTED
         return reason
 

@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI-compatible /v1 plus health."""
+"""The FastAPI application: OpenAI-compatible /v1 plus health and metrics."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import httpx
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from api import admin, batches, errors, files, fine_tuning, health, interactive, models
+from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models
 from api.deps import REQUIRE_KEY, Services
 from api.request_ids import RequestId
 from api.services.admission import Admission
 from api.services.auth import Authenticate, KeyCache
 from api.services.engine_directory import EngineDirectory
 from config import Settings
-from config.temporal import connect_temporal
+from config.temporal import connect_temporal, search_attributes_usable
 from journal.db import connect
 from protocol import schema
 from storage.objects import ObjectStore
+from telemetry import exposition, families
 
 # Multipart framing on top of the file itself.
 UPLOAD_SLACK = 64 * 1024
@@ -33,13 +34,15 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         db = connect(settings.require("service_db_url"), name="ballast-api")
-        client = temporal or await connect_temporal(settings)
+        client = temporal or await connect_temporal(settings, exposition.temporal_runtime())
+        families.bound_tenants(settings.metrics_max_tenants)
         http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(max_connections=1024))
         directory = EngineDirectory(db)
         following = asyncio.create_task(directory.follow())
         admission = await Admission(db, settings).start()  # limits and the quota ledger
         app.state.services = Services(settings, db, client, ObjectStore(settings.object_store_url), directory, http,
-                                      keys=KeyCache.over(db, settings.key_cache_s), admission=admission)
+                                      keys=KeyCache.over(db, settings.key_cache_s), admission=admission,
+                                      searchable=await search_attributes_usable(client, settings))
         # The tokenizer's load starts now (and again once an engine has built the model's
         # files), off the request path.
         app.state.services.placer.tokenizer()
@@ -72,6 +75,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(admin.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     return app
 
 

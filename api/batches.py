@@ -129,6 +129,7 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
                        spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s, model=named or ""),
             id=keys.batch(row["id"]),
             task_queue=s.control_queue,
+            search_attributes=svc.attributes("batch", tenant, model, "batch"),
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
         )

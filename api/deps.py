@@ -10,6 +10,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
+from temporalio.common import TypedSearchAttributes
 
 from api.errors import APIError
 from api.services.admission import Admission
@@ -19,6 +20,7 @@ from api.services.placer import Placer
 from config import Settings
 from journal.tenant_store import Principal
 from policy.pools import served_models
+from protocol import search
 from storage.objects import ObjectStore
 
 
@@ -34,9 +36,14 @@ class Services:
     admission: Admission | None = None  # limits and the quota ledger (api/services/admission.py); None: admit all
     placer: Placer = field(init=False)  # where requests go (api/services/placer.py)
     health: dict[str, Any] = field(default_factory=dict)  # /healthz's one shared check (api/health.py)
+    searchable: bool = False  # workflows started here carry search attributes (config.temporal)
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.settings)
+
+    def attributes(self, kind: str, tenant: str, model: str = "", tier: str = "") -> TypedSearchAttributes:
+        """The search attributes of a workflow started here (none where they are off)."""
+        return search.attributes(kind, tenant, model, tier) if self.searchable else TypedSearchAttributes.empty
 
     async def models(self) -> dict[str, int]:
         """Model → context length, for every model callable here (policy/pools.py)."""

@@ -217,6 +217,7 @@ async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
                           fairness_weight=float(owner["weight"] if owner else 1),
                           checkpoint_overhead=s.fine_tune_checkpoint_overhead, chunk_max_s=s.fine_tune_chunk_max_s),
             id=keys.ftjob(row["id"]), task_queue=s.control_queue,
+            search_attributes=svc.attributes("fine_tune", tenant, body.model),
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
     except Exception as err:  # the job must not sit in `validating_files` forever
         log.exception("could not start fine-tuning job %s", row["id"])

@@ -45,6 +45,7 @@ from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
 from protocol.tiers import GRANTED, RANK, Tier
+from telemetry import families
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
@@ -158,9 +159,11 @@ async def _admit(svc: Services, tenant: str, req: GenerationRequest, pool: str, 
     got = await svc.admission.reserve(rid, tenant, pool, req.service_tier, input_tokens, req.max_tokens,
                                       fleet_busy=busy, counted=counted is not None)
     if isinstance(got, Refuse):
+        families.ADMISSION.labels(families.tenant(tenant), req.service_tier, pool, "refused", got.limit).inc()
         raise APIError(429, describe(got, tenant, pool, req.service_tier),
                        code="resource_unavailable" if got.limit == "capacity" else "rate_limit_exceeded",
                        headers={"Retry-After": str(got.retry_after_s)})
+    families.ADMISSION.labels(families.tenant(tenant), req.service_tier, pool, "admitted", "").inc()
     return got
 
 
@@ -233,6 +236,7 @@ class OpenRequest:
                                      final.engine_ttft_ms)
         if self.ticket is not None:
             self.ticket.release(self.prompt_tokens, outcome.completion_tokens)
+        _observe(self.record, outcome, time.perf_counter() - self.t0)
         _spawn(_finish(self.svc, self.record, outcome, self.ticket))
 
     async def abandon(self) -> None:
@@ -249,6 +253,20 @@ class OpenRequest:
 
 class EngineFailed(Exception):
     pass
+
+
+def _observe(r: InteractiveInput, outcome: RequestOutcome, seconds: float) -> None:
+    """The request in this process's metrics, once it has ended (telemetry/families.py)."""
+    tenant = families.tenant(r.tenant)
+    families.REQUESTS.labels(tenant, r.tier, r.model, r.endpoint, outcome.status).inc()
+    families.TOKENS.labels(tenant, r.tier, r.model, "prompt").inc(r.prompt_tokens)
+    families.TOKENS.labels(tenant, r.tier, r.model, "completion").inc(outcome.completion_tokens)
+    families.DURATION.labels(r.tier, r.model, outcome.status).observe(seconds)
+    if outcome.ttft_ms is not None:
+        ttft = outcome.ttft_ms / 1000
+        families.TTFT.labels(r.tier, r.model).observe(ttft)
+        if outcome.completion_tokens > 1:
+            families.TPOT.labels(r.tier, r.model).observe(max(0.0, seconds - ttft) / (outcome.completion_tokens - 1))
 
 
 async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, body: dict[str, Any], t0: float,
@@ -386,7 +404,9 @@ async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutco
     try:
         await svc.temporal.start_workflow(
             InteractiveWorkflow.run, dataclasses.replace(record, outcome=outcome), id=keys.request(record.request_id),
-            task_queue=svc.settings.interactive_queue, id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            task_queue=svc.settings.interactive_queue,
+            search_attributes=svc.attributes("interactive", record.tenant, record.model, record.tier),
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
         )
     except Exception:
         log.exception("could not start the workflow of a request; its engine's record will account for it")

@@ -46,5 +46,7 @@ class RequestId:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            access.info("%s %s %s %d %.1fms", rid, scope["method"], scope["path"], status,
-                        1000 * (time.perf_counter() - t0))
+            ms = round(1000 * (time.perf_counter() - t0), 1)
+            access.info("%s %s %s %d %.1fms", rid, scope["method"], scope["path"], status, ms,
+                        extra=dict(request_id=rid, method=scope["method"], path=scope["path"], status=status,
+                                   duration_ms=ms))

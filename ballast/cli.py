@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from ballast import tenants_cli
 from config import Settings
+from telemetry import logs
 
 # What to set for each setting a command needs: the services need only their own role's URL.
 _ENV = dict(service_db_url="BALLAST_SERVICE_DATABASE_URL (or BALLAST_DATABASE_URL)",
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "bench", *(["chaos"] if argv[0] == "chaos" else []), *argv[1:]])
     args = parser.parse_args(argv)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logs.TEXT)
     for noisy in ("httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:  # a bad BALLAST_* variable: say which, no traceback
         print(f"ballast: invalid settings (BALLAST_* environment variables):\n{err}", file=sys.stderr)
         return 2
+    if settings.log_format == "json":
+        logs.configure("json", "-".join([args.cmd, *([args.kind] if args.cmd == "worker" and args.kind else [])]))
     if args.cmd == "worker" and args.kind == "drain" and not args.id:
         parser.error("ballast worker drain ID: which engine worker (`ballast worker list` shows them)")
     if args.cmd == "up" and args.engines is not None and args.engines < 1:

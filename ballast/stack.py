@@ -59,6 +59,7 @@ READY_TIMEOUT_S = 300
 TENANT = "default"
 KEY_FILES = (("api-key", False), ("admin-key", True))  # file in data_dir, admin?
 ENGINE_TOKEN_FILE = "engine-token"
+METRICS_TOKEN_FILE = "metrics-token"
 # Where `ballast up` may have been handed the owner's credentials: no child inherits them.
 OWNER_ENV = ("DATABASE_URL", "BALLAST_DATABASE_URL", "PGPASSWORD", "PGPASSFILE")
 
@@ -149,6 +150,10 @@ def _start(settings: Settings, data: Path, logs: Path,
     keys = asyncio.run(_keys(owner_url, data))
     token = engine_token(settings, data)
     env.pop("BALLAST_ENGINE_TOKEN", None)
+    # Every process's /metrics asks for this one (Prometheus' credentials_file), and the
+    # control worker's probes and metrics listen on a port the banner names.
+    env["BALLAST_METRICS_TOKEN"] = metrics_token(settings, data)
+    env["BALLAST_CONTROL_PORT"] = str(settings.control_port or procs.free_port(settings.control_host))
     for kind in ("service", *SERVICE_ROLES):  # each service is handed its own URL below, no password
         env.pop(f"BALLAST_{kind.upper()}_DATABASE_PASSWORD", None)
 
@@ -168,6 +173,7 @@ def _start(settings: Settings, data: Path, logs: Path,
         supervisor.start(name, [sys.executable, "-m", "ballast.cli", *args], child_env, logs / f"{log_name}.log",
                          nice)
     effective = settings.model_copy(update=dict(
+        control_port=int(env["BALLAST_CONTROL_PORT"]),
         temporal_address=env["BALLAST_TEMPORAL_ADDRESS"],
         temporal_ui_port=int(env.get("BALLAST_TEMPORAL_UI_PORT", settings.temporal_ui_port)),
         database_url=owner_url,
@@ -265,6 +271,13 @@ def engine_token(settings: Settings, data: Path) -> str:
     return token
 
 
+def metrics_token(settings: Settings, data: Path) -> str:
+    """BALLAST_METRICS_TOKEN where set; else the one kept in data_dir/metrics-token."""
+    if settings.metrics_token and (token := settings.metrics_token.get_secret_value().strip()):
+        return token
+    return kept_secret(data / METRICS_TOKEN_FILE)
+
+
 def _token_source(settings: Settings, data: Path) -> str:
     """Where the engine token is (never the token): what an engine worker on another host needs."""
     if settings.engine_token and settings.engine_token.get_secret_value().strip():
@@ -324,6 +337,9 @@ Ballast is up.
   {f"API key ({TENANT})":<25}{shown(tenant)}
   admin key                {shown(admin)}
   engine token             {_token_source(settings, data)}
+  metrics                  {api}/metrics, http://{settings.control_host}:{settings.control_port}/metrics and each \
+engine's /metrics (`ballast worker list`), with the bearer token in \
+{"BALLAST_METRICS_TOKEN" if settings.metrics_token else data / METRICS_TOKEN_FILE}
 Try:  export OPENAI_API_KEY=$(cat {tenant.path})
       curl {api}/v1/batches -H "Authorization: Bearer $OPENAI_API_KEY"
 Ctrl-C stops everything.

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ballast import procs
+from protocol import search
 
 # Dynamic config every Ballast dev server needs: fairness keys in matching.
 DYNAMIC_CONFIG = {"matching.enableFairness": "true"}
@@ -95,7 +96,7 @@ class TemporalDevServer:
             argv += ["--namespace", self.namespace]
         for key, value in DYNAMIC_CONFIG.items():
             argv += ["--dynamic-config-value", f"{key}={value}"]
-        return argv + self.extra_args
+        return argv + search.register_flags() + self.extra_args
 
     def start(self, timeout: float = 60.0) -> TemporalDevServer:
         """Start and block until a client can connect and describe the namespace."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.batch import BatchActivities
@@ -23,20 +23,23 @@ from activities.fleet import FleetActivities
 from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
 from ballast import procs
+from ballast.probes import probes_app
 from config import Settings
 from config.database import SERVICE_ROLES
-from config.temporal import connect_temporal
+from config.temporal import connect_temporal, search_attributes_usable
 from journal.db import connect
 from policy.grouping import own_queue
 from policy.placement import region_queue
 from policy.pools import pool_queue
 from policy.preemption import min_slots
+from protocol import search
 from protocol.engine_wire import EngineStats
 from protocol.fleet import SurgePolicy
 from protocol.requests import RequestLimits
 from protocol.temporal import FleetInput, QuotaInput
 from protocol.tiers import Tier
 from storage.objects import ObjectStore
+from telemetry import exposition, families
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
@@ -93,7 +96,10 @@ async def _warn_if_overprivileged(db: AsyncEngine, service: str) -> None:
 
 
 async def control_worker(settings: Settings) -> None:
-    client = await connect_temporal(settings)
+    from engine.server import EmbeddedServer
+
+    client = await connect_temporal(settings, exposition.temporal_runtime())
+    families.bound_tenants(settings.metrics_max_tenants)
     db = connect(settings.require("service_db_url"), name="ballast-control")
     await _warn_if_overprivileged(db, "control")
     acts = BatchActivities(
@@ -118,17 +124,29 @@ async def control_worker(settings: Settings) -> None:
     interactive = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
                          activities=[requests.journal_request])
     log.info("control worker polling %s and %s", settings.control_queue, settings.interactive_queue)
+    polling = asyncio.Event()
+    app = probes_app(db, client, polling.is_set, _secret(settings.metrics_token))
+    port = settings.control_port or procs.free_port(settings.control_host)
+    server = EmbeddedServer(uvicorn.Config(app, host=settings.control_host, port=port, log_level="warning",
+                                           lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.control_host, port)]))
+    log.info("control worker probes and metrics at http://%s:%d (/healthz, /readyz, /metrics)",
+             settings.control_host, port)
     try:
-        await start_fleet(client, settings)
-        await start_quota(client, settings)
+        searchable = await search_attributes_usable(client, settings)
+        await start_fleet(client, settings, searchable)
+        await start_quota(client, settings, searchable)
         async with interactive:
+            polling.set()
             procs.notify_ready()
             await _run_until_signalled(worker)
     finally:
+        polling.clear()
+        await _stop_server(server, serving)
         await db.dispose()
 
 
-async def start_fleet(client: Client, settings: Settings) -> None:
+async def start_fleet(client: Client, settings: Settings, searchable: bool = False) -> None:
     """The fleet controller runs once per control queue, however many control workers poll it."""
     policy = SurgePolicy(settings.surge_high, settings.surge_low, settings.surge_cool_down_s,
                          settings.surge_batch_share)
@@ -136,21 +154,24 @@ async def start_fleet(client: Client, settings: Settings) -> None:
         FleetWorkflow.run, FleetInput(policy, settings.fleet_tick_s, stale_s=5 * settings.announce_s),
         id=f"{FLEET_ID}:{settings.control_queue}", task_queue=settings.control_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=search.attributes("fleet") if searchable else TypedSearchAttributes.empty,
     )
 
 
-async def start_quota(client: Client, settings: Settings) -> None:
+async def start_quota(client: Client, settings: Settings, searchable: bool = False) -> None:
     """The quota reconciler, like the fleet controller: one per control queue."""
     await client.start_workflow(
         QuotaReconciler.run, QuotaInput(settings.admission_refresh_s, settings.admission_holder_ttl_s),
         id=f"{QUOTA_ID}:{settings.control_queue}", task_queue=settings.control_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=search.attributes("quota") if searchable else TypedSearchAttributes.empty,
     )
 
 
 async def engine_worker(settings: Settings) -> None:
     # vLLM is imported here, not at module level: the control plane never needs it.
     from activities.generate import GenerationActivities
+    from engine import metrics as engine_metrics
     from engine.adapters import Adapters
     from engine.fair_share import FairShare
     from engine.model_spec import resolve_model
@@ -175,7 +196,8 @@ async def engine_worker(settings: Settings) -> None:
 
         log.warning("engine gate on: batch generations hold at the budgets in %s", settings.engine_gate)
         engine = GatedEngine(engine, settings.engine_gate)
-    client = await connect_temporal(settings)
+    client = await connect_temporal(settings, exposition.temporal_runtime())
+    families.bound_tenants(settings.metrics_max_tenants)
     db = connect(settings.require("service_db_url"), name="ballast-engine")
     await _warn_if_overprivileged(db, "engine")
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
@@ -198,8 +220,10 @@ async def engine_worker(settings: Settings) -> None:
         checkpointer = await stack.enter_async_context(Checkpointer(db, settings.checkpoint_interval_s, trace=trace))
         # Every request served is journaled from here too, on the checkpointer's next tick:
         # the record that accounts for it if its API process dies (journal/served.py).
+        engine_metrics.register(slots, fair, spec.name)
         app = create_app(engine, slots, fair, token=token,
-                         served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])))
+                         served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])),
+                         metrics_token=_secret(settings.metrics_token))
         server = EmbeddedServer(uvicorn.Config(app, host=settings.engine_host, port=port, log_level="warning",
                                                lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
@@ -255,6 +279,10 @@ async def list_or_drain(settings: Settings, drain: str | None) -> int:
         return 0
     finally:
         await db.dispose()
+
+
+def _secret(value) -> str | None:
+    return (value.get_secret_value().strip() or None) if value is not None else None
 
 
 def engine_token(settings: Settings) -> str:

@@ -9,13 +9,18 @@ from there only.
 
 from __future__ import annotations
 
-from typing import Self
+import logging
+from datetime import timedelta
+from typing import Literal, Self
 
 from pydantic import model_validator
 from temporalio.client import Client
 from temporalio.envconfig import ClientConfigProfile
+from temporalio.runtime import Runtime
 
 from config.section import Section
+
+log = logging.getLogger(__name__)
 
 
 class TemporalSettings(Section):
@@ -25,6 +30,12 @@ class TemporalSettings(Section):
     temporal_namespace: str = "default"  # Unset: TEMPORAL_NAMESPACE or the SDK profile's, else this.
     temporal_port: int = 7233
     temporal_ui_port: int = 8233
+
+    # Search attributes (BallastTenant, BallastModel, BallastTier, BallastKind: protocol/search.py)
+    # on every workflow started. "auto": where the namespace has them registered (the dev
+    # server `ballast up` starts registers them; on another cluster an operator does, once);
+    # "on": always (a start fails where one is missing); "off": never.
+    search_attributes: Literal["auto", "on", "off"] = "auto"
 
     # Task queues: the control worker, the engine workers, the API replicas' own workflows.
     control_queue: str = "ballast-control"
@@ -52,9 +63,10 @@ def sdk_profile() -> ClientConfigProfile:
     return ClientConfigProfile.load()
 
 
-async def connect_temporal(settings: TemporalSettings) -> Client:
+async def connect_temporal(settings: TemporalSettings, runtime: Runtime | None = None) -> Client:
     """A client of the configured Temporal: the settings' address and namespace, with the TLS,
-    client certificate, API key and gRPC metadata of the SDK's configuration."""
+    client certificate, API key and gRPC metadata of the SDK's configuration. `runtime`: the
+    process's (telemetry.exposition: its metrics), else the SDK's default."""
     if not settings.temporal_address:
         raise RuntimeError("BALLAST_TEMPORAL_ADDRESS (or TEMPORAL_ADDRESS) is not set: temporal_address is needed here")
     # The profile afresh, not kept from the settings: only a process that connects reads
@@ -62,4 +74,30 @@ async def connect_temporal(settings: TemporalSettings) -> Client:
     config = sdk_profile().to_client_connect_config()
     config["target_host"] = settings.temporal_address
     config["namespace"] = settings.temporal_namespace
-    return await Client.connect(**config)
+    if runtime is None:
+        return await Client.connect(**config)
+    return await Client.connect(**config, runtime=runtime)
+
+
+async def search_attributes_usable(client: Client, settings: TemporalSettings) -> bool:
+    """Whether workflows started here carry Ballast's search attributes: per the setting, and
+    under "auto" whether the namespace has all of them registered (listed by the operator
+    service; a cluster that will not say is taken as not)."""
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+    from protocol import search
+
+    if settings.search_attributes != "auto":
+        return settings.search_attributes == "on"
+    try:
+        listed = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=settings.temporal_namespace), timeout=timedelta(seconds=5))
+    except Exception as err:  # no permission (a cloud API key), an old server: say so, go on without
+        log.warning("search attributes off: the namespace's could not be listed (%s)", err)
+        return False
+    missing = [k.name for k in search.ALL if k.name not in listed.custom_attributes]
+    if missing:
+        log.warning("search attributes off: %s not registered in namespace %s; register them with "
+                    "`temporal operator search-attribute create --name NAME --type Keyword`",
+                    ", ".join(missing), settings.temporal_namespace)
+    return not missing

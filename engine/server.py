@@ -29,7 +29,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -40,14 +40,16 @@ from engine.slots import EngineSlots
 from protocol import engine_wire as wire
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import RequestLimits, parse
+from telemetry import exposition
 
 log = logging.getLogger(__name__)
 
 
 def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, token: str,
-               served: Callable[[dict], None] | None = None) -> Starlette:
+               served: Callable[[dict], None] | None = None, metrics_token: str | None = None) -> Starlette:
     """`token`: the engine token every request must present (never empty). `served`: told
-    of every request once its stream ends, however it ends (journal/served.py)."""
+    of every request once its stream ends, however it ends (journal/served.py).
+    `metrics_token`: what /metrics asks for (None: /metrics is off)."""
     if not token:
         raise ValueError("the engine endpoint needs a token (BALLAST_ENGINE_TOKEN)")
     fair = fair or FairShare("fcfs", slots.max_seqs)
@@ -93,7 +95,11 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
             finally:  # however it ended, the API gone mid-stream included
                 log.info("served %s (x-request-id %s) of %s/%s: %d prompt + %d completion tokens, %s",
                          job.request_id, job.http_request_id or "-", tenant, tier, len(prompt), len(ids),
-                         reason or "unfinished")
+                         reason or "unfinished",
+                         extra=dict(request_id=job.http_request_id, interactive_id=job.request_id, tenant=tenant,
+                                    tier=tier, model=engine.spec.name, status=reason or "unfinished",
+                                    prompt_tokens=len(prompt), completion_tokens=len(ids),
+                                    duration_ms=round(1000 * (time.perf_counter() - t0), 1)))
                 if served is not None:
                     served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                                 endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=len(ids),
@@ -110,20 +116,36 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
             live["gate"] = gate()
         return JSONResponse(live)
 
-    return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats)],
-                     middleware=[Middleware(RequireToken, token=token)])
+    async def metrics(_: Request):
+        return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)
+
+    return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats),
+                             Route("/metrics", metrics)],
+                     middleware=[Middleware(RequireToken, token=token, metrics_token=metrics_token)])
 
 
 class RequireToken:
     """Outermost: a request without the engine token is answered 401 before the app, and
-    so before anything reads its body. Compared in constant time."""
+    so before anything reads its body. Compared in constant time. /metrics asks for the
+    metrics token instead (Prometheus holds that one, never the engine token), and is 404
+    where there is none."""
 
-    def __init__(self, app: ASGIApp, token: str):
-        self.app, self.token = app, token.encode()
+    def __init__(self, app: ASGIApp, token: str, metrics_token: str | None = None):
+        self.app, self.token, self.metrics_token = app, token.encode(), metrics_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/metrics":
+            ok = exposition.allowed(Headers(scope=scope).get("authorization"), self.metrics_token)
+            if ok:
+                await self.app(scope, receive, send)
+                return
+            status, why = ((404, "Metrics are off: set BALLAST_METRICS_TOKEN.") if ok is None
+                           else (401, "The metrics token is missing or wrong."))
+            await JSONResponse(error_body(status, why, None, "invalid_metrics_token" if ok is False else "not_found"),
+                               status_code=status)(scope, receive, send)
             return
         scheme, _, presented = Headers(scope=scope).get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented:

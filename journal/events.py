@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.projections import project
 from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
+from telemetry import families
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,17 @@ async def append(conn: AsyncConnection, new: Sequence[NewEvent], *, attempts: in
     StaleAttempt where a fenced event's lease has moved on; nothing of this call is then
     worth committing.
     """
+    t0 = time.perf_counter()
+    try:
+        return await _append(conn, new, attempts)
+    except Exception as err:
+        families.APPEND_ERRORS.labels(type(err).__name__).inc()
+        raise
+    finally:
+        families.APPEND.observe(time.perf_counter() - t0)
+
+
+async def _append(conn: AsyncConnection, new: Sequence[NewEvent], attempts: int) -> list[int | None]:
     positions: dict[str, int | None] = {e.key: None for e in new}
     if len(positions) != len(new):
         raise ValueError("duplicate idempotency keys in one append")

@@ -95,6 +95,8 @@ class Stack:
         self.key = key
         self.headers = {"Authorization": f"Bearer {key}"}
         self.engine_headers = {"Authorization": f"Bearer {env['BALLAST_ENGINE_TOKEN']}"}  # the engine worker's
+        self.metrics_token = env["BALLAST_METRICS_TOKEN"]
+        self.control_url = f"http://127.0.0.1:{env['BALLAST_CONTROL_PORT']}"
         self.gate = Gate(Path(env["BALLAST_ENGINE_GATE"]))
         self.children: dict[str, procs.Child] = {}
         self.engine_url = ""
@@ -203,6 +205,8 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_UNREPORTED_AFTER_S="15",
         BALLAST_ENGINE_GATE=str(root / "gate.json"),  # unlimited until a test holds
         BALLAST_ENGINE_TOKEN=secrets.token_urlsafe(32),  # the API's and the engine workers' shared secret
+        BALLAST_METRICS_TOKEN=secrets.token_urlsafe(32),  # what every /metrics asks of Prometheus
+        BALLAST_CONTROL_PORT=str(procs.free_port()),  # the control worker's probes and /metrics
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)

@@ -8,6 +8,7 @@ services' role's URL, as /proc shows their environment and command lines."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
@@ -187,6 +188,16 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
         assert key in shown and admin_key in shown  # new: both shown, this once
         assert f"export OPENAI_API_KEY=$(cat {data_dir / 'api-key'})" in shown
         assert str(data_dir / "engine-token") in shown and engine_token not in shown  # where, never what
+        # Metrics: the token kept 0600 and named (never shown), the control worker's port in the banner.
+        metrics_token = data_dir / "metrics-token"
+        assert stat.S_IMODE(metrics_token.stat().st_mode) == 0o600 and metrics_token.read_text() not in shown
+        bearer = {"Authorization": f"Bearer {metrics_token.read_text().strip()}"}
+        [control] = {u for u in re.findall(r"(http://127\.0\.0\.1:\d+)/metrics", shown)} - {f"http://127.0.0.1:{port}"}
+        assert str(metrics_token) in shown, shown
+        for url in (f"http://127.0.0.1:{port}/metrics", control + "/metrics"):
+            assert httpx.get(url, timeout=10).status_code == 401, url
+            assert "ballast_journal_append_seconds" in httpx.get(url, headers=bearer, timeout=10).text, url
+        assert httpx.get(control + "/readyz", timeout=10).json()["status"] == "ok"
         assert not [p for p in passwords.values() if p in shown]  # the banner masks the URL
         assert api.get("/v1/batches").status_code == 401  # no key
         api.headers["Authorization"] = f"Bearer {key}"

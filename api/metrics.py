@@ -1,0 +1,27 @@
+"""GET /metrics: this API process's series in Prometheus' text format (telemetry/), for
+whoever presents the metrics token (BALLAST_METRICS_TOKEN); 404 where none is set. Not in
+the OpenAPI document: it is for Prometheus, not for clients."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from api.deps import ServicesDep
+from api.errors import APIError
+from telemetry import exposition
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request, svc: ServicesDep) -> Response:
+    token = svc.settings.metrics_token
+    ok = exposition.allowed(request.headers.get("authorization"), token.get_secret_value() if token else None)
+    if ok is None:
+        raise APIError(404, "Metrics are off: set BALLAST_METRICS_TOKEN and scrape with it as a bearer token.",
+                       code="not_found")
+    if not ok:
+        raise APIError(401, "The metrics token is missing or wrong.", code="invalid_metrics_token",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)

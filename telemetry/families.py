@@ -1,0 +1,66 @@
+"""Ballast's own metric families, each defined once, in prometheus_client's default registry
+(where vLLM's stat logger puts its own). Labels name a tenant through `tenant()`, which
+bounds how many distinct tenants one process ever exports."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import Counter, Histogram
+
+OTHER = "other"
+
+# Latency buckets from a fast GPU's first token to a CPU engine's long answer.
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# -- the API: interactive requests, admission --------------------------------------------
+REQUESTS = Counter("ballast_requests", "Interactive requests that ended, by how they ended (status: completed, "
+                   "cancelled, failed).", ["tenant", "tier", "model", "endpoint", "status"])
+TOKENS = Counter("ballast_tokens", "Tokens of interactive requests that ended (kind: prompt, completion).",
+                 ["tenant", "tier", "model", "kind"])
+TTFT = Histogram("ballast_ttft_seconds", "Time to first token, as the API saw it (request in, first token out).",
+                 ["tier", "model"], buckets=_SECONDS)
+TPOT = Histogram("ballast_tpot_seconds", "Time per output token after the first, per request.",
+                 ["tier", "model"], buckets=_PER_TOKEN)
+DURATION = Histogram("ballast_request_duration_seconds", "Interactive requests from arrival to their last byte.",
+                     ["tier", "model", "status"], buckets=_SECONDS)
+ADMISSION = Counter("ballast_admission_decisions", "Admission's decisions (decision: admitted, refused; reason: the "
+                    "limit that refused, e.g. requests_per_min, or capacity).",
+                    ["tenant", "tier", "model", "decision", "reason"])
+
+# -- batch generation and fine-tuning (engine workers) -------------------------------------
+BATCH_ITEMS = Counter("ballast_batch_items", "Batch items whose generation ended here (outcome: completed, failed, "
+                      "preempted: it yielded and will resume).", ["tenant", "model", "outcome"])
+BATCH_TOKENS = Counter("ballast_batch_tokens", "Tokens generated for batch items and journaled.", ["tenant", "model"])
+TRAINING_STEPS = Counter("ballast_fine_tune_steps", "Fine-tuning steps trained.", ["tenant", "model"])
+
+# -- the journal (every process) ------------------------------------------------------------
+APPEND = Histogram("ballast_journal_append_seconds", "One append to the journal (its events and their projections), "
+                   "inside the caller's transaction.", buckets=_SECONDS)
+APPEND_ERRORS = Counter("ballast_journal_append_errors", "Appends that raised (a conflict, a stale fence, the "
+                        "database).", ["error"])
+
+
+class _Tenants:
+    """The first `most` tenants seen are labels of their own; later ones are `other`."""
+
+    def __init__(self, most: int):
+        self.most, self.seen, self.lock = most, set[str](), threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.seen:
+            return tenant
+        with self.lock:
+            if len(self.seen) < self.most:
+                self.seen.add(tenant)
+                return tenant
+        return OTHER
+
+
+tenant = _Tenants(50)
+
+
+def bound_tenants(most: int) -> None:
+    """How many tenants this process labels by name (BALLAST_METRICS_MAX_TENANTS); at start."""
+    tenant.most = most
