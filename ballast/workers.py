@@ -22,7 +22,7 @@ from activities.finetune import FineTuneActivities
 from activities.fleet import FleetActivities
 from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
-from ballast import procs
+from ballast import gauges, procs
 from ballast.probes import probes_app
 from config import Settings
 from config.database import SERVICE_ROLES
@@ -132,6 +132,8 @@ async def control_worker(settings: Settings) -> None:
     serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.control_host, port)]))
     log.info("control worker probes and metrics at http://%s:%d (/healthz, /readyz, /metrics)",
              settings.control_host, port)
+    gauging = asyncio.create_task(gauges.keep_refreshing(db, settings.metrics_refresh_s, settings.scale_policy(),
+                                                         stale_s=5 * settings.announce_s))
     try:
         searchable = await search_attributes_usable(client, settings)
         await start_fleet(client, settings, searchable)
@@ -142,6 +144,7 @@ async def control_worker(settings: Settings) -> None:
             await _run_until_signalled(worker)
     finally:
         polling.clear()
+        gauging.cancel()
         await _stop_server(server, serving)
         await db.dispose()
 
@@ -314,7 +317,8 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                     EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
-                                max_model_len=spec.max_model_len, model_source=spec.path).to_json())
+                                max_model_len=spec.max_model_len, model_source=spec.path,
+                                batch_tokens=int(families.total(families.BATCH_TOKENS))).to_json())
             await slots.direct(cap)
             if draining:
                 drained.set()

@@ -131,6 +131,7 @@ class EngineStats:
     # requests are checked against, and where its files are, for the API's tokenizer.
     max_model_len: int = 0
     model_source: str = ""
+    batch_tokens: int = 0  # batch tokens generated and journaled here since it started (its pace, read twice)
     extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
 
     def to_json(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 OTHER = "other"
 
@@ -42,6 +42,22 @@ APPEND_ERRORS = Counter("ballast_journal_append_errors", "Appends that raised (a
                         "database).", ["error"])
 
 
+# -- what waits (the control worker, from the journal) ---------------------------------------
+BACKLOG_ITEMS = Gauge("ballast_batch_backlog_items", "Pending items of open batches.", ["tenant"])
+BACKLOG_OLDEST = Gauge("ballast_batch_oldest_pending_seconds", "Age of the tenant's oldest open batch with pending "
+                       "items (the completion window counts from its creation).", ["tenant"])
+QUEUED_TOKENS = Gauge("ballast_batch_queued_tokens", "Tokens the open batch reservations of a model hold (the "
+                      "quota fold's view).", ["model"])
+FOLD_AGE = Gauge("ballast_quota_fold_age_seconds", "Seconds since the quota fold last ran: admission's view of "
+                 "usage is as old as this.")
+ENGINES = Gauge("ballast_pool_engines", "Engine workers of the model's pool announcing now.", ["model"])
+ENGINES_WANTED = Gauge("ballast_engines_wanted", "The engines the model's pool wants now, for interactive load at "
+                       "its target and its queued batch tokens drained in time (policy/autoscale.py): the "
+                       "autoscaling signal.", ["model"])
+SURGING = Gauge("ballast_fleet_surging", "1 while the fleet controller calls the pool surging (batch capped on its "
+                "engines), else 0.", ["pool"])
+
+
 class _Tenants:
     """The first `most` tenants seen are labels of their own; later ones are `other`."""
 
@@ -59,6 +75,11 @@ class _Tenants:
 
 
 tenant = _Tenants(50)
+
+
+def total(counter: Counter) -> float:
+    """A counter's sum over all its labels, in this process."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
 
 def bound_tenants(most: int) -> None:
