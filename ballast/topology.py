@@ -40,7 +40,8 @@ SHARED_ENV = (*MEETING_ENV, *MODEL_ENV)
 # The password `migrate` sets on each service's role (config.database.SERVICE_ROLES).
 ROLE_PASSWORD_ENV = tuple(f"BALLAST_{k.upper()}_DATABASE_PASSWORD" for k in SERVICE_ROLES)
 SECRET_ENV = ("BALLAST_DATABASE_URL", "DATABASE_URL", "BALLAST_SERVICE_DATABASE_URL",
-              "BALLAST_SERVICE_DATABASE_PASSWORD", *ROLE_PASSWORD_ENV, "BALLAST_ENGINE_TOKEN", "TEMPORAL_API_KEY")
+              "BALLAST_SERVICE_DATABASE_PASSWORD", *ROLE_PASSWORD_ENV, "BALLAST_ENGINE_TOKEN", "BALLAST_METRICS_TOKEN",
+              "TEMPORAL_API_KEY")
 
 # A variable a process may be handed under another name, which config reads when it is
 # unset: DATABASE_URL, what platforms hand a service; the Temporal SDK's own (config/temporal.py).
@@ -50,7 +51,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "BALLAST_TEMPORAL_NAMESPACE": ("TEMPORAL_NAMESPACE",),
 }
 
-_SERVICE = frozenset({*SHARED_ENV, "BALLAST_DATABASE_URL"})
+# Every long-running process serves /metrics to whoever holds the metrics token.
+_SERVICE = frozenset({*SHARED_ENV, "BALLAST_DATABASE_URL", "BALLAST_METRICS_TOKEN"})
 # A service is handed its own role's URL: no role's password, nor the owner's.
 _NEVER = frozenset({"BALLAST_SERVICE_DATABASE_PASSWORD", *ROLE_PASSWORD_ENV})
 
@@ -69,7 +71,9 @@ PROCESSES: dict[str, Process] = {
     "migrate": Process(("migrate",), False, "owner", frozenset({"BALLAST_DATABASE_URL", *ROLE_PASSWORD_ENV})),
     "api": Process(("api",), True, "api",
                    _SERVICE | {"BALLAST_ENGINE_TOKEN", "BALLAST_API_HOST", "BALLAST_API_PORT"}, never=_NEVER),
-    "control": Process(("worker", "control"), True, "control", _SERVICE,
+    # Its probes (/healthz, /readyz) and /metrics listen on a port of their own.
+    "control": Process(("worker", "control"), True, "control",
+                       _SERVICE | {"BALLAST_CONTROL_HOST", "BALLAST_CONTROL_PORT"},
                        never=_NEVER | {"BALLAST_ENGINE_TOKEN"}),
     "engine": Process(("worker", "engine"), True, "engine",
                       _SERVICE | {"BALLAST_ENGINE_TOKEN", "BALLAST_ENGINE_HOST", "BALLAST_ENGINE_PORT",

@@ -52,6 +52,7 @@ PG_PORT = 5432
 TEMPORAL_PORT = 7233
 API_PORT = 8000
 ENGINE_PORT = 8100
+CONTROL_PORT = 9000
 
 ADDRESSES = dict(pg=2, temporal=3, s3=4, api1=11, api2=12, control=20, engine1=31, engine2=32)
 
@@ -256,16 +257,20 @@ def start(fleet: Fleet, settings: Settings, *, say=print) -> None:
         return dict(BALLAST_DATABASE_URL=url, BALLAST_SERVICE_DATABASE_URL=url)
 
     hosts = fleet.placed
+    metrics = dict(BALLAST_METRICS_TOKEN=secrets.token_urlsafe(32))  # what a Prometheus would present
     hosts.update(control="control", migrate="control")
     for n in (1, 2):
         host = hosts[f"engine-{n}"] = f"engine{n}"
-        env_for(f"engine-{n}", host, **login("engine"), BALLAST_ENGINE_TOKEN=token, BALLAST_ENGINE_HOST=net.addr(host),
+        env_for(f"engine-{n}", host, **login("engine"), **metrics, BALLAST_ENGINE_TOKEN=token,
+                BALLAST_ENGINE_HOST=net.addr(host),
                 BALLAST_ENGINE_PORT=str(ENGINE_PORT), BALLAST_ENGINE_URL=f"http://{net.addr(host)}:{ENGINE_PORT}",
                 BALLAST_KV_CACHE_GIB="0.5", BALLAST_MAX_NUM_SEQS=str(settings.max_num_seqs))
-    env_for("control", "control", **login("control"))
+    env_for("control", "control", **login("control"), **metrics, BALLAST_CONTROL_HOST=net.addr("control"),
+            BALLAST_CONTROL_PORT=str(CONTROL_PORT))
     for n in (1, 2):
         host = hosts[f"api-{n}"] = f"api{n}"
-        env_for(f"api-{n}", host, **login("api"), BALLAST_ENGINE_TOKEN=token, BALLAST_API_HOST=net.addr(host),
+        env_for(f"api-{n}", host, **login("api"), **metrics, BALLAST_ENGINE_TOKEN=token,
+                BALLAST_API_HOST=net.addr(host),
                 BALLAST_API_PORT=str(API_PORT))
     # The deployment contract, as docker-compose and the Helm chart are held to it, and
     # nothing that would let one host reach another but through the network.

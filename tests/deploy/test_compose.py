@@ -56,6 +56,7 @@ DOTENV = {
     **{f"BALLAST_{k.upper()}_DATABASE_PASSWORD": f"{k}-" + secrets.token_hex(8) for k in SERVICE_ROLES},
     "TEMPORAL_DB_PASSWORD": "temporal-" + secrets.token_hex(8),
     "BALLAST_ENGINE_TOKEN": "engine-" + secrets.token_hex(8),
+    "BALLAST_METRICS_TOKEN": "metrics-" + secrets.token_hex(8),
 }
 SERVICE_ROLE_CONTAINERS = tuple(n for n, p in topology.PROCESSES.items() if p.database in SERVICE_ROLES)
 # A variable named so holds a secret: it must never have a default.

@@ -46,18 +46,20 @@ INSTALL = {
     "database": {"owner": {"url": OWNER_URL, **{f"{k}Password": f"{k}-pw" for k in KINDS}},
                  "service": {f"{k}Url": ROLE_URL[k] for k in KINDS}},
     "engineToken": {"value": "engine-token"},
+    "metricsToken": {"value": "metrics-token"},
 }
 # The Secrets' values, where the operator names Secrets of their own (existingSecret).
 EXISTING: dict[tuple[str, ...], str] = {("database", "owner", "urlKey"): OWNER_URL,
                                          **{("database", "owner", f"{k}PasswordKey"): f"{k}-pw" for k in KINDS},
                                          **{("database", "service", f"{k}UrlKey"): ROLE_URL[k] for k in KINDS},
                                                                       ("engineToken", "key"): "engine-token",
+                                         ("metricsToken", "key"): "metrics-token",
                                          ("temporal", "apiKey", "key"): "temporal-api-key"}
 # The values that are secrets: empty in every values file.
 SECRET_VALUES = [("database", "owner", "url"), *[("database", "owner", f"{k}Password") for k in KINDS],
                  *[("database", "service", f"{k}Url") for k in KINDS],
-                 ("engineToken", "value"), ("temporal", "apiKey", "value"), ("temporal", "tls", "clientCert"),
-                 ("temporal", "tls", "clientKey"), ("temporal", "tls", "serverCA")]
+                 ("engineToken", "value"), ("metricsToken", "value"), ("temporal", "apiKey", "value"),
+                 ("temporal", "tls", "clientCert"), ("temporal", "tls", "clientKey"), ("temporal", "tls", "serverCA")]
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
 
@@ -280,7 +282,7 @@ def test_no_values_file_holds_a_secret(values_file):
 def test_without_the_secrets_the_chart_refuses_to_render():
     """As compose's ${VAR:?}: an install that forgets one fails, naming it."""
     for path in (("database", "owner", "url"), ("database", "owner", "enginePassword"),
-                 ("database", "service", "controlUrl"), ("engineToken", "value")):
+                 ("database", "service", "controlUrl"), ("engineToken", "value"), ("metricsToken", "value")):
         user = copy.deepcopy(INSTALL)
         _get(user, path[:-1]).pop(path[-1])
         with pytest.raises(helm.HelmError, match=re.escape(".".join(path))):
@@ -315,27 +317,38 @@ def test_the_api_probes_paths_the_app_serves_without_a_key(case):
 
 
 def test_the_engines_and_the_control_worker_probe_what_they_have(case):
-    """Neither serves an open health route: an engine's port demands the engine token on
-    every path (and a probe cannot carry a Secret), the control worker serves no HTTP. The
-    engine's port is probed by TCP (it opens once vLLM has loaded); readiness for both is the
-    supervisor's file, which each writes once it polls its task queues."""
+    """An engine serves no open health route: its port demands the engine token on every
+    path (and a probe cannot carry a Secret), so its port is probed by TCP (it opens once
+    vLLM has loaded) and its readiness is the supervisor's file, written once it polls its
+    task queues. The control worker's own listener answers /readyz and /healthz without a
+    token (ballast/probes.py): its probes ask those, on the port it is told to listen on."""
+    from starlette.routing import Route
+
+    from ballast.probes import probes_app
     from ballast.procs import READY_FILE_ENV
 
     _, values, docs = case
+    app = probes_app(None, None, lambda: True, None)  # its routes only: nothing runs
+    served = {r.path for r in app.routes if isinstance(r, Route)}
     for name, c, _ in _containers(docs):
         if name in ("api", "migrate"):
             continue
         probes = {k: c[k] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in c}
-        assert all("httpGet" not in p for p in probes.values()), name
-        assert READY_FILE_ENV in probes["readinessProbe"]["exec"]["command"][-1], name
-        assert _env(c, _secret_data(docs, values))[READY_FILE_ENV].startswith("/tmp/"), name
+        env = _env(c, _secret_data(docs, values))
         if name.startswith("engine-"):
+            assert all("httpGet" not in p for p in probes.values()), name
+            assert READY_FILE_ENV in probes["readinessProbe"]["exec"]["command"][-1], name
+            assert env[READY_FILE_ENV].startswith("/tmp/"), name
             assert probes["startupProbe"]["tcpSocket"]["port"] == "stream"
             assert probes["livenessProbe"]["tcpSocket"]["port"] == "stream"
             [port] = c["ports"]
-            assert port["containerPort"] == int(_env(c, _secret_data(docs, values))["BALLAST_ENGINE_PORT"])
+            assert port["containerPort"] == int(env["BALLAST_ENGINE_PORT"])
         else:
-            assert "livenessProbe" not in probes and "ports" not in c, name
+            [port] = c["ports"]
+            assert (port["name"], port["containerPort"]) == ("probes", int(env["BALLAST_CONTROL_PORT"]))
+            assert env["BALLAST_CONTROL_HOST"] == "0.0.0.0"  # the kubelet probes the pod's address
+            paths = {k: p["httpGet"]["path"] for k, p in probes.items() if p["httpGet"]["port"] == "probes"}
+            assert paths == dict(readinessProbe="/readyz", livenessProbe="/healthz") and set(paths.values()) <= served
 
 
 def test_each_pool_gets_its_engine_deployment(case):

@@ -47,6 +47,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- define "ballast.engineTokenSecret" -}}
 {{- default (printf "%s-engine-token" (include "ballast.fullname" .)) .Values.engineToken.existingSecret -}}
 {{- end -}}
+{{- define "ballast.metricsTokenSecret" -}}
+{{- default (printf "%s-metrics-token" (include "ballast.fullname" .)) .Values.metricsToken.existingSecret -}}
+{{- end -}}
 {{- define "ballast.temporalTLSSecret" -}}
 {{- default (printf "%s-temporal-tls" (include "ballast.fullname" .)) .Values.temporal.tls.existingSecret -}}
 {{- end -}}
@@ -160,6 +163,14 @@ envFrom:
     secretKeyRef:
       name: {{ include "ballast.serviceSecret" .root }}
       key: {{ $key }}
+{{- end -}}
+
+{{- define "ballast.env.metricsToken" -}}
+- name: BALLAST_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ballast.metricsTokenSecret" . }}
+      key: {{ .Values.metricsToken.key }}
 {{- end -}}
 
 {{- define "ballast.env.engineToken" -}}
