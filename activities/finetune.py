@@ -304,6 +304,10 @@ class FineTuneActivities:
             event.payload.update(valid_loss=scores[0], valid_mean_token_accuracy=scores[1])
             message += f", validation loss={scores[0]:.4f}"
             metrics.update(valid_loss=scores[0], valid_mean_token_accuracy=scores[1])
+        labels = families.tenant(job["tenant"]), job["model"]
+        families.TRAINING_LOSS.labels(*labels, "train").set(ck.losses[-1])
+        if scores is not None:
+            families.TRAINING_LOSS.labels(*labels, "valid").set(scores[0])
         event.payload["timing"], event.payload["ended_by"] = clock.timing(), clock.ended_by
         # The tokens these steps trained, settled in the quota ledger with the checkpoint
         # that records them: SQL audits training as it audits inference.

@@ -171,6 +171,8 @@ class GenerationActivities:
         """One stretch of the item on vLLM, under a batch slot: its finish reason, or
         PREEMPTED once every token it has is journaled."""
         tokens, reason = at.tokens, None
+        if tokens or at.runs:  # a resumption: its prompt and tokens are prefilled again
+            families.REPREFILLED.labels(self.engine.spec.name).inc(len(prompt) + len(tokens))
         at.runs += 1  # a preemption before any new token resumes at the same offset: ids stay unique
         request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
         async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:

@@ -45,6 +45,7 @@ async def refresh(db: AsyncEngine, policy: ScalePolicy = ScalePolicy(), pace: Pa
         tokens = await backlog.queued_tokens(conn)
         age = await backlog.fold_age_s(conn)
         surges = await backlog.surging(conn)
+        quotas = await backlog.quota_use(conn)
         engines = await engine_registry.live(conn, stale_s)
     measured = (pace or Pace()).read(engines, time.monotonic() if now is None else now)
     pools: dict[str, list[EngineStats]] = {}
@@ -52,7 +53,7 @@ async def refresh(db: AsyncEngine, policy: ScalePolicy = ScalePolicy(), pace: Pa
         pools.setdefault(e["model"], []).append(EngineStats.from_json(e["stats"]))
     # Cleared and set in one go (no await between): a scrape sees the whole of one reading.
     for gauge in (families.BACKLOG_ITEMS, families.BACKLOG_OLDEST, families.QUEUED_TOKENS, families.SURGING,
-                  families.ENGINES, families.ENGINES_WANTED):
+                  families.ENGINES, families.ENGINES_WANTED, families.QUOTA_USED, families.QUOTA_LIMIT):
         gauge.clear()
     items: dict[str, int] = {}
     oldest: dict[str, float] = {}
@@ -63,6 +64,10 @@ async def refresh(db: AsyncEngine, policy: ScalePolicy = ScalePolicy(), pace: Pa
     for label in items:
         families.BACKLOG_ITEMS.labels(label).set(items[label])
         families.BACKLOG_OLDEST.labels(label).set(oldest[label])
+    for q in quotas:  # tenants past the label bound: their uses and limits summed under "other"
+        labels = families.tenant(q.tenant), q.model, q.limit
+        families.QUOTA_USED.labels(*labels).inc(q.used)
+        families.QUOTA_LIMIT.labels(*labels).inc(q.allowed)
     for model, n in tokens.items():
         families.QUEUED_TOKENS.labels(model).set(n)
     if age is not None:
@@ -74,7 +79,8 @@ async def refresh(db: AsyncEngine, policy: ScalePolicy = ScalePolicy(), pace: Pa
         load = PoolLoad(engines=len(stats), slots=max((s.max_seqs for s in stats), default=1),
                         interactive=sum(s.interactive for s in stats), queued_tokens=tokens.get(model, 0),
                         tokens_per_s=measured.get(model))
-        families.ENGINES.labels(model).set(len(stats))
+        for region in sorted({s.region for s in stats}):
+            families.ENGINES.labels(model, region).set(sum(s.region == region for s in stats))
         families.ENGINES_WANTED.labels(model).set(engines_wanted(load, policy))
 
 

@@ -223,7 +223,7 @@ async def engine_worker(settings: Settings) -> None:
         checkpointer = await stack.enter_async_context(Checkpointer(db, settings.checkpoint_interval_s, trace=trace))
         # Every request served is journaled from here too, on the checkpointer's next tick:
         # the record that accounts for it if its API process dies (journal/served.py).
-        engine_metrics.register(slots, fair, spec.name)
+        engine_metrics.register(slots, fair, spec.name, settings.region)
         app = create_app(engine, slots, fair, token=token,
                          served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])),
                          metrics_token=_secret(settings.metrics_token))

@@ -15,11 +15,15 @@ from telemetry import families
 
 
 class EngineCollector(Collector):
-    def __init__(self, slots: EngineSlots, fair: FairShare, model: str):
-        self.slots, self.fair, self.model = slots, fair, model
+    def __init__(self, slots: EngineSlots, fair: FairShare, model: str, region: str = ""):
+        self.slots, self.fair, self.model, self.region = slots, fair, model, region
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap, share = self.slots.snapshot(), self.fair.snapshot()
+        info = GaugeMetricFamily("ballast_engine_info", "1, labelled with the engine worker's model (its pool) and "
+                                 "region: join on it to see any engine series by region.", labels=["model", "region"])
+        info.add_metric([self.model, self.region], 1)
+        yield info
         used = GaugeMetricFamily("ballast_engine_slots", "Sequence slots held, by kind of work (the engine's "
                                  "max_num_seqs is ballast_engine_max_seqs).", labels=["model", "kind"])
         for kind in ("interactive", "batch"):
@@ -32,6 +36,11 @@ class EngineCollector(Collector):
         cap = snap["batch_cap"] if snap["batch_cap"] is not None else self.slots.max_seqs
         yield _gauge("ballast_engine_batch_cap", "The slots batch may hold now (lowered while interactive "
                      "traffic surges).", self.model, cap)
+        idle = self.slots.max_seqs - snap["interactive"]
+        if idle > 0:  # every slot held by interactive work: nothing idle to harvest
+            yield _gauge("ballast_engine_harvest_ratio", "The share of the slots interactive work leaves idle that "
+                         "batch generations hold now (1: batch harvests all of them).", self.model,
+                         min(1.0, snap["batch"] / idle))
         pre = CounterMetricFamily("ballast_engine_preemptions", "Batch generations this engine preempted for "
                                   "interactive work (each resumes from its journaled tokens).", labels=["model"])
         pre.add_metric([self.model], snap["preemptions"])
@@ -58,7 +67,7 @@ def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
     return g
 
 
-def register(slots: EngineSlots, fair: FairShare, model: str) -> EngineCollector:
-    collector = EngineCollector(slots, fair, model)
+def register(slots: EngineSlots, fair: FairShare, model: str, region: str = "") -> EngineCollector:
+    collector = EngineCollector(slots, fair, model, region)
     REGISTRY.register(collector)
     return collector

@@ -32,6 +32,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from journal.db import unreachable
 from journal.events import IdempotencyConflict, NewEvent, StaleAttempt, append
+from protocol.events import EventType
+from telemetry import families
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Checkpointer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._committing = False
+        self._took = time.monotonic()  # the last take: tokens produced since wait for the next commit
 
     async def __aenter__(self) -> Checkpointer:
         self._task = asyncio.create_task(self._run(), name="checkpointer")
@@ -108,6 +111,7 @@ class Checkpointer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
             self._wake.clear()
+            before, self._took = self._took, time.monotonic()
             batch = self._take()
             if batch:
                 self._committing = True
@@ -116,6 +120,8 @@ class Checkpointer:
                     await self._commit(batch)
                 finally:
                     self._committing = False
+                if self._tracked or any(e.type == EventType.ITEM_CHUNK for e, _ in batch):
+                    families.CHECKPOINT_LAG.observe(time.monotonic() - before)
                 if self.trace:
                     self.trace("commit", at=round(started, 4), events=len(batch),
                                ms=round(1000 * (time.time() - started), 2))

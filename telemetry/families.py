@@ -33,7 +33,15 @@ ADMISSION = Counter("ballast_admission_decisions", "Admission's decisions (decis
 BATCH_ITEMS = Counter("ballast_batch_items", "Batch items whose generation ended here (outcome: completed, failed, "
                       "preempted: it yielded and will resume).", ["tenant", "model", "outcome"])
 BATCH_TOKENS = Counter("ballast_batch_tokens", "Tokens generated for batch items and journaled.", ["tenant", "model"])
+REPREFILLED = Counter("ballast_batch_reprefilled_tokens", "Tokens a batch generation prefilled again to resume "
+                      "(its prompt and the tokens it had: after a preemption, a retry or another worker's crash), "
+                      "before vLLM's prefix cache spares what it still holds: the price of yielding.", ["model"])
 TRAINING_STEPS = Counter("ballast_fine_tune_steps", "Fine-tuning steps trained.", ["tenant", "model"])
+TRAINING_LOSS = Gauge("ballast_fine_tune_loss", "The loss at the last checkpoint of the tenant's newest job on the "
+                      "model to checkpoint here (split: train, valid).", ["tenant", "model", "split"])
+CHECKPOINT_LAG = Histogram("ballast_checkpoint_lag_seconds", "At each checkpoint commit of generated tokens, how "
+                           "long the oldest tokens it made durable had waited: what a crash just before it would "
+                           "have lost, in time.", buckets=_SECONDS)
 
 # -- the journal (every process) ------------------------------------------------------------
 APPEND = Histogram("ballast_journal_append_seconds", "One append to the journal (its events and their projections), "
@@ -50,10 +58,16 @@ QUEUED_TOKENS = Gauge("ballast_batch_queued_tokens", "Tokens the open batch rese
                       "quota fold's view).", ["model"])
 FOLD_AGE = Gauge("ballast_quota_fold_age_seconds", "Seconds since the quota fold last ran: admission's view of "
                  "usage is as old as this.")
-ENGINES = Gauge("ballast_pool_engines", "Engine workers of the model's pool announcing now.", ["model"])
+ENGINES = Gauge("ballast_pool_engines", "Engine workers of the model's pool announcing now, by their region.",
+                ["model", "region"])
 ENGINES_WANTED = Gauge("ballast_engines_wanted", "The engines the model's pool wants now, for interactive load at "
                        "its target and its queued batch tokens drained in time (policy/autoscale.py): the "
                        "autoscaling signal.", ["model"])
+QUOTA_USED = Gauge("ballast_quota_used", "What counts now against each limit set on a tenant (limit: a column of "
+                   "`limits`, e.g. tokens_per_day; model: the limit's scope, '*' for all models), as admission "
+                   "counts it: the current UTC minute or day, requests in flight, queued batch tokens, active "
+                   "fine-tunes.", ["tenant", "model", "limit"])
+QUOTA_LIMIT = Gauge("ballast_quota_limit", "The limit itself, beside ballast_quota_used.", ["tenant", "model", "limit"])
 SURGING = Gauge("ballast_fleet_surging", "1 while the fleet controller calls the pool surging (batch capped on its "
                 "engines), else 0.", ["pool"])
 

@@ -1,9 +1,11 @@
-"""A real Prometheus (the OS package) scrapes the stack's three processes (the API, the
-control worker, the engine worker) with the metrics token while a tenant of its own chats,
-is refused once by its limit and runs a batch. PromQL then answers what the client itself
-counted (requests, tokens, the refusal) and what the journal says (the batch's items and
-tokens); vLLM's own series and the Temporal SDK's are there; every scrape succeeded; and
-without the token /metrics says nothing."""
+"""A real Prometheus (the OS package, with deploy/prometheus' rules) scrapes the stack's
+three processes (the API, the control worker, the engine worker) with the metrics token
+while a tenant of its own fine-tunes, chats, is refused once by its limit and runs a batch
+that a surge of chats preempts. PromQL then answers what the client itself counted
+(requests, tokens, the refusal, its use of its limits) and what the journal says (the
+batch's items and tokens, its preemptions and what resuming them prefilled again, the
+fine-tune's steps and loss); vLLM's own series and the Temporal SDK's are there; every
+scrape succeeded and every rule evaluates; and without the token /metrics says nothing."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from config.database import libpq_url
 from journal import tenant_store
 from journal.db import connect
 from tests.e2e.conftest import Stack, make_key
+from tests.e2e.test_interactive import Surges
 
 pytestmark = pytest.mark.e2e
 
@@ -31,12 +34,12 @@ CHATS = 6
 JOBS = ("ballast-api", "ballast-control", "ballast-engine")  # the job names deploy/prometheus/alerts.yml assumes
 
 
-def _limit(db_url: str, tenant: str, requests_per_min: int) -> None:
+def _limit(db_url: str, tenant: str, **dims: int) -> None:
     async def run() -> None:
         db = connect(db_url, pool_size=1)
         try:
             async with db.begin() as conn:
-                await tenant_store.set_limits(conn, tenant, "*", requests_per_min=requests_per_min)
+                await tenant_store.set_limits(conn, tenant, "*", **dims)
         finally:
             await db.dispose()
 
@@ -54,7 +57,9 @@ def prometheus(stack: Stack, tmp_path: Path):
     token.write_text(stack.metrics_token)
     token.chmod(0o600)
     targets = {"ballast-api": stack.url, "ballast-control": stack.control_url, "ballast-engine": stack.engine_url}
-    config = {"global": dict(scrape_interval="1s", scrape_timeout="1s"), "scrape_configs": [
+    rules = Path(__file__).resolve().parents[2] / "deploy/prometheus/alerts.yml"
+    config = {"global": dict(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s"),
+              "rule_files": [str(rules)], "scrape_configs": [
         dict(job_name=job, authorization=dict(type="Bearer", credentials_file=str(token)),
              static_configs=[dict(targets=[url.removeprefix("http://")])]) for job, url in targets.items()]}
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # YAML is a superset of JSON
@@ -101,10 +106,17 @@ def _until(prom: str, want: dict[str, float], timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
-def test_prometheus_agrees_with_the_client_and_the_journal(stack, prometheus, db_url, tiny_model):
+def test_prometheus_agrees_with_the_client_and_the_journal(stack, gate, prometheus, db_url, tiny_model):
     tenant = f"metrics-{uuid.uuid4().hex[:8]}"
-    http = httpx.Client(base_url=stack.url, timeout=60, headers={"Authorization": f"Bearer {make_key(db_url, tenant)}"})
-    _limit(db_url, tenant, CHATS)
+    key = make_key(db_url, tenant)
+    http = httpx.Client(base_url=stack.url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+    _limit(db_url, tenant, requests_per_min=CHATS, tokens_per_day=10**9)
+    # A fine-tune trains meanwhile, in the engine's batch slots (3 steps).
+    examples = "".join(json.dumps(dict(messages=[dict(role="user", content=f"Colour {i}?"),
+                                                 dict(role="assistant", content="blue")])) + "\n" for i in range(10))
+    training = http.post("/v1/files", files={"file": ("train.jsonl", examples)}, data={"purpose": "fine-tune"})
+    job = http.post("/v1/fine_tuning/jobs", json=dict(model=tiny_model.name, training_file=training.json()["id"],
+                                                     hyperparameters=dict(n_epochs=1, batch_size=4))).json()
 
     # The client's own record: what it sent, and what it was told. Chats until the limit
     # refuses one (the API's admission view takes up to a refresh to see the new limit).
@@ -123,23 +135,52 @@ def test_prometheus_agrees_with_the_client_and_the_journal(stack, prometheus, db
         time.sleep(0.1)
     assert refused == 1 and done >= CHATS
 
+    # A batch held by the engine gate short of its end until a surge of chats (another
+    # tenant's) has preempted some of it; then on to the end.
+    def sql(query: str) -> list[tuple]:
+        with psycopg.connect(libpq_url(db_url)) as conn:
+            return conn.execute(query, (tenant,)).fetchall()
+
+    reprefilled_before = _value(prometheus, "sum(ballast_batch_reprefilled_tokens_total)") or 0.0
+    gate.hold(20)
     lines = "".join(json.dumps(dict(custom_id=f"c{i}", method="POST", url="/v1/completions",
-                                    body=dict(model=tiny_model.name, prompt=f"line {i}", max_tokens=5))) + "\n"
-                    for i in range(3))
+                                    body=dict(model=tiny_model.name, prompt=f"line {i}", max_tokens=40,
+                                              ignore_eos=True))) + "\n" for i in range(12))
     file_id = http.post("/v1/files", files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"}).json()["id"]
     batch = http.post("/v1/batches", json=dict(input_file_id=file_id, endpoint="/v1/completions",
                                                completion_window="24h")).json()
     deadline = time.monotonic() + 180
+    with Surges(stack, gaps=(0.3, 0.9), burst=3):
+        while sql("SELECT count(*) FROM events WHERE tenant = %s AND type = 'item_preempted'")[0][0] == 0:
+            assert time.monotonic() < deadline, "no preemption"
+            time.sleep(0.05)
+        gate.release()
     while (batch := http.get(f"/v1/batches/{batch['id']}").json())["status"] not in ("completed", "failed"):
         assert time.monotonic() < deadline, batch
         time.sleep(0.3)
     assert batch["status"] == "completed", batch
-    with psycopg.connect(libpq_url(db_url)) as conn:
-        ((items, tokens),) = conn.execute(
-            "SELECT count(*) FILTER (WHERE type = 'item_completed'),"
-            " coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events WHERE tenant = %s", (tenant,),
-        ).fetchall()
-    assert items == 3 and tokens > 0
+    ((items, tokens, preempted),) = sql(
+        "SELECT count(*) FILTER (WHERE type = 'item_completed'),"
+        " coalesce(sum(jsonb_array_length(payload->'token_ids')), 0), count(*) FILTER (WHERE type = 'item_preempted')"
+        " FROM events WHERE tenant = %s AND stream LIKE 'item:%%'")
+    assert items == 12 and tokens == 12 * 40 and preempted >= 1
+    # What resuming cost, from the journal: each preemption's item prefilled again, its
+    # prompt and the tokens it had journaled (at least: the same offset may yield twice).
+    ((again,),) = sql("""SELECT sum(((c.payload->>'body_json')::jsonb->'usage'->>'prompt_tokens')::int
+                                  + (p.payload->>'offset')::int)
+                           FROM events p JOIN events c ON c.stream = p.stream AND c.type = 'item_completed'
+                          WHERE p.tenant = %s AND p.type = 'item_preempted'""")
+
+    deadline = time.monotonic() + 240
+    while (job := http.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.5)
+    assert job["status"] == "succeeded", job
+    ((steps, loss),) = sql("SELECT max((payload->>'step')::int), (array_agg(payload->'losses'->>-1 ORDER BY "
+                           "(payload->>'step')::int DESC))[1] FROM events WHERE tenant = %s AND type = 'ft_checkpoint'")
+    ((trained,),) = sql("SELECT sum(input_tokens + output_tokens) FROM ledger WHERE tenant = %s AND tier = 'training'"
+                        " AND kind = 'settle'")
+    assert steps == 3 and trained == job["trained_tokens"]
 
     t = f'tenant="{tenant}"'
     _until(prometheus, {
@@ -150,7 +191,23 @@ def test_prometheus_agrees_with_the_client_and_the_journal(stack, prometheus, db
         f'sum(ballast_admission_decisions_total{{{t}, decision="refused", reason="requests_per_min"}})': 1.0,
         f'sum(ballast_batch_items_total{{{t}, outcome="completed"}})': float(items),
         f'sum(ballast_batch_tokens_total{{{t}}})': float(tokens),
-    })
+        f'sum(ballast_fine_tune_steps_total{{{t}}})': float(steps),
+        # Its use of its limits, as the control worker reads the fold: the day's tokens are
+        # its chats' (the client's count) and its training's (the ledger's settles).
+        f'max(ballast_quota_limit{{{t}, model="*", limit="tokens_per_day"}})': float(10**9),
+        f'max(ballast_quota_used{{{t}, model="*", limit="tokens_per_day"}})': float(prompt + completion + trained),
+        f'max(ballast_quota_limit{{{t}, model="*", limit="requests_per_min"}})': float(CHATS),
+    }, timeout=90)
+    assert _value(prometheus, f'max(ballast_fine_tune_loss{{{t}, split="train"}})') == pytest.approx(float(loss))
+    assert _value(prometheus, f'sum(ballast_batch_items_total{{{t}, outcome="preempted"}})') >= preempted
+    assert _value(prometheus, "sum(ballast_batch_reprefilled_tokens_total)") - reprefilled_before >= again > 0
+    assert _value(prometheus, 'sum(ballast_checkpoint_lag_seconds_count{job="ballast-engine"})') > 0
+    assert _value(prometheus, f'max(ballast_engine_info{{model="{tiny_model.name}"}})') == 1
+    jain = _value(prometheus, f'model:ballast_served_weighted_tokens:jain_rate1m{{model="{tiny_model.name}"}}')
+    assert jain is None or 0 < jain <= 1  # None: no chat in the last minute
+    # Every rule of deploy/prometheus evaluates against the real series, without error.
+    groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+    assert groups and all(r["health"] == "ok" for g in groups for r in g["rules"]), groups
     # What the API saw of each chat, in its histograms (other tests' requests too: at least ours).
     assert _value(prometheus, f'sum(ballast_ttft_seconds_count{{model="{tiny_model.name}"}})') >= done
     assert _value(prometheus, f'sum(ballast_request_duration_seconds_count{{model="{tiny_model.name}"}})') >= done

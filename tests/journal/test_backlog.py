@@ -4,6 +4,7 @@ fold's age as Postgres tells it, and a pool's surge from the journal's last surg
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -80,7 +81,7 @@ async def test_the_autoscaling_signal_from_the_engines_announcements(dbs):
     pace = gauges.Pace()
     await announce(1000)
     await gauges.refresh(services_db, policy, pace, now=100.0)
-    assert REGISTRY.get_sample_value("ballast_pool_engines", dict(model=model)) == 1
+    assert REGISTRY.get_sample_value("ballast_pool_engines", dict(model=model, region="")) == 1
     assert REGISTRY.get_sample_value("ballast_batch_queued_tokens", dict(model=model)) == 1000
     # Its pace unmeasured: ceil(5 / (8 × 0.5)) = 2 for interactive, 1 for what is queued.
     assert REGISTRY.get_sample_value("ballast_engines_wanted", dict(model=model)) == 3
@@ -89,3 +90,40 @@ async def test_the_autoscaling_signal_from_the_engines_announcements(dbs):
     # 2 for interactive; 1,000 tokens at 50 a second within 10 s: ceil(1000 / 500) = 2.
     want = engines_wanted(PoolLoad(engines=1, slots=8, interactive=5, queued_tokens=1000, tokens_per_s=50.0), policy)
     assert REGISTRY.get_sample_value("ballast_engines_wanted", dict(model=model)) == want == 4
+
+
+async def test_quota_use_against_each_limit(dbs):
+    """What the test reserved, settled and trained, folded: each limit set on the tenant
+    with what admission counts against it, and the gauges beside it."""
+    from journal import fold, ledger, tenant_store
+    from journal.ledger import Entry
+
+    services_db, owner_db = dbs
+    tenant, model = f"quota-{uuid.uuid4().hex[:8]}", "m"
+    if time.time() % 60 > 50:  # the minute's figures are the minute's: not across its end
+        await asyncio.sleep(61 - time.time() % 60)
+    async with owner_db.begin() as conn:
+        await tenant_store.create_tenant(conn, tenant)
+        await tenant_store.set_limits(conn, tenant, requests_per_min=100, input_tokens_per_min=1000,
+                                      concurrent_requests=5, tokens_per_day=100_000, batch_queue_tokens=10_000,
+                                      concurrent_fine_tunes=2, output_tokens_per_min=None)
+        await tenant_store.set_limits(conn, tenant, "other-model", requests_per_min=7)
+    settled = Entry("reserve", f"request:{tenant}-1", tenant, model, "default", 10, 20, "h")
+    async with services_db.begin() as conn:
+        await ledger.insert(conn, [
+            settled, settled.closing("settle", 10, 5),  # 15 tokens used of 30 reserved
+            Entry("reserve", f"request:{tenant}-2", tenant, model, "default", 7, 8, "h"),  # in flight
+            Entry("reserve", f"batch:{tenant}", tenant, model, "batch", 100, 200, "h"),  # queued batch tokens
+            Entry("settle", f"ft:{tenant}", tenant, model, "training", 30, 0)])  # trained: the day's tokens
+    async with owner_db.begin() as conn:
+        await fold.fold(conn)
+    async with services_db.connect() as conn:
+        use = {(q.model, q.limit): (q.used, q.allowed) for q in await backlog.quota_use(conn) if q.tenant == tenant}
+    assert use == {("*", "requests_per_min"): (2, 100), ("*", "input_tokens_per_min"): (17, 1000),
+                   ("*", "concurrent_requests"): (1, 5), ("*", "tokens_per_day"): (15 + 15 + 30, 100_000),
+                   ("*", "batch_queue_tokens"): (300, 10_000), ("*", "concurrent_fine_tunes"): (0, 2),
+                   ("other-model", "requests_per_min"): (0, 7)}
+    await gauges.refresh(services_db)
+    labels = dict(tenant=tenant, model="*", limit="tokens_per_day")
+    assert REGISTRY.get_sample_value("ballast_quota_used", labels) == 60
+    assert REGISTRY.get_sample_value("ballast_quota_limit", labels) == 100_000
