@@ -58,17 +58,20 @@ async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
     async with svc.db.connect() as conn:
         row = await batch_store.get_batch(conn, batch_id)
         assert row is not None, f"batch {batch_id} vanished"
-        return await batch_object(conn, row)
+        return await batch_object(conn, row, svc)
 
 
-async def batch_object(conn, row: dict[str, Any]) -> dict[str, Any]:
+async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, Any]:
     counts = await batch_store.request_counts(conn, row["id"])
     out = {k: row[k] for k in (
         "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
-    # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic.
-    return dict(object="batch", **out, request_counts=counts, ballast=await batch_store.preemptions(conn, row["id"]))
+    # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic, and
+    # its workflow in the Temporal UI (BALLAST_TEMPORAL_UI_URL).
+    ballast = dict(await batch_store.preemptions(conn, row["id"]),
+                   workflow_url=svc.settings.workflow_url(keys.batch(row["id"])))
+    return dict(object="batch", **out, request_counts=counts, ballast=ballast)
 
 
 def _links(*operations: str) -> dict:
@@ -169,7 +172,7 @@ async def retrieve(batch_id: str, svc: ServicesDep, tenant: TenantDep):
         row = await batch_store.get_batch(conn, batch_id, tenant)
         if row is None:
             raise not_found("batch", batch_id, "batch_id")
-        return await batch_object(conn, row)
+        return await batch_object(conn, row, svc)
 
 
 @router.get("", operation_id="listBatches", responses=errors(400))
@@ -179,7 +182,7 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
     else:
         async with svc.db.connect() as conn:
             rows = await batch_store.list_batches(conn, tenant, after, limit + 1)
-            data = [await batch_object(conn, r) for r in rows[:limit]]
+            data = [await batch_object(conn, r, svc) for r in rows[:limit]]
     return dict(object="list", data=data, first_id=data[0]["id"] if data else None,
                 last_id=data[-1]["id"] if data else None, has_more=len(rows) > limit)
 

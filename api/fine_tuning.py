@@ -118,8 +118,9 @@ async def _admit(conn: AsyncConnection, tenant: str, model: str) -> None:
 
 
 
-def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OpenAI's job object; `latest`, the job's newest checkpoint, dates its estimated finish."""
+def job_object(row: dict[str, Any], svc: Services, latest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's job object; `latest`, the job's newest checkpoint, dates its estimated finish.
+    Beside OpenAI's fields, `ballast.workflow_url`: the job's workflow in the Temporal UI."""
     hp = row["hyperparameters"]
     return dict(object="fine_tuning.job", id=row["id"], model=row["model"], created_at=row["created_at"],
                 finished_at=row["finished_at"], fine_tuned_model=row["fine_tuned_model"], organization_id=row["tenant"],
@@ -130,7 +131,8 @@ def job_object(row: dict[str, Any], latest: dict[str, Any] | None = None) -> dic
                 estimated_finish=finetune_store.estimated_finish(row["status"], latest, time.time()),
                 hyperparameters=dict(n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
                                      learning_rate_multiplier=hp["learning_rate_multiplier"],
-                                     **{k: hp[k] for k in LORA if k in hp}))  # jobs from before LoRA's: none
+                                     **{k: hp[k] for k in LORA if k in hp}),  # jobs from before LoRA's: none
+                ballast=dict(workflow_url=svc.settings.workflow_url(keys.ftjob(row["id"]))))
 
 
 def _links(*operations: str) -> dict:
@@ -233,7 +235,7 @@ async def _current(svc: Services, job_id: str) -> dict[str, Any]:
     async with svc.db.connect() as conn:
         row = await finetune_store.get_job(conn, job_id)
     assert row is not None, f"fine-tuning job {job_id} vanished"
-    return job_object(row)
+    return job_object(row, svc)
 
 
 async def _owned(svc: Services, job_id: str, tenant: str) -> dict[str, Any]:
@@ -248,7 +250,7 @@ async def _owned(svc: Services, job_id: str, tenant: str) -> dict[str, Any]:
 @router.get("/{fine_tuning_job_id}", operation_id="retrieveFineTuningJob", responses=errors(404))
 async def retrieve(fine_tuning_job_id: str, svc: ServicesDep, tenant: TenantDep):
     row = await _owned(svc, fine_tuning_job_id, tenant)
-    return job_object(row, (await _latest(svc, [row]))[row["id"]])
+    return job_object(row, svc, (await _latest(svc, [row]))[row["id"]])
 
 
 @router.get("", operation_id="listFineTuningJobs", responses=errors(400))
@@ -258,7 +260,7 @@ async def list_(svc: ServicesDep, tenant: TenantDep, after: str | None = None, l
         async with svc.db.connect() as conn:
             rows = await finetune_store.list_jobs(conn, tenant, after, limit + 1)
     latest = await _latest(svc, rows[:limit])
-    data = [job_object(r, latest[r["id"]]) for r in rows[:limit]]
+    data = [job_object(r, svc, latest[r["id"]]) for r in rows[:limit]]
     return dict(object="list", data=data, has_more=len(rows) > limit)
 
 
@@ -283,7 +285,7 @@ async def _signal(svc: Services, tenant: str, job_id: str, name: str, allowed: t
             raise APIError(503, f"The job could not be reached to {name} it; try again shortly.",
                            code="unavailable", headers={"Retry-After": "5"}) from err
         log.info("%s %s: no running workflow (%s)", name, job_id, err.message)
-    return job_object(row)
+    return job_object(row, svc)
 
 
 @router.post("/{fine_tuning_job_id}/cancel", operation_id="cancelFineTuningJob", responses=errors(400, 404, 503))

@@ -132,6 +132,7 @@ def _start(settings: Settings, data: Path, logs: Path,
         supervisor.adopt("temporal dev server", temporal.child, temporal.restart, temporal.log_path)
         env["BALLAST_TEMPORAL_ADDRESS"] = temporal.address
         env["BALLAST_TEMPORAL_UI_PORT"] = str(ui)
+        env.setdefault("BALLAST_TEMPORAL_UI_URL", temporal.ui_url or "")  # batches and jobs link to it
         # TLS or an API key with no address names no cluster: the dev server speaks plain text.
         if secured := sorted(k for k in env if k == "TEMPORAL_API_KEY" or k.startswith("TEMPORAL_TLS")):
             _step(f"ignoring {', '.join(secured)}: no Temporal address is set, so the local dev server is used")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from typing import Literal, Self
+from urllib.parse import quote
 
 from pydantic import model_validator
 from temporalio.client import Client
@@ -30,6 +31,10 @@ class TemporalSettings(Section):
     temporal_namespace: str = "default"  # Unset: TEMPORAL_NAMESPACE or the SDK profile's, else this.
     temporal_port: int = 7233
     temporal_ui_port: int = 8233
+    # The Temporal Web UI (the dev server's http://127.0.0.1:8233, Temporal Cloud's
+    # https://cloud.temporal.io, your own): batch and fine-tuning job objects link to their
+    # workflow there (`ballast.workflow_url`). Unset: no link. `ballast up` sets its own.
+    temporal_ui_url: str | None = None
 
     # Search attributes (BallastTenant, BallastModel, BallastTier, BallastKind: protocol/search.py)
     # on every workflow started. "auto": where the namespace has them registered (the dev
@@ -41,6 +46,14 @@ class TemporalSettings(Section):
     control_queue: str = "ballast-control"
     engine_queue: str = "ballast-engine"
     interactive_queue: str = "ballast-interactive"
+
+    def workflow_url(self, workflow_id: str) -> str | None:
+        """The UI's page of the workflow's runs (a batch continues as new: all of them)."""
+        if not self.temporal_ui_url:
+            return None
+        ui, namespace = self.temporal_ui_url.rstrip("/"), quote(self.temporal_namespace, safe="")
+        query = quote(f'WorkflowId="{workflow_id}"', safe="")
+        return f"{ui}/namespaces/{namespace}/workflows?query={query}"
 
     @model_validator(mode="after")
     def _fill_from_sdk_config(self) -> Self:

@@ -50,3 +50,15 @@ def test_no_database_no_service_url(monkeypatch):
     for name in ("DATABASE_URL", "BALLAST_DATABASE_URL", "BALLAST_SERVICE_DATABASE_URL"):
         monkeypatch.delenv(name, raising=False)
     assert Settings(_env_file=None).service_db_url is None
+
+
+def test_the_workflow_link_is_the_ui_list_of_the_workflows_runs():
+    from urllib.parse import parse_qs, urlsplit
+
+    from config.temporal import TemporalSettings
+
+    assert TemporalSettings(temporal_address="x:7233").workflow_url("batch:b_1") is None  # no UI: no link
+    s = TemporalSettings(temporal_address="x:7233", temporal_namespace="prod ns", temporal_ui_url="https://ui.example/")
+    link = urlsplit(s.workflow_url("batch:b_1"))
+    assert (link.scheme, link.netloc, link.path) == ("https", "ui.example", "/namespaces/prod%20ns/workflows")
+    assert parse_qs(link.query) == {"query": ['WorkflowId="batch:b_1"']}

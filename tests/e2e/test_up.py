@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 
 from ballast import procs
 from config.database import SERVICE_ROLES, libpq_url
+from protocol import keys as keys_of
 from tests.e2e.conftest import start_batch
 
 pytestmark = pytest.mark.e2e
@@ -212,6 +213,14 @@ def test_ballast_up_serves_stops_cleanly_and_keeps_state(tmp_path, data_dir, tin
             assert time.monotonic() < deadline and b["status"] not in ("failed", "cancelled"), b
             time.sleep(0.3)
         output = api.get(f"/v1/files/{b['output_file_id']}/content").text
+        # The batch links to its workflow in the Web UI: the UI server's own API, asked the
+        # link's query, lists the batch's workflow and nothing else.
+        ui_url = f"http://127.0.0.1:{env['BALLAST_TEMPORAL_UI_PORT']}"
+        link = httpx.URL(b["ballast"]["workflow_url"])
+        assert str(link).startswith(f"{ui_url}/namespaces/default/workflows?query="), link
+        found = httpx.get(f"{ui_url}/api/v1/namespaces/default/workflows", params=dict(query=link.params["query"]),
+                          timeout=10).json()["executions"]
+        assert {e["execution"]["workflowId"] for e in found} == {keys_of.batch(bid)}, found
         # Interactive: the API streams it from the engine worker, presenting the engine token.
         chat = api.post("/v1/chat/completions", json=dict(model=tiny_model.name, max_tokens=4,
                                                           messages=[dict(role="user", content="hi")]))
