@@ -15,7 +15,11 @@ Arms, each round:
   the batch ends when the journal records it completed, so the client's polling interval
   does not count;
 - Ballast with LoRA support flipped (BALLAST_SERVE_FINE_TUNED, default on): the same
-  stack without it (or with it, where the settings turn it off), for LoRA's cost.
+  stack without it (or with it, where the settings turn it off), for LoRA's cost;
+- Ballast observed: the same stack as an operator runs it, JSON log lines
+  (BALLAST_LOG_FORMAT=json) and a real Prometheus (the OS package) scraping the API's, the
+  control worker's and the engine worker's /metrics every second, for what metrics and
+  logs cost (Prometheus' own CPU is reported apart: it is the operator's, not Ballast's).
 
 Every engine gets vLLM's engine arguments from one function, `engine_args` (engine/
 vllm_engine.py), the one the engine worker's Engine.start uses: the raw arm passes them to
@@ -37,10 +41,12 @@ last.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,7 +70,7 @@ SEED = 7
 ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,.ABCDEFGHIJ0123456789"
 PICTURE = Path(__file__).with_name("batch-timeline.png")
 URL = "/v1/chat/completions"  # the one generation endpoint vLLM's batch runner takes
-ARMS = ("raw", "run_batch", "ballast", "ballast_lora_flipped")
+ARMS = ("raw", "run_batch", "ballast", "ballast_lora_flipped", "ballast_observed")
 ARGS_LINE = "vLLM engine args: "  # what Engine.from_args logs (engine/vllm_engine.py)
 READY_LINE = "Reading batch from"  # run-batch's log, once its engine is up
 
@@ -134,6 +140,8 @@ def logged_args(log: Path) -> dict[str, Any]:
     """The engine arguments an engine worker started vLLM with, from its own log."""
     for line in log.read_text(errors="replace").splitlines():
         if ARGS_LINE in line:
+            if line.startswith("{"):  # BALLAST_LOG_FORMAT=json: the message is a field of the line
+                line = json.loads(line)["message"]
             return json.loads(line.split(ARGS_LINE, 1)[1])
     raise RuntimeError(f"no '{ARGS_LINE}' line in {log}")
 
@@ -310,21 +318,79 @@ def cpu_between(samples: list[tuple[float, dict[str, float]]], start: float, end
 # -- arm 3: through Ballast --------------------------------------------------------------
 
 
-def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print) -> dict:
+def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print, observed: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="ballast-bench-") as d:
         trace = Path(d) / "engine-trace.jsonl"
+        control_port = procs.free_port()
+        extra = dict(BALLAST_LOG_FORMAT="json", BALLAST_CONTROL_PORT=str(control_port)) if observed else {}
         with ballast_up(settings, Path(d), BALLAST_ENGINE_TRACE=str(trace),
-                        BALLAST_SERVE_FINE_TUNED=str(settings.serve_fine_tuned).lower()) as stack:
+                        BALLAST_SERVE_FINE_TUNED=str(settings.serve_fine_tuned).lower(), **extra) as stack, \
+                (_prometheus(stack, Path(d), control_port) if observed else contextlib.nullcontext()) as prom:
             out: dict[str, Any] = dict(args=logged_args(Path(d) / "logs" / "engine.log"))
             warm = run_batch(stack, [dict(batches["short"][0], max_tokens=8)], settings)
             log(f"  warm-up batch: {warm['seconds']:.2f} s")
             for name, reqs in batches.items():
-                with CpuSampler(stack.pid, root_role="ballast up") as cpu:
+                with CpuSampler(stack.pid, root_role="ballast up") as cpu, \
+                        (CpuSampler(prom.pid, root_role="prometheus") if prom else contextlib.nullcontext()) as pcpu:
                     got = run_batch(stack, reqs, settings)
                 got.update(cpu=cpu.totals(), timeline=dict(_trace(trace, got["t0"], got["t0"] + got["seconds"]),
                                                            t0=got["t0"], cpu=cpu.samples))
+                if prom:
+                    got.update(prometheus_cpu_s=round(sum(pcpu.totals().values()), 2), scrapes=prom.scrapes())
                 out[name] = got
             return out
+
+
+class _Prometheus:
+    """A real Prometheus scraping the stack's three processes every second."""
+
+    def __init__(self, child: procs.Child, url: str):
+        self.child, self.url, self.pid = child, url, child.pid
+
+    def scrapes(self) -> dict[str, Any]:
+        """Each job's scrapes so far, all of which must have succeeded, and its samples."""
+        def query(q: str) -> dict[str, float]:
+            got = httpx.get(self.url + "/api/v1/query", params=dict(query=q), timeout=10).json()["data"]["result"]
+            return {r["metric"]["job"]: float(r["value"][1]) for r in got}
+
+        up, samples = query("min_over_time(up[10m])"), query("max_over_time(scrape_samples_scraped[10m])")
+        assert up and all(v == 1 for v in up.values()), f"a scrape failed: {up}"
+        return dict(jobs=sorted(up), samples=samples)
+
+
+@contextlib.contextmanager
+def _prometheus(stack: Stack, data: Path, control_port: int):
+    import psycopg
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise SystemExit("prometheus is not installed: `make test-deps` installs it (apt's prometheus)")
+    with psycopg.connect(stack.db_url) as conn:
+        engines = [u for (u,) in conn.execute("SELECT url FROM engines ORDER BY id").fetchall()]
+    targets = {"ballast-api": [str(stack.api.base_url)], "ballast-control": [f"http://127.0.0.1:{control_port}"],
+               "ballast-engine": engines}
+    config = {"global": dict(scrape_interval="1s", scrape_timeout="1s"), "scrape_configs": [
+        dict(job_name=job, authorization=dict(type="Bearer", credentials_file=str(data / "metrics-token")),
+             static_configs=[dict(targets=[u.split("://", 1)[1].rstrip("/") for u in urls])])
+        for job, urls in targets.items()]}
+    (data / "prometheus.yml").write_text(json.dumps(config))
+    port = procs.free_port()
+    child = procs.spawn("prometheus", [binary, f"--config.file={data / 'prometheus.yml'}",
+                                       f"--storage.tsdb.path={data / 'prometheus'}",
+                                       f"--web.listen-address=127.0.0.1:{port}"], log_path=data / "prometheus.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        procs.wait_until(lambda: _answers(url + "/-/ready"), 60, "Prometheus to be ready", child=child)
+        yield _Prometheus(child, url)
+    finally:
+        child.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def run_batch(stack: Stack, reqs: list[dict], settings: Settings, poll_s: float = 0.5) -> dict:
@@ -417,6 +483,7 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
     runs = {arm: [r[arm][size] for r in rounds if size in r.get(arm, {})] for arm in ARMS}
     tps = {arm: [x["tps"] for x in xs] for arm, xs in runs.items()}
     raw, rb, bal, flipped = runs["raw"], runs["run_batch"], runs["ballast"], runs["ballast_lora_flipped"]
+    observed = runs["ballast_observed"]
 
     def cpu_1k(xs: list[dict], part) -> float:
         return round(p50([1000 * part(x["cpu"]) / x["tokens"] for x in xs]), 4)
@@ -443,6 +510,14 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
         cpu_per_1k={arm: per_1k(xs[-1]["cpu"], xs[-1]["tokens"]) for arm, xs in runs.items()},
         # LoRA's cost: the same stack with LoRA support against without it.
         lora=_lora_line(*((bal, flipped) if lora_on == "ballast" else (flipped, bal))),
+        # What metrics and logs cost: the same stack observed (JSON logs, Prometheus scraping
+        # every process each second) against it plain; Prometheus' own CPU apart.
+        telemetry=dict(observed_over_plain=_ratio(tps["ballast_observed"], tps["ballast"]),
+                       control_cpu_per_1k=dict(plain=cpu_1k(bal, control_plane),
+                                               observed=cpu_1k(observed, control_plane)),
+                       prometheus_cpu_per_1k=round(p50([1000 * x["prometheus_cpu_s"] / x["tokens"]
+                                                        for x in observed]), 4),
+                       scrape_samples=observed[-1]["scrapes"]["samples"]),
     )
 
 
@@ -473,6 +548,10 @@ def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float =
             elif arm == "run_batch":
                 print(f"round {n}/{runs}, vLLM run-batch (a process per file) …", flush=True)
                 got[arm] = run_batch_arm(settings, batches, log=lambda m: print(m, flush=True))
+            elif arm == "ballast_observed":
+                print(f"round {n}/{runs}, Ballast observed (JSON logs; Prometheus scraping every process each "
+                      "second) …", flush=True)
+                got[arm] = ballast_arm(settings, batches, log=lambda m: print(m, flush=True), observed=True)
             else:
                 own = settings if arm == "ballast" else flipped
                 print(f"round {n}/{runs}, Ballast{'' if arm == 'ballast' else ', LoRA support flipped'} "
@@ -507,7 +586,7 @@ def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float =
         print(f"\n{size} batch ({s['requests']} requests, {s['output_tokens']} output tokens), medians of {runs}:")
         print(f"  raw vLLM {tps['raw']:.0f} tok/s, run-batch {tps['run_batch']:.0f} "
               f"({s['run_batch_tokens_per_s_with_start']:.0f} with its start), Ballast {tps['ballast']:.0f}, "
-              f"Ballast LoRA flipped {tps['ballast_lora_flipped']:.0f}")
+              f"Ballast LoRA flipped {tps['ballast_lora_flipped']:.0f}, Ballast observed {tps['ballast_observed']:.0f}")
         print(f"  Ballast ÷ raw {s['ratio']['ratio']:.3f} {s['ratio']['ci95']} (target ≥ {target}); "
               f"÷ run-batch {s['ratio_vs_run_batch']['ratio']:.3f} {s['ratio_vs_run_batch']['ci95']} "
               f"(with its start {s['ratio_vs_run_batch_with_start']['ratio']:.3f}); "
@@ -515,6 +594,10 @@ def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float =
         print(f"  LoRA support on ÷ off (Ballast): {s['lora']['on_over_off']['ratio']:.3f} "
               f"{s['lora']['on_over_off']['ci95']}")
         print(f"  vLLM CPU s per 1,000 tokens: {s['vllm_cpu_per_1k']}; control plane: {s['control_cpu_per_1k']}")
+        t = s["telemetry"]
+        print(f"  observed ÷ plain (JSON logs, scraped each second): {t['observed_over_plain']['ratio']:.3f} "
+              f"{t['observed_over_plain']['ci95']}; control-plane CPU s per 1,000 tokens {t['control_cpu_per_1k']}, "
+              f"Prometheus' own {t['prometheus_cpu_per_1k']}")
     print(f"\nengine args differing from the raw arm's: {unequal}")
     if picture is not None:
         arms = [dict(last["raw"]["short"]["timeline"], name=f"raw vLLM: {last['raw']['short']['tps']:.0f} tok/s"),

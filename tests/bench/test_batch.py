@@ -129,19 +129,23 @@ def test_the_batch_file_is_chat_completions_run_batch_takes():
 
 
 def _round(tps: dict[str, float]) -> dict:
-    arm = lambda t, **kw: dict(tps=t, tokens=1000, seconds=1000 / t, requests=10, cpu={"vLLM worker": 1.0}, **kw)  # noqa: E731
-    return {name: {"short": arm(t, **(dict(tps_with_start=t / 10, seconds_with_start=10000 / t, start_s=30.0)
-                                       if name == "run_batch" else {}))}
-            for name, t in tps.items()}
+    arm = lambda t, **kw: dict(tps=t, tokens=1000, seconds=1000 / t, requests=10,  # noqa: E731
+                               cpu={"vLLM worker": 1.0, "engine worker": 0.05}, **kw)
+    extra = dict(run_batch=dict(tps_with_start=tps["run_batch"] / 10, seconds_with_start=10000 / tps["run_batch"],
+                                start_s=30.0),
+                 ballast_observed=dict(prometheus_cpu_s=0.02, scrapes=dict(jobs=["ballast-api"],
+                                                                          samples={"ballast-api": 300.0})))
+    return {name: {"short": arm(t, **extra.get(name, {}))} for name, t in tps.items()}
 
 
 @pytest.mark.parametrize("lora_on", ["ballast", "ballast_lora_flipped"])
 def test_summary_ratios_by_hand(lora_on):
-    rounds = [_round(dict(raw=100, run_batch=110, ballast=80, ballast_lora_flipped=88)),
-              _round(dict(raw=120, run_batch=100, ballast=90, ballast_lora_flipped=99)),
-              _round(dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5))]
+    rounds = [_round(dict(raw=100, run_batch=110, ballast=80, ballast_lora_flipped=88, ballast_observed=76)),
+              _round(dict(raw=120, run_batch=100, ballast=90, ballast_lora_flipped=99, ballast_observed=90)),
+              _round(dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5, ballast_observed=83.3))]
     s = batch.summarise(rounds, "short", lora_on)
-    assert s["tokens_per_s"] == dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5)  # medians
+    assert s["tokens_per_s"] == dict(raw=110, run_batch=105, ballast=85, ballast_lora_flipped=93.5,
+                                     ballast_observed=83.3)  # medians
     assert s["ratio"]["ratio"] == round(85 / 110, 3)
     assert s["ratio_vs_run_batch"]["ratio"] == round(85 / 105, 3)
     assert s["ratio_vs_run_batch_with_start"]["ratio"] == round(85 / 10.5, 3)
@@ -151,3 +155,8 @@ def test_summary_ratios_by_hand(lora_on):
     assert s["lora"]["on_over_off"]["ratio"] == round(on / off, 3)
     lo, hi = s["ratio"]["ci95"]
     assert lo <= s["ratio"]["ratio"] <= hi
+    # Metrics and logs: observed against plain, and the control plane's CPU (the engine
+    # worker's 0.05 s per 1,000 tokens in both), Prometheus' apart (0.02 s).
+    t = s["telemetry"]
+    assert t["observed_over_plain"]["ratio"] == round(83.3 / 85, 3)
+    assert t["control_cpu_per_1k"] == dict(plain=0.05, observed=0.05) and t["prometheus_cpu_per_1k"] == 0.02
