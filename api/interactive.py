@@ -45,7 +45,7 @@ from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
 from protocol.tiers import GRANTED, RANK, Tier
-from telemetry import families
+from telemetry import families, tracing
 from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
@@ -312,6 +312,8 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # Where traces are on, the request's span's traceparent: the engine worker's span is its child.
+    headers.update(tracing.headers())
     ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt, pool)
     for engine in ranked:
         try:

@@ -117,9 +117,11 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 
     from api.app import create_app
     from ballast.procs import listen_nodelay, notify_ready
+    from telemetry import tracing
 
     _need(settings, "service_db_url", "temporal_address")
     _need_engine_token(settings)
+    tracing.setup("ballast-api", settings)  # before the app connects to Temporal: its starts are traced
     config = uvicorn.Config(create_app(settings, on_ready=notify_ready), log_level="warning")
     sockets = [listen_nodelay(settings.api_host, settings.api_port)]
     if settings.admin_port is not None:  # /admin only there (api/app.py, AdminListener)

@@ -40,6 +40,7 @@ from protocol.temporal import FleetInput, QuotaInput
 from protocol.tiers import Tier
 from storage.objects import ObjectStore
 from telemetry import exposition, families
+from telemetry.tracing import setup as setup_tracing
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
@@ -98,6 +99,7 @@ async def _warn_if_overprivileged(db: AsyncEngine, service: str) -> None:
 async def control_worker(settings: Settings) -> None:
     from engine.server import EmbeddedServer
 
+    setup_tracing("ballast-control", settings)  # before the client: its workers' spans are traced
     client = await connect_temporal(settings, exposition.temporal_runtime())
     families.bound_tenants(settings.metrics_max_tenants)
     db = connect(settings.require("service_db_url"), name="ballast-control")
@@ -186,6 +188,7 @@ async def engine_worker(settings: Settings) -> None:
     from journal.served import served_event
 
     token = engine_token(settings)  # before minutes of vLLM start-up, not after
+    setup_tracing("ballast-engine", settings)  # before vLLM, whose spans then go the same way
     spec = resolve_model(settings)
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
     # Fine-tuned models (LoRA adapters from the object store) beside the base model.

@@ -1,4 +1,5 @@
-"""What an operator points Prometheus at: every process's /metrics, and who may read it."""
+"""What an operator points Prometheus and a trace collector at: every process's /metrics, who may
+read it, and where its spans go."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ class TelemetrySettings(Section):
     # Temporal). Port 0: any free one (it logs which).
     control_host: str = "127.0.0.1"
     control_port: int = Field(0, ge=0, le=65535)
+
+    # Traces: the OTLP/HTTP endpoint every process sends its OpenTelemetry spans to, a
+    # collector's traces path (http://collector:4318/v1/traces); vLLM's own spans go there
+    # too. Unset: no tracing, no spans made or sent.
+    otlp_endpoint: str | None = None
+    # The share of traces kept where the trace starts here; one a caller sends its decision
+    # with (traceparent) follows that decision.
+    trace_sample_ratio: float = Field(1.0, ge=0, le=1)

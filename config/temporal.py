@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Literal, Self
+from typing import Any, Literal, Self
 from urllib.parse import quote
 
+from opentelemetry import trace
 from pydantic import model_validator
 from temporalio.client import Client
 from temporalio.envconfig import ClientConfigProfile
@@ -87,9 +88,15 @@ async def connect_temporal(settings: TemporalSettings, runtime: Runtime | None =
     config = sdk_profile().to_client_connect_config()
     config["target_host"] = settings.temporal_address
     config["namespace"] = settings.temporal_namespace
-    if runtime is None:
-        return await Client.connect(**config)
-    return await Client.connect(**config, runtime=runtime)
+    extra: dict[str, Any] = {} if runtime is None else dict(runtime=runtime)
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+        # This process exports traces (telemetry/tracing.py installed its provider): the SDK's
+        # own interceptor carries them through Temporal, so a workflow's start, its run and its
+        # activities join the trace that started it; workers made on this client inherit it.
+        from temporalio.contrib.opentelemetry import TracingInterceptor
+
+        extra["interceptors"] = [TracingInterceptor()]
+    return await Client.connect(**config, **extra)
 
 
 async def search_attributes_usable(client: Client, settings: TemporalSettings) -> bool:

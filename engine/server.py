@@ -13,6 +13,10 @@ Every request must carry the engine token (BALLAST_ENGINE_TOKEN, shared by the A
 engine workers) as `Authorization: Bearer <token>`; anything else is answered 401 before a
 byte of its body is read. Without it, whoever reaches this port would generate with no
 tenant, no quota and no journal, and /stats would show who uses the engine and how much.
+
+Where traces are on (telemetry/tracing.py), each generation is a span, "engine.generate", the
+child of the API's request span whose `traceparent` the request carries; vLLM's own span of
+the request (llm_request) is its child in turn.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import uvicorn
+from opentelemetry.trace import StatusCode
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
@@ -40,7 +45,7 @@ from engine.slots import EngineSlots
 from protocol import engine_wire as wire
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import RequestLimits, parse
-from telemetry import exposition
+from telemetry import exposition, tracing
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,17 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         t0 = time.perf_counter()
         job = wire.EngineJob.from_json(await request.json())
         tenant, tier = job.tenant or "default", job.tier or "default"
+        traced = {"ballast.tenant": tenant, "ballast.tier": tier, "gen_ai.request.model": str(job.body.get("model")),
+                  "gen_ai.response.id": job.request_id}
+        if job.http_request_id:
+            traced["ballast.request_id"] = job.http_request_id
+        span = tracing.server_span("engine.generate", request.headers, traced)
         req = parse(job.endpoint, job.body, RequestLimits(engine.spec.name, engine.spec.max_model_len,
                                                           any_adapter=True))
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(engine, req)
         if isinstance(ready, ProtocolError):
+            span.set_attribute("error.type", ready.code)
+            span.end()
             return JSONResponse(asdict(wire.Failed(ready.body()["error"], ready.status_code)))
         prompt, params = ready.prompt, ready.sampling
 
@@ -74,7 +86,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     async with (slots.interactive_request(job.api),
                                 fair.turn(job.tenant, job.tier, job.weight, len(prompt), job.priority) as turn):
                         async for step in engine.generate(job.request_id, prompt, params, priority=turn.priority,
-                                                          detokenize=True):
+                                                          detokenize=True, trace_headers=tracing.headers(span) or None):
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
                             reason = step.finish_reason
@@ -86,6 +98,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     return
                 except Exception as err:  # the client gets an error event, not a cut stream
                     log.exception("generation %s (x-request-id %s) failed", job.request_id, job.http_request_id)
+                    span.record_exception(err)
+                    span.set_status(StatusCode.ERROR)
                     yield _failed(500, f"The engine failed while generating: {type(err).__name__}.", None,
                                   "engine_error")
                     return
@@ -100,6 +114,9 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                                     tier=tier, model=engine.spec.name, status=reason or "unfinished",
                                     prompt_tokens=len(prompt), completion_tokens=len(ids),
                                     duration_ms=round(1000 * (time.perf_counter() - t0), 1)))
+                span.set_attributes({"gen_ai.usage.input_tokens": len(prompt), "gen_ai.usage.output_tokens": len(ids),
+                                     "gen_ai.response.finish_reasons": [reason or "unfinished"]})
+                span.end()
                 if served is not None:
                     served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                                 endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=len(ids),

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import shlex
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -23,6 +23,7 @@ from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
 from engine.model_spec import ModelSpec
 from engine.sampling import Sampling
+from telemetry import tracing
 
 if TYPE_CHECKING:
     from config import Settings
@@ -103,7 +104,13 @@ def engine_args(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
                      max_num_batched_tokens=settings.max_num_batched_tokens,
                      long_prefill_tokens=settings.long_prefill_tokens, lora=settings.serve_fine_tuned,
                      max_loras=settings.max_loras,
-                     max_lora_rank=settings.max_lora_rank) | parse_vllm_flags(settings.vllm_args)
+                     max_lora_rank=settings.max_lora_rank) | _tracing(settings) | parse_vllm_flags(settings.vllm_args)
+
+
+def _tracing(settings: Settings) -> dict[str, Any]:
+    """vLLM's own tracing, to Ballast's collector: its span of each request (llm_request, the
+    engine worker's span's child through `trace_headers`) and those of its engine process."""
+    return dict(otlp_traces_endpoint=settings.otlp_endpoint) if settings.otlp_endpoint else {}
 
 
 # vLLM's arguments that Ballast sets from its own settings, which the API and the control
@@ -223,6 +230,9 @@ class Engine:
     @classmethod
     def _start_blocking(cls, spec: ModelSpec, args: dict[str, Any]) -> Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
+        if args.get("otlp_traces_endpoint"):
+            # vLLM's exporters speak OTLP/gRPC unless told otherwise; Ballast's endpoint is OTLP/HTTP's.
+            os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -248,6 +258,7 @@ class Engine:
         detokenize: bool = False,
         item: str | None = None,
         resumed_from: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
@@ -261,6 +272,10 @@ class Engine:
 
         `sampling.adapter`: a fine-tuned model's name; its LoRA adapter runs on the base
         model (AdapterMissing where this engine has no adapters or the job trained none).
+
+        `trace_headers`: the W3C headers of the span that vLLM's own span of the request
+        continues, where its tracing is on (telemetry/tracing.py); none given, the current
+        span's (a batch generation's: its Temporal activity's).
         """
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -284,7 +299,8 @@ class Engine:
             if self.adapters is None:
                 raise AdapterMissing(f"this engine serves no fine-tuned models ({sampling.adapter})")
             lora = await self.adapters.request(sampling.adapter)
-        async for out in self._llm.generate(prompt, params, request_id, priority=priority, lora_request=lora):
+        async for out in self._llm.generate(prompt, params, request_id, priority=priority, lora_request=lora,
+                                            trace_headers=trace_headers or tracing.headers() or None):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None
             yield Step(list(c.token_ids), reason, c.text or "")
