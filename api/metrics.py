@@ -17,11 +17,7 @@ router = APIRouter()
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request, svc: ServicesDep) -> Response:
     token = svc.settings.metrics_token
-    ok = exposition.allowed(request.headers.get("authorization"), token.get_secret_value() if token else None)
-    if ok is None:
-        raise APIError(404, "Metrics are off: set BALLAST_METRICS_TOKEN and scrape with it as a bearer token.",
-                       code="not_found")
-    if not ok:
-        raise APIError(401, "The metrics token is missing or wrong.", code="invalid_metrics_token",
-                       headers={"WWW-Authenticate": "Bearer"})
+    if no := exposition.refusal(request.headers.get("authorization"), token.get_secret_value() if token else None):
+        raise APIError(no.status, no.message, code=no.code,
+                       headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None)
     return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)

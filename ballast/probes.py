@@ -5,7 +5,6 @@ their own ports."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -18,7 +17,7 @@ from starlette.routing import Route
 from temporalio.client import Client
 
 from protocol.errors import error_body
-from telemetry import exposition
+from telemetry import exposition, health
 
 log = logging.getLogger(__name__)
 
@@ -29,35 +28,20 @@ def probes_app(db: AsyncEngine, client: Client, polling: Callable[[], bool], met
     async def healthz(_: Request) -> Response:
         return JSONResponse(dict(status="ok"))
 
+    async def database() -> None:
+        async with db.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
     async def readyz(_: Request) -> Response:
-        parts: dict[str, str] = {}
-        try:
-            async with asyncio.timeout(3):
-                async with db.connect() as conn:
-                    await conn.execute(text("SELECT 1"))
-            parts["database"] = "ok"
-        except Exception as err:  # a probe reports, it does not raise
-            parts["database"] = f"down: {type(err).__name__}"
-        try:
-            async with asyncio.timeout(3):
-                await client.service_client.check_health()
-            parts["temporal"] = "ok"
-        except Exception as err:
-            parts["temporal"] = f"down: {type(err).__name__}"
-        parts["workers"] = "ok" if polling() else "down: not polling"
-        ready = all(v == "ok" for v in parts.values())
-        return JSONResponse(dict(status="ok" if ready else "unavailable", parts=parts),
-                            status_code=200 if ready else 503)
+        body, status = health.readiness(dict(database=await health.part(database()),
+                                             temporal=await health.part(client.service_client.check_health()),
+                                             workers="ok" if polling() else "down: not polling"))
+        return JSONResponse(body, status_code=status)
 
     async def metrics(request: Request) -> Response:
-        ok = exposition.allowed(request.headers.get("authorization"), metrics_token)
-        if ok is None:
-            return JSONResponse(error_body(404, "Metrics are off: set BALLAST_METRICS_TOKEN.", None, "not_found"),
-                                status_code=404)
-        if not ok:
-            return JSONResponse(error_body(401, "The metrics token is missing or wrong.", None,
-                                           "invalid_metrics_token"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        if no := exposition.refusal(request.headers.get("authorization"), metrics_token):
+            return JSONResponse(error_body(no.status, no.message, None, no.code), status_code=no.status,
+                                headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None)
         return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)
 
     return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])

@@ -62,18 +62,21 @@ async def _run_until_signalled(worker: Worker) -> None:
     await worker.run()
 
 
-async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engine_id: str) -> None:
+async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engine_id: str,
+                             polling: asyncio.Event) -> None:
     """Poll until signalled; drained first (`ballast worker drain`), stop polling, which
     lets running generations finish for the worker's graceful timeout and then cancels them
     to resume elsewhere from the journal, and keep serving the streams still open (the API
-    sends no new ones) until signalled."""
+    sends no new ones) until signalled. `polling` is set while the workers poll."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     running = [asyncio.create_task(w.run()) for w in workers]
+    polling.set()
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(drained.wait())]
     await asyncio.wait([*running, *waits], return_when=asyncio.FIRST_COMPLETED)
+    polling.clear()
     await asyncio.gather(*(w.shutdown() for w, r in zip(workers, running, strict=True) if not r.done()))
     await asyncio.gather(*running)
     if drained.is_set() and not stop.is_set():
@@ -227,9 +230,10 @@ async def engine_worker(settings: Settings) -> None:
         # Every request served is journaled from here too, on the checkpointer's next tick:
         # the record that accounts for it if its API process dies (journal/served.py).
         engine_metrics.register(slots, fair, spec.name, settings.region)
+        polling = asyncio.Event()  # set while its Temporal workers poll (its /readyz)
         app = create_app(engine, slots, fair, token=token,
                          served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])),
-                         metrics_token=_secret(settings.metrics_token))
+                         metrics_token=_secret(settings.metrics_token), polling=polling.is_set)
         server = EmbeddedServer(uvicorn.Config(app, host=settings.engine_host, port=port, log_level="warning",
                                                lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
@@ -258,7 +262,7 @@ async def engine_worker(settings: Settings) -> None:
                           graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]
         log.info("engine worker %s polling %s, streaming at %s", engine_id, " and ".join(queues), url)
         procs.notify_ready()
-        await _run_until_drained(workers, drained, engine_id)
+        await _run_until_drained(workers, drained, engine_id, polling)
 
 
 async def list_or_drain(settings: Settings, drain: str | None) -> int:

@@ -55,6 +55,11 @@ class EngineCollector(Collector):
         for label, n in sorted(folded.items()):
             served.add_metric([self.model, label], n)
         yield served
+        by_tier = GaugeMetricFamily("ballast_engine_interactive_running", "Interactive requests holding slots here, "
+                                    "by service tier (priority, default, flex).", labels=["model", "tier"])
+        for tier, n in share["running_in"].items():
+            by_tier.add_metric([self.model, tier], n)
+        yield by_tier
         waiting = GaugeMetricFamily("ballast_engine_interactive_waiting", "Interactive requests waiting for their "
                                     "fair-share turn here.", labels=["model"])
         waiting.add_metric([self.model], sum(share["waiting"].values()))

@@ -13,6 +13,7 @@ Every request must carry the engine token (BALLAST_ENGINE_TOKEN, shared by the A
 engine workers) as `Authorization: Bearer <token>`; anything else is answered 401 before a
 byte of its body is read. Without it, whoever reaches this port would generate with no
 tenant, no quota and no journal, and /stats would show who uses the engine and how much.
+Only the probes, /healthz and /readyz, ask nothing; /metrics asks for the metrics token.
 
 Where traces are on (telemetry/tracing.py), each generation is a span, "engine.generate", the
 child of the API's request span whose `traceparent` the request carries; vLLM's own span of
@@ -45,16 +46,18 @@ from engine.slots import EngineSlots
 from protocol import engine_wire as wire
 from protocol.errors import ProtocolError, error_body
 from protocol.requests import RequestLimits, parse
-from telemetry import exposition, tracing
+from telemetry import exposition, health, tracing
 
 log = logging.getLogger(__name__)
 
 
 def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, token: str,
-               served: Callable[[dict], None] | None = None, metrics_token: str | None = None) -> Starlette:
+               served: Callable[[dict], None] | None = None, metrics_token: str | None = None,
+               polling: Callable[[], bool] = lambda: True) -> Starlette:
     """`token`: the engine token every request must present (never empty). `served`: told
     of every request once its stream ends, however it ends (journal/served.py).
-    `metrics_token`: what /metrics asks for (None: /metrics is off)."""
+    `metrics_token`: what /metrics asks for (None: /metrics is off). `polling`: whether the
+    worker's Temporal workers run (for /readyz)."""
     if not token:
         raise ValueError("the engine endpoint needs a token (BALLAST_ENGINE_TOKEN)")
     fair = fair or FairShare("fcfs", slots.max_seqs)
@@ -136,16 +139,30 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
     async def metrics(_: Request):
         return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)
 
+    async def healthz(_: Request):
+        return JSONResponse(dict(status="ok"))
+
+    async def readyz(_: Request):
+        body, status = health.readiness(dict(vllm=await health.part(engine.check_health()),
+                                             workers="ok" if polling() else "down: not polling"))
+        return JSONResponse(body, status_code=status)
+
     return Starlette(routes=[Route("/v1/generate", generate, methods=["POST"]), Route("/stats", stats),
-                             Route("/metrics", metrics)],
+                             Route("/metrics", metrics), Route("/healthz", healthz), Route("/readyz", readyz)],
                      middleware=[Middleware(RequireToken, token=token, metrics_token=metrics_token)])
+
+
+# The probes (/healthz: the process answers; /readyz: vLLM lives and the worker polls its
+# task queues), open to an orchestrator's kubelet, which holds no secret: they name no
+# tenant and no work.
+OPEN = frozenset({"/healthz", "/readyz"})
 
 
 class RequireToken:
     """Outermost: a request without the engine token is answered 401 before the app, and
     so before anything reads its body. Compared in constant time. /metrics asks for the
     metrics token instead (Prometheus holds that one, never the engine token), and is 404
-    where there is none."""
+    where there is none; the probes (OPEN) ask nothing."""
 
     def __init__(self, app: ASGIApp, token: str, metrics_token: str | None = None):
         self.app, self.token, self.metrics_token = app, token.encode(), metrics_token
@@ -154,15 +171,16 @@ class RequireToken:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"] in OPEN:  # the probes: what they say names no tenant and no work
+            await self.app(scope, receive, send)
+            return
         if scope["path"] == "/metrics":
-            ok = exposition.allowed(Headers(scope=scope).get("authorization"), self.metrics_token)
-            if ok:
-                await self.app(scope, receive, send)
+            if no := exposition.refusal(Headers(scope=scope).get("authorization"), self.metrics_token):
+                await JSONResponse(error_body(no.status, no.message, None, no.code), status_code=no.status,
+                                   headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None,
+                                   )(scope, receive, send)
                 return
-            status, why = ((404, "Metrics are off: set BALLAST_METRICS_TOKEN.") if ok is None
-                           else (401, "The metrics token is missing or wrong."))
-            await JSONResponse(error_body(status, why, None, "invalid_metrics_token" if ok is False else "not_found"),
-                               status_code=status)(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         scheme, _, presented = Headers(scope=scope).get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not presented:

@@ -305,6 +305,12 @@ class Engine:
             reason = str(c.finish_reason) if c.finish_reason is not None else None
             yield Step(list(c.token_ids), reason, c.text or "")
 
+    async def check_health(self) -> None:
+        """Raises where vLLM's engine has died (its engine core process gone)."""
+        if self._llm is None:
+            raise RuntimeError("the engine has shut down")
+        await self._llm.check_health()
+
     async def abort(self, request_id: str) -> None:
         # vLLM maps our (external) id to its internal, randomised one.
         await self._llm.abort(request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import socket
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -55,3 +56,19 @@ def allowed(authorization: str | None, token: str | None) -> bool | None:
         return None
     presented = (authorization or "").removeprefix("Bearer ").strip()
     return hmac.compare_digest(presented.encode(), token.encode())
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    message: str
+    code: str
+
+
+def refusal(authorization: str | None, token: str | None) -> Refusal | None:
+    """What /metrics answers a request that may not read it (every process alike); None: it may."""
+    ok = allowed(authorization, token)
+    if ok is None:
+        return Refusal(404, "Metrics are off: set BALLAST_METRICS_TOKEN and scrape with it as a bearer token.",
+                       "not_found")
+    return None if ok else Refusal(401, "The metrics token is missing or wrong.", "invalid_metrics_token")

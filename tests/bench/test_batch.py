@@ -133,8 +133,7 @@ def _round(tps: dict[str, float]) -> dict:
                                cpu={"vLLM worker": 1.0, "engine worker": 0.05}, **kw)
     extra = dict(run_batch=dict(tps_with_start=tps["run_batch"] / 10, seconds_with_start=10000 / tps["run_batch"],
                                 start_s=30.0),
-                 ballast_observed=dict(prometheus_cpu_s=0.02, scrapes=dict(jobs=["ballast-api"],
-                                                                          samples={"ballast-api": 300.0})))
+                 ballast_observed=dict(prometheus_cpu_s=0.02, scrapes=dict(up={"ballast-api": 1.0})))
     return {name: {"short": arm(t, **extra.get(name, {}))} for name, t in tps.items()}
 
 

@@ -438,6 +438,12 @@ def test_api_publishes_its_port(services):
     assert f":{port}/healthz" in probe
 
 
+def test_the_engine_and_the_control_worker_are_probed_on_their_readyz(services):
+    for name, port_var in (("engine", "BALLAST_ENGINE_PORT"), ("control", "BALLAST_CONTROL_PORT")):
+        probe = " ".join(map(str, services[name]["healthcheck"]["test"]))
+        assert f"127.0.0.1:{_env(services[name])[port_var]}/readyz" in probe, (name, probe)
+
+
 def test_engine_reserves_a_gpu_and_builds_the_gpu_extra(services):
     engine = services["engine"]
     devices = engine["deploy"]["resources"]["reservations"]["devices"]

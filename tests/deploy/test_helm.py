@@ -317,32 +317,32 @@ def test_the_api_probes_paths_the_app_serves_without_a_key(case):
 
 
 def test_the_engines_and_the_control_worker_probe_what_they_have(case):
-    """An engine serves no open health route: its port demands the engine token on every
-    path (and a probe cannot carry a Secret), so its port is probed by TCP (it opens once
-    vLLM has loaded) and its readiness is the supervisor's file, written once it polls its
-    task queues. The control worker's own listener answers /readyz and /healthz without a
-    token (ballast/probes.py): its probes ask those, on the port it is told to listen on."""
+    """An engine's port demands the engine token on every path but its probes, /healthz and
+    /readyz (engine/server.py: a probe cannot carry a Secret); the control worker's own
+    listener answers them too (ballast/probes.py). Each is probed there, on the port it is
+    told to listen on, and only on paths its app serves and leaves open."""
     from starlette.routing import Route
 
     from ballast.probes import probes_app
-    from ballast.procs import READY_FILE_ENV
+    from engine.server import OPEN, create_app
+    from engine.slots import EngineSlots
 
     _, values, docs = case
     app = probes_app(None, None, lambda: True, None)  # its routes only: nothing runs
     served = {r.path for r in app.routes if isinstance(r, Route)}
+    engine_app = create_app(None, EngineSlots(1), token="t")  # its routes only, as above
+    engine_served = {r.path for r in engine_app.routes if isinstance(r, Route)} & OPEN
     for name, c, _ in _containers(docs):
         if name in ("api", "migrate"):
             continue
         probes = {k: c[k] for k in ("readinessProbe", "livenessProbe", "startupProbe") if k in c}
         env = _env(c, _secret_data(docs, values))
         if name.startswith("engine-"):
-            assert all("httpGet" not in p for p in probes.values()), name
-            assert READY_FILE_ENV in probes["readinessProbe"]["exec"]["command"][-1], name
-            assert env[READY_FILE_ENV].startswith("/tmp/"), name
-            assert probes["startupProbe"]["tcpSocket"]["port"] == "stream"
-            assert probes["livenessProbe"]["tcpSocket"]["port"] == "stream"
+            paths = {k: p["httpGet"]["path"] for k, p in probes.items() if p["httpGet"]["port"] == "stream"}
+            assert paths == dict(readinessProbe="/readyz", livenessProbe="/healthz", startupProbe="/healthz"), name
+            assert set(paths.values()) <= engine_served, name
             [port] = c["ports"]
-            assert port["containerPort"] == int(env["BALLAST_ENGINE_PORT"])
+            assert (port["name"], port["containerPort"]) == ("stream", int(env["BALLAST_ENGINE_PORT"]))
         else:
             [port] = c["ports"]
             assert (port["name"], port["containerPort"]) == ("probes", int(env["BALLAST_CONTROL_PORT"]))

@@ -245,6 +245,11 @@ def test_prometheus_agrees_with_the_client_and_the_journal(stack, gate, promethe
             rows = _query(prometheus, target["expr"].replace("$__rate_interval", "1m"))
             assert rows or panel["title"] in may_be_empty, (panel["title"], target["expr"])
 
+    # The engine worker's probes ask no token: vLLM answers and its workers poll.
+    assert httpx.get(stack.engine_url + "/healthz", timeout=10).json() == dict(status="ok")
+    ready = httpx.get(stack.engine_url + "/readyz", timeout=10)
+    assert ready.status_code == 200 and ready.json()["parts"] == dict(vllm="ok", workers="ok"), ready.text
+
     # Without the token, or with another, no process says anything.
     for url in (stack.url, stack.control_url, stack.engine_url):
         assert httpx.get(url + "/metrics", timeout=10).status_code == 401, url

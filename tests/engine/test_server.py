@@ -130,3 +130,29 @@ async def test_refused_before_the_body_is_read():
 def test_an_empty_token_is_refused():
     with pytest.raises(ValueError, match="BALLAST_ENGINE_TOKEN"):
         create_app(FakeEngine(), EngineSlots(4), token="")
+
+
+async def test_the_probes_ask_no_token_and_say_what_is_down():
+    """/healthz and /readyz are the one open door (an orchestrator's probe holds no secret):
+    they answer without the token, name no tenant and no work, and /readyz is 503 naming
+    the part that is down: vLLM's engine dead, or the worker not polling its task queues."""
+
+    class Dying(FakeEngine):
+        dead = False
+
+        async def check_health(self):
+            if self.dead:
+                raise RuntimeError("EngineDeadError")
+
+    engine, polling = Dying(), [True]
+    app = create_app(engine, EngineSlots(4), token=TOKEN, polling=lambda: polling[0])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://engine.test") as http:
+        assert (await http.get("/healthz")).json() == dict(status="ok")
+        r = await http.get("/readyz")
+        assert r.status_code == 200 and r.json() == dict(status="ok", parts=dict(vllm="ok", workers="ok"))
+        polling[0] = False  # drained, or not yet polling
+        r = await http.get("/readyz")
+        assert r.status_code == 503 and r.json()["parts"] == dict(vllm="ok", workers="down: not polling")
+        engine.dead = True
+        assert (await http.get("/readyz")).json()["parts"]["vllm"] == "down: RuntimeError"
+        assert (await http.get("/stats")).status_code == 401  # the rest still asks for the token

@@ -50,12 +50,19 @@ async def test_the_engine_serves_metrics_with_the_metrics_token_only():
 
 def test_the_engine_collector_reads_its_slots_at_scrape_time():
     slots, fair = EngineSlots(4), FairShare("fcfs", 4)
-    collector = EngineCollector(slots, fair, "m")
+    collector = EngineCollector(slots, fair, "m", "eu")
     slots.interactive = 3
+    fair.running_in["flex"] = 2
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
     assert got[("ballast_engine_slots", (("kind", "interactive"), ("model", "m")))] == 3
     assert got[("ballast_engine_max_seqs", (("model", "m"),))] == 4
     assert got[("ballast_engine_preemptions_total", (("model", "m"),))] == 0
+    assert got[("ballast_engine_interactive_running", (("model", "m"), ("tier", "flex")))] == 2
+    assert got[("ballast_engine_info", (("model", "m"), ("region", "eu")))] == 1
+    # Of the one slot interactive leaves idle, batch holds none; then interactive holds all.
+    assert got[("ballast_engine_harvest_ratio", (("model", "m"),))] == 0
+    slots.interactive = 4
+    assert "ballast_engine_harvest_ratio" not in {f.name for f in collector.collect()}
 
 
 async def test_the_control_workers_probes_and_metrics(owner_db):

@@ -181,18 +181,6 @@ envFrom:
       key: {{ .Values.engineToken.key }}
 {{- end -}}
 
-{{/* The supervisor's readiness file (ballast/procs.py): written once the process serves. */}}
-{{- define "ballast.env.ready" -}}
-- name: BALLAST_READY_FILE
-  value: /tmp/ballast-ready
-{{- end -}}
-{{- define "ballast.readyProbe" -}}
-exec:
-  command: ["sh", "-c", "test -s \"$BALLAST_READY_FILE\""]
-periodSeconds: 5
-failureThreshold: 3
-{{- end -}}
-
 {{- define "ballast.volumeMounts" -}}
 {{- $ := .root -}}
 - name: models
