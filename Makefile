@@ -38,7 +38,7 @@ test: install test-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25  # the slowest, for whoever keeps the suite short
 
 bench: install
 	$(VENV)/bin/ballast bench batch

@@ -336,7 +336,7 @@ def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print, o
                     got = run_batch(stack, reqs, settings)
                 got.update(cpu=cpu.totals(), timeline=dict(_trace(trace, got["t0"], got["t0"] + got["seconds"]),
                                                            t0=got["t0"], cpu=cpu.samples))
-                if prom:
+                if prom is not None and pcpu is not None:
                     got.update(prometheus_cpu_s=round(sum(pcpu.totals().values()), 2), scrapes=prom.scrapes())
                 out[name] = got
             return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,9 +132,9 @@ def test_the_batch_file_is_chat_completions_run_batch_takes():
 def _round(tps: dict[str, float]) -> dict:
     arm = lambda t, **kw: dict(tps=t, tokens=1000, seconds=1000 / t, requests=10,  # noqa: E731
                                cpu={"vLLM worker": 1.0, "engine worker": 0.05}, **kw)
-    extra = dict(run_batch=dict(tps_with_start=tps["run_batch"] / 10, seconds_with_start=10000 / tps["run_batch"],
-                                start_s=30.0),
-                 ballast_observed=dict(prometheus_cpu_s=0.02, scrapes=dict(up={"ballast-api": 1.0})))
+    run_batch = dict(tps_with_start=tps["run_batch"] / 10, seconds_with_start=10000 / tps["run_batch"], start_s=30.0)
+    observed = dict(prometheus_cpu_s=0.02, scrapes=dict(up={"ballast-api": 1.0}))
+    extra: dict[str, dict[str, Any]] = dict(run_batch=run_batch, ballast_observed=observed)
     return {name: {"short": arm(t, **extra.get(name, {}))} for name, t in tps.items()}
 
 
