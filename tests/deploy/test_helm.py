@@ -187,6 +187,8 @@ def test_every_manifest_is_valid_kubernetes(case, kube_version):
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "Job", "ServiceAccount"} <= kinds, kinds
     for d in docs:
+        if d["apiVersion"].startswith("keda.sh/"):
+            continue  # KEDA's own kind, not Kubernetes': test_keda_scales_one_pool_per_model reads it
         try:
             kubernetes_validate.validate(d, kube_version, strict=True)
         except kubernetes_validate.ValidationError as err:
@@ -360,7 +362,7 @@ def test_each_pool_gets_its_engine_deployment(case):
     for pool in pools:
         d = engines[pool["name"]]
         assert d["metadata"]["name"] == f"{RELEASE}-engine-{pool['name']}"
-        assert d["spec"]["replicas"] == pool["replicas"]
+        assert d["spec"].get("replicas") == (None if pool["autoscaling"]["enabled"] else pool["replicas"])
         pod = d["spec"]["template"]["spec"]
         [c] = pod["containers"]
         assert _env(c, secrets)["BALLAST_MODEL"] == (pool["model"] or values["model"]["name"])
@@ -495,3 +497,32 @@ def test_spot_pool_is_spot_and_stops_in_time():
     # An on-demand pool stays beside it, and the file says why preemption is safe.
     assert len(values["pools"]) >= 2
     assert re.search(r"journal", text) and re.search(r"resumes on\s+#?\s*another engine", text)
+
+
+def test_keda_scales_one_pool_per_model_on_ballasts_signal():
+    """The spot pool scales on ballast_engines_wanted of its model less the on-demand pool's
+    fixed replicas; its Deployment leaves the count to KEDA's HPA. Two pools of one model
+    both autoscaling is refused: one signal cannot size two pools."""
+    docs = list(_rendered("values-spot-gpu.yaml"))
+    values = _effective(_user_values("values-spot-gpu.yaml"))
+    [scaled] = [d for d in docs if d["kind"] == "ScaledObject"]
+    [spot] = [d for d in _deployments(docs, "engine") if d["metadata"]["labels"]["ballast.dev/pool"] == "spot"]
+    [fixed] = [d for d in _deployments(docs, "engine") if d["metadata"]["labels"]["ballast.dev/pool"] == "on-demand"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"] == {"name": spot["metadata"]["name"]}
+    assert "replicas" not in spot["spec"] and fixed["spec"]["replicas"] == 1
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 16)
+    [trigger] = scaled["spec"]["triggers"]
+    served = values["model"]["name"].rstrip("/").split("/")[-1]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "1"
+    assert trigger["metadata"]["query"] == f'max(ballast_engines_wanted{{model="{served}"}}) - 1'
+    # The series it asks for is the control worker's (telemetry/families.py).
+    from telemetry import families
+
+    wanted = families.ENGINES_WANTED
+    assert (wanted._name, wanted._labelnames) == ("ballast_engines_wanted", ("model",))
+    user = _user_values("values-spot-gpu.yaml")
+    for pool in user["pools"]:
+        pool["autoscaling"] = dict(enabled=True, prometheusAddress="http://p:9090")
+    with pytest.raises(Exception, match="both autoscale"):
+        render(user)
