@@ -146,7 +146,7 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
     assert b.status == "completed", b
     offsets = preempted_offsets(db_url, batch.id)
     assert offsets == chosen  # preempted exactly k times each, exactly where the test chose
-    assert b.model_extra["ballast"] == {"preemptions": n * k, "items_preempted": n}, offsets
+    assert b.model_extra["ballast"] == {"preemptions": n * k, "items_preempted": n, "workflow_url": None}, offsets
     assert len({tuple(o) for o in offsets.values()}) > 1  # offsets of their own, not one schedule for all
 
     out = await asyncio.to_thread(read_jsonl, client, b.output_file_id)
@@ -185,7 +185,8 @@ async def test_the_fleet_controller_holds_batch_out_of_a_surging_pool_until_it_c
         b = await asyncio.to_thread(wait_for, client, batch.id)  # only once the pool has calmed
     finally:
         stack.gate.release()
-    assert b.status == "completed" and b.model_extra["ballast"] == {"preemptions": n, "items_preempted": n}, b
+    assert b.status == "completed", b
+    assert b.model_extra["ballast"] == {"preemptions": n, "items_preempted": n, "workflow_url": None}, b
     assert set(map(tuple, preempted_offsets(db_url, batch.id).values())) == {(held_at,)}
     [(t0, started, began), (t1, ended, finished)] = _sql(db_url, surge)[:2]
     [(engine_id,)] = _sql(db_url, "SELECT id FROM engines")
