@@ -19,5 +19,5 @@ async def metrics(request: Request, svc: ServicesDep) -> Response:
     token = svc.settings.metrics_token
     if no := exposition.refusal(request.headers.get("authorization"), token.get_secret_value() if token else None):
         raise APIError(no.status, no.message, code=no.code,
-                       headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None)
+                       headers=no.headers)
     return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)

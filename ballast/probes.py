@@ -41,7 +41,7 @@ def probes_app(db: AsyncEngine, client: Client, polling: Callable[[], bool], met
     async def metrics(request: Request) -> Response:
         if no := exposition.refusal(request.headers.get("authorization"), metrics_token):
             return JSONResponse(error_body(no.status, no.message, None, no.code), status_code=no.status,
-                                headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None)
+                                headers=no.headers)
         return Response(await exposition.render(), media_type=exposition.CONTENT_TYPE)
 
     return Starlette(routes=[Route("/healthz", healthz), Route("/readyz", readyz), Route("/metrics", metrics)])

@@ -177,8 +177,7 @@ class RequireToken:
         if scope["path"] == "/metrics":
             if no := exposition.refusal(Headers(scope=scope).get("authorization"), self.metrics_token):
                 await JSONResponse(error_body(no.status, no.message, None, no.code), status_code=no.status,
-                                   headers={"WWW-Authenticate": "Bearer"} if no.status == 401 else None,
-                                   )(scope, receive, send)
+                                   headers=no.headers)(scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return

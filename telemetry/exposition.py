@@ -64,6 +64,11 @@ class Refusal:
     message: str
     code: str
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """A 401 names the scheme it asks for."""
+        return {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+
 
 def refusal(authorization: str | None, token: str | None) -> Refusal | None:
     """What /metrics answers a request that may not read it (every process alike); None: it may."""
