@@ -298,7 +298,7 @@ class FineTuneActivities:
         event.payload.update(tokens_per_epoch=tokens_per_epoch, bytes=len(ck.data), total_steps=trainer.total_steps,
                              accuracies=ck.accuracies[before:])
         message = f"Step {ck.step}/{trainer.total_steps}: training loss={ck.losses[-1]:.4f}"
-        metrics: dict[str, Any] = dict(step=ck.step, train_loss=ck.losses[-1],
+        metrics: dict[str, Any] = dict(step=ck.step, total_steps=trainer.total_steps, train_loss=ck.losses[-1],
                                        train_mean_token_accuracy=ck.accuracies[-1])
         if scores is not None:
             event.payload.update(valid_loss=scores[0], valid_mean_token_accuracy=scores[1])

@@ -1,5 +1,5 @@
-"""/admin: tenants, their API keys, their limits and the erasure of their content, and the
-admin keys. Every route needs
+"""/admin: tenants, their API keys, limits, tiers and regions and the erasure of their
+content; the admin keys; the engine workers (list, drain, undrain). Every route needs
 an admin key. An admin key belongs to no tenant (it administers, and has no /v1 of its own);
 one made before that rule keeps its tenant until revoked.
 
@@ -10,6 +10,7 @@ process and within BALLAST_KEY_CACHE_S on every other.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
@@ -18,9 +19,10 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from api.deps import AdminDep, ServicesDep
+from api.deps import AdminDep, Services, ServicesDep
 from api.errors import APIError, check_text, not_found, possible_id
-from journal import erasure, tenant_store
+from journal import engine_registry, erasure, tenant_store
+from protocol.engine_wire import EngineStats
 from protocol.limits import ANY_MODEL, LIMITS
 from protocol.schema import errors
 from protocol.tiers import GRANTED
@@ -40,6 +42,13 @@ class Tiers(BaseModel):
     """The tiers the tenant is granted, replaced whole ([]: none; the open tiers need no grant)."""
 
     tiers: list[str] = Field(max_length=8)
+
+
+class Regions(BaseModel):
+    """Where the tenant's work may run: only engine workers in these regions (their
+    BALLAST_REGION); null: anywhere."""
+
+    regions: list[str] | None = Field(max_length=64)
 
 
 class CreateKey(BaseModel):
@@ -71,7 +80,7 @@ def _epoch(at: datetime | None) -> int | None:
 
 def tenant_object(row: dict[str, Any]) -> dict[str, Any]:
     return dict(id=row["id"], object="tenant", weight=row["weight"], tiers=sorted(row["tiers"]),
-                created_at=_epoch(row["created_at"]))
+                regions=row.get("regions"), created_at=_epoch(row["created_at"]))
 
 
 def key_object(row: dict[str, Any], plaintext: str | None = None) -> dict[str, Any]:
@@ -132,6 +141,25 @@ async def set_tiers(tenant_id: str, body: Tiers, svc: ServicesDep, _: AdminDep):
             await tenant_store.set_tiers(conn, tenant_id, body.tiers)
         except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
+        row = await tenant_store.get_tenant(conn, tenant_id)
+    assert row is not None
+    return tenant_object(row)
+
+
+@router.put("/tenants/{tenant_id}/regions", operation_id="setTenantRegions", responses=errors(400, 404))
+async def set_regions(tenant_id: str, body: Regions, svc: ServicesDep, _: AdminDep):
+    """Fence the tenant's work to these regions (null lifts the fence); its keys carry it
+    within BALLAST_KEY_CACHE_S, and its batches created from then on run there."""
+    regions = None
+    if body.regions is not None:
+        regions = sorted({check_text(r.strip(), "regions") for r in body.regions if r.strip()})
+        if not regions:
+            raise APIError(400, "A fence needs at least one region; null lifts it.", param="regions",
+                           code="invalid_value")
+    async with svc.db.begin() as conn:
+        if await tenant_store.get_tenant(conn, tenant_id) is None:
+            raise _unknown(tenant_id)
+        await tenant_store.set_regions(conn, tenant_id, regions)
         row = await tenant_store.get_tenant(conn, tenant_id)
     assert row is not None
     return tenant_object(row)
@@ -239,3 +267,48 @@ async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep
         except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
     return limits_object(row)
+
+
+# -- engine workers ---------------------------------------------------------------------
+
+_ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,256}")  # host name and process id: anything else is unknown
+LISTED_WITHIN_S = 60.0  # an engine silent longer has left (as `ballast worker list` shows them)
+
+
+def engine_object(row: dict[str, Any]) -> dict[str, Any]:
+    st = EngineStats.from_json(row["stats"])
+    return dict(id=row["id"], object="engine", model=row["model"], region=st.region, url=row["url"],
+                state="draining" if row["draining"] else "serving", running=st.running, waiting=st.waiting,
+                kv_cache_usage=st.kv_cache_usage, interactive=st.interactive, batch=st.batch,
+                batch_queued=st.batch_queued, max_seqs=st.max_seqs, batch_cap=row["batch_cap"],
+                stats=row["stats"], seen_at=_epoch(row["seen_at"]))
+
+
+@router.get("/engines", operation_id="listEngines", responses=errors())
+async def list_engines(svc: ServicesDep, _: AdminDep):
+    """The engine workers that announced themselves in the last minute, with their load."""
+    async with svc.db.connect() as conn:
+        rows = await engine_registry.live(conn, within_s=LISTED_WITHIN_S)
+    return dict(object="list", data=[engine_object(r) for r in rows])
+
+
+async def _drain(svc: Services, engine_id: str, draining: bool) -> dict[str, Any]:
+    async with svc.db.begin() as conn:
+        if not _ENGINE_ID.fullmatch(engine_id) or not await engine_registry.drain(conn, engine_id, draining):
+            raise not_found("engine worker", engine_id, "engine_id")
+        rows = [r for r in await engine_registry.live(conn, within_s=1e9) if r["id"] == engine_id]
+    return engine_object(rows[0])
+
+
+@router.post("/engines/{engine_id}/drain", operation_id="drainEngine", responses=errors(404))
+async def drain_engine(engine_id: str, svc: ServicesDep, _: AdminDep):
+    """The engine worker takes no new work from its next announcement (about a second): the
+    API sends it no new requests and it stops polling for batch work; its generations finish
+    or move to the others, resuming from the journal."""
+    return await _drain(svc, engine_id, True)
+
+
+@router.post("/engines/{engine_id}/undrain", operation_id="undrainEngine", responses=errors(404))
+async def undrain_engine(engine_id: str, svc: ServicesDep, _: AdminDep):
+    """The engine worker takes new work again."""
+    return await _drain(svc, engine_id, False)

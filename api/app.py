@@ -10,7 +10,7 @@ import httpx
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models
+from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models, usage, webhooks
 from api.deps import REQUIRE_KEY, Services
 from api.request_ids import RequestId
 from api.services.admission import Admission
@@ -71,8 +71,9 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         app.add_middleware(AdminListener, port=settings.admin_port)  # before any key is asked
     app.add_middleware(RequestId)  # outermost: every response carries its id, refusals included
     # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
-    for v1 in (files, batches, fine_tuning, interactive, models):
+    for v1 in (files, batches, fine_tuning, interactive, models, webhooks):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
+    app.include_router(usage.router)  # a tenant's key or an admin key
     app.include_router(admin.router)
     app.include_router(health.router)
     app.include_router(metrics.router)

@@ -18,7 +18,7 @@ from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, not_found, possible_id, require_id
 from api.files import EXPIRES_AFTER_S
 from journal import batch_store, tenant_store
-from policy.lifecycle import cancellable
+from policy.lifecycle import cancellable, estimated_completion, pace_end
 from policy.placement import batch_regions, region_queue
 from policy.pools import base_model, pool_queue
 from protocol import keys
@@ -62,16 +62,24 @@ async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
 
 
 async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, Any]:
-    counts = await batch_store.request_counts(conn, row["id"])
+    done = await batch_store.progress(conn, row["id"])
     out = {k: row[k] for k in (
         "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
-    # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic, and
-    # its workflow in the Temporal UI (BALLAST_TEMPORAL_UI_URL).
-    ballast = dict(await batch_store.preemptions(conn, row["id"]),
+    # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic, the
+    # tokens of its completed items and their pace, when it should end at that pace, and its
+    # workflow in the Temporal UI (BALLAST_TEMPORAL_UI_URL).
+    now = time.time()
+    started = row["in_progress_at"]
+    ran_s = pace_end(row, now) - started if started else 0.0
+    ballast = dict(preemptions=done.preemptions, items_preempted=done.items_preempted,
+                   input_tokens=done.input_tokens, output_tokens=done.output_tokens,
+                   output_tokens_per_s=round(done.output_tokens / ran_s, 3) if ran_s > 0 else None,
+                   estimated_completion=estimated_completion(row["status"], started, done.completed + done.failed,
+                                                             done.total, now),
                    workflow_url=svc.settings.workflow_url(keys.batch(row["id"])))
-    return dict(object="batch", **out, request_counts=counts, ballast=ballast)
+    return dict(object="batch", **out, request_counts=done.request_counts(), ballast=ballast)
 
 
 def _links(*operations: str) -> dict:

@@ -1,5 +1,7 @@
 """`ballast up | api | worker ... | migrate | tenants ... | verify`, and `bench ...` / `chaos`,
-which run `python -m bench`."""
+which run `python -m bench`: Ballast itself. Every other command (`batch`, `files`, `models`,
+`ft`, `usage`, `admin`, `profile`, `completion`, and `--help`, `--version`) is the client's,
+over HTTP (ballast/client_cli.py)."""
 
 from __future__ import annotations
 
@@ -39,16 +41,38 @@ def _need_engine_token(settings: Settings) -> None:
         sys.exit(f"ballast: {err}")
 
 
+# The server side's commands, and what `ballast --help` says of each.
+SERVER = dict(up="Run everything on this machine (embedded Postgres and Temporal unless configured).",
+              api="Serve the OpenAI-compatible API.",
+              worker="Run a Temporal worker (control, engine); or list, drain, undrain engine workers.",
+              migrate="Upgrade the journal's schema and grant each service's role (as the database owner).",
+              tenants="Tenants, keys and limits straight on the journal's Postgres (as its owner).",
+              verify="Check the journal's invariants in SQL.",
+              bench="Benchmarks that print ratios measured side by side.",
+              chaos="Faults injected into a fresh `ballast up` under load.")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVER:
+        return server_main(argv)
+    from ballast import client_cli
+
+    for name, what in SERVER.items():
+        client_cli.add_passthrough(name, what, server_main)
+    return client_cli.cli.main(args=argv, prog_name="ballast")  # exits with its code
+
+
+def server_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ballast", description="Durable workload manager for LLM inference on vLLM.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="run everything on this machine (embedded Postgres and Temporal unless configured)")
     u.add_argument("--engines", type=int, default=None, help="engine workers to run here, one vLLM engine each "
                                                              "(BALLAST_ENGINES, 1)")
     sub.add_parser("api", help="serve the OpenAI-compatible API")
-    w = sub.add_parser("worker", help="run a Temporal worker; or list the engine workers, or drain one")
-    w.add_argument("kind", choices=["control", "engine", "list", "drain"])
-    w.add_argument("id", nargs="?", help="drain: the engine worker's id (as `ballast worker list` shows it)")
+    w = sub.add_parser("worker", help="run a Temporal worker; or list the engine workers, or drain or undrain one")
+    w.add_argument("kind", choices=["control", "engine", "list", "drain", "undrain"])
+    w.add_argument("id", nargs="?", help="drain, undrain: the engine worker's id (as `ballast worker list` shows it)")
     sub.add_parser("migrate",
                    help="alembic upgrade head on BALLAST_DATABASE_URL (the owner), granting each service's "
                         "role and setting the passwords given (BALLAST_{API,CONTROL,ENGINE}_DATABASE_PASSWORD)")
@@ -63,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                                                      "batch item's prompt with transformers against its settle")
     v.add_argument("--model", default=None, help="with --tokenizer: only the items of this served model name (and "
                                                  "its fine-tuned models)")
-    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("bench", "chaos"):  # all they are given is theirs, -h included
         os.execv(sys.executable, [sys.executable, "-m", "bench", *(["chaos"] if argv[0] == "chaos" else []), *argv[1:]])
     args = parser.parse_args(argv)
@@ -78,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if settings.log_format == "json":
         logs.configure("json", "-".join([args.cmd, *([args.kind] if args.cmd == "worker" and args.kind else [])]))
-    if args.cmd == "worker" and args.kind == "drain" and not args.id:
-        parser.error("ballast worker drain ID: which engine worker (`ballast worker list` shows them)")
+    if args.cmd == "worker" and args.kind in ("drain", "undrain") and not args.id:
+        parser.error(f"ballast worker {args.kind} ID: which engine worker (`ballast worker list` shows them)")
     if args.cmd == "up" and args.engines is not None and args.engines < 1:
         parser.error("--engines must be at least 1")
     if args.cmd == "tenants":
@@ -133,10 +156,11 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from ballast import workers
 
-    if args.kind in ("list", "drain"):
+    if args.kind in ("list", "drain", "undrain"):
         # As `ballast tenants`: DATABASE_URL, or the running `ballast up`'s embedded Postgres.
         settings = settings.model_copy(update=dict(database_url=tenants_cli.database_url(settings)))
-        return asyncio.run(workers.list_or_drain(settings, args.id if args.kind == "drain" else None))
+        return asyncio.run(workers.list_or_drain(settings, args.id if args.kind != "list" else None,
+                                                 draining=args.kind == "drain"))
     _need(settings, "service_db_url", "temporal_address")
     if args.kind == "control":
         asyncio.run(workers.control_worker(settings))

@@ -8,9 +8,10 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from temporalio.client import Client
@@ -22,6 +23,7 @@ from activities.finetune import FineTuneActivities
 from activities.fleet import FleetActivities
 from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
+from activities.webhooks import WebhookActivities
 from ballast import gauges, procs
 from ballast.probes import probes_app
 from config import Settings
@@ -38,6 +40,7 @@ from protocol.fleet import SurgePolicy
 from protocol.requests import RequestLimits
 from protocol.temporal import FleetInput, QuotaInput
 from protocol.tiers import Tier
+from protocol.webhooks import webhook_queue
 from storage.objects import ObjectStore
 from telemetry import exposition, families
 from telemetry.tracing import setup as setup_tracing
@@ -46,6 +49,7 @@ from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
 from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QUOTA_ID, QuotaReconciler
+from workflows.webhooks import WebhookDelivery
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -62,28 +66,55 @@ async def _run_until_signalled(worker: Worker) -> None:
     await worker.run()
 
 
-async def _run_until_drained(workers: list[Worker], drained: asyncio.Event, engine_id: str,
+async def _run_until_drained(make_workers: Callable[[], list[Worker]], draining: Draining, engine_id: str,
                              polling: asyncio.Event) -> None:
-    """Poll until signalled; drained first (`ballast worker drain`), stop polling, which
-    lets running generations finish for the worker's graceful timeout and then cancels them
-    to resume elsewhere from the journal, and keep serving the streams still open (the API
-    sends no new ones) until signalled. `polling` is set while the workers poll."""
+    """Poll until signalled. Drained (`/admin/engines/{id}/drain`, `ballast worker drain`):
+    stop polling, which lets running generations finish for the worker's graceful timeout
+    and then cancels them to resume elsewhere from the journal, and keep serving the
+    streams still open (the API sends no new ones); undrained, poll again with new
+    workers. `polling` is set while the workers poll."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    running = [asyncio.create_task(w.run()) for w in workers]
-    polling.set()
-    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(drained.wait())]
-    await asyncio.wait([*running, *waits], return_when=asyncio.FIRST_COMPLETED)
-    polling.clear()
-    await asyncio.gather(*(w.shutdown() for w, r in zip(workers, running, strict=True) if not r.done()))
-    await asyncio.gather(*running)
-    if drained.is_set() and not stop.is_set():
-        log.warning("engine worker %s drained: it takes no new work; stop it once its open streams end", engine_id)
-        await stop.wait()
-    for w in waits:
-        w.cancel()
+    while not stop.is_set():
+        workers = make_workers()
+        running = [asyncio.create_task(w.run()) for w in workers]
+        polling.set()
+        await _first(stop.wait(), draining.drained.wait(), *running)
+        polling.clear()
+        await asyncio.gather(*(w.shutdown() for w, r in zip(workers, running, strict=True) if not r.done()))
+        await asyncio.gather(*running)
+        if stop.is_set():
+            break
+        log.warning("engine worker %s drained: it takes no new work; undrain it, or stop it once its open streams "
+                    "end", engine_id)
+        await _first(stop.wait(), draining.serving.wait())
+        if not stop.is_set():
+            log.warning("engine worker %s undrained: it takes new work again", engine_id)
+
+
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Until the first of them is done; the others are cancelled (the tasks given stay)."""
+    tasks = [w if isinstance(w, asyncio.Task) else asyncio.ensure_future(w) for w in waits]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t, w in zip(tasks, waits, strict=True):
+        if t is not w:
+            t.cancel()
+
+
+class Draining:
+    """Whether an operator is draining this engine, as its last announcement read it: one
+    of the two events is set."""
+
+    def __init__(self) -> None:
+        self.drained, self.serving = asyncio.Event(), asyncio.Event()
+        self.serving.set()
+
+    def set(self, draining: bool) -> None:
+        on, off = (self.drained, self.serving) if draining else (self.serving, self.drained)
+        off.clear()
+        on.set()
 
 
 async def _warn_if_overprivileged(db: AsyncEngine, service: str) -> None:
@@ -128,6 +159,10 @@ async def control_worker(settings: Settings) -> None:
     requests = RequestActivities(db)
     interactive = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
                          activities=[requests.journal_request])
+    # Completion webhooks, on a queue of their own: a slow receiver holds only their slots.
+    hooks = WebhookActivities(db, settings)
+    webhooks = Worker(client, task_queue=webhook_queue(settings.control_queue), workflows=[WebhookDelivery],
+                      activities=[hooks.raise_webhook, hooks.deliver_webhook, hooks.abandon_webhook])
     log.info("control worker polling %s and %s", settings.control_queue, settings.interactive_queue)
     polling = asyncio.Event()
     app = probes_app(db, client, polling.is_set, _secret(settings.metrics_token))
@@ -143,7 +178,7 @@ async def control_worker(settings: Settings) -> None:
         searchable = await search_attributes_usable(client, settings)
         await start_fleet(client, settings, searchable)
         await start_quota(client, settings, searchable)
-        async with interactive:
+        async with interactive, webhooks:
             polling.set()
             procs.notify_ready()
             await _run_until_signalled(worker)
@@ -151,6 +186,7 @@ async def control_worker(settings: Settings) -> None:
         polling.clear()
         gauging.cancel()
         await _stop_server(server, serving)
+        await hooks.close()
         await db.dispose()
 
 
@@ -238,11 +274,11 @@ async def engine_worker(settings: Settings) -> None:
                                                lifespan="off"))
         serving = asyncio.create_task(server.serve(sockets=[procs.listen_nodelay(settings.engine_host, port)]))
         stack.push_async_callback(_stop_server, server, serving)
-        drained = asyncio.Event()
+        draining = Draining()
         # One pool per model: its batch queue, and its region's and each worker's own under it.
         pool = pool_queue(settings.engine_queue, spec.name)
         announcing = asyncio.create_task(_announce(db, engine_id, url, spec, pool, settings, slots, engine, fair,
-                                                   drained))
+                                                   draining))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
                                     trace=trace)
@@ -256,28 +292,33 @@ async def engine_worker(settings: Settings) -> None:
         # Fine-tuning chunks too: they hold batch slots, so they yield to chat as batch does.
         tuning = FineTuneActivities(db, ObjectStore(settings.object_store_url), spec.path, spec.max_model_len, slots,
                                     max_tokens=settings.max_training_tokens)
-        workers = [Worker(client, task_queue=q, activities=[acts.generate, tuning.train_chunk],
-                          # Enough slots that the engine slots, not Temporal, decide how much runs at once.
-                          max_concurrent_activities=settings.max_num_seqs * 2,
-                          graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]
+
+        def make_workers() -> list[Worker]:  # anew after each drain: a worker shut down does not run again
+            return [Worker(client, task_queue=q, activities=[acts.generate, tuning.train_chunk],
+                           # Enough slots that the engine slots, not Temporal, decide how much runs at once.
+                           max_concurrent_activities=settings.max_num_seqs * 2,
+                           graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]
+
         log.info("engine worker %s polling %s, streaming at %s", engine_id, " and ".join(queues), url)
         procs.notify_ready()
-        await _run_until_drained(workers, drained, engine_id, polling)
+        await _run_until_drained(make_workers, draining, engine_id, polling)
 
 
-async def list_or_drain(settings: Settings, drain: str | None) -> int:
+async def list_or_drain(settings: Settings, drain: str | None, draining: bool = True) -> int:
     """`ballast worker list`: the engine workers seen lately. `ballast worker drain ID`:
-    that one takes no new work (the API and Temporal stop sending it any)."""
+    that one takes no new work (the API and Temporal stop sending it any); `undrain ID`:
+    it takes work again."""
     from journal import engine_registry
 
     db = connect(settings.require("database_url"), pool_size=1)
     try:
         async with db.begin() as conn:
             if drain is not None:
-                if not await engine_registry.drain(conn, drain):
+                if not await engine_registry.drain(conn, drain, draining):
                     print(f"ballast: no engine worker {drain!r}; `ballast worker list` shows them", file=sys.stderr)
                     return 1
-                print(f"{drain}: draining. It takes no new work; its generations finish or move to the others.")
+                print(f"{drain}: draining. It takes no new work; its generations finish or move to the others."
+                      if draining else f"{drain}: serving. It takes new work again.")
                 return 0
             rows = await engine_registry.live(conn, within_s=60)
         print(f"{'id':<28} {'region':<10} {'model':<16} {'running':>7} {'waiting':>7} {'kv':>5}  state")
@@ -308,10 +349,10 @@ def engine_token(settings: Settings) -> str:
 
 
 async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Settings, slots, engine, fair,
-                    drained: asyncio.Event) -> None:
+                    draining: Draining) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back, and
-    whether an operator is draining this engine (`drained` is set)."""
+    whether an operator is draining this engine."""
     from dataclasses import asdict
 
     from journal import engine_registry
@@ -319,7 +360,7 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
     while True:
         try:
             async with db.begin() as conn:
-                cap, draining = await engine_registry.announce(
+                cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
                     EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
@@ -327,8 +368,7 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                                 max_model_len=spec.max_model_len, model_source=spec.path,
                                 batch_tokens=int(families.total(families.BATCH_TOKENS))).to_json())
             await slots.direct(cap)
-            if draining:
-                drained.set()
+            draining.set(drained)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)
         await asyncio.sleep(settings.announce_s)

@@ -19,17 +19,18 @@ from config.scheduling import SchedulingSettings
 from config.stack import StackSettings
 from config.telemetry import TelemetrySettings
 from config.temporal import TemporalSettings
+from config.webhooks import WebhookSettings
 from config.work import WorkSettings
 
 __all__ = ["CPU_KV_CACHE_GIB", "TINY_MODEL_NAME", "Settings"]
 
 # The sections in the order a reference lists them.
 SECTIONS = (PathSettings, DatabaseSettings, TemporalSettings, ApiSettings, PlacementSettings, EngineSettings,
-            SchedulingSettings, WorkSettings, TelemetrySettings, StackSettings)
+            SchedulingSettings, WorkSettings, WebhookSettings, TelemetrySettings, StackSettings)
 
 
-class Settings(StackSettings, TelemetrySettings, WorkSettings, SchedulingSettings, EngineSettings, PlacementSettings,
-               ApiSettings, TemporalSettings, DatabaseSettings, PathSettings):
+class Settings(StackSettings, TelemetrySettings, WebhookSettings, WorkSettings, SchedulingSettings, EngineSettings,
+               PlacementSettings, ApiSettings, TemporalSettings, DatabaseSettings, PathSettings):
     def require(self, name: Literal["database_url", "service_db_url", "temporal_address"]) -> str:
         """A URL this process cannot run without. The CLI checks them before it starts a
         process (`ballast up` fills them in); this turns a miss into a clear error."""

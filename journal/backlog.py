@@ -102,13 +102,14 @@ _QUOTA_USE = text("""
            SELECT sum(u.requests) AS requests, sum(u.input_m) AS input_m, sum(u.output_m) AS output_m,
                   sum(u.day_tokens) AS day_tokens, sum(u.in_flight) AS in_flight, sum(u.queued) AS queued
              FROM u WHERE u.tenant = l.tenant AND (l.model = '*' OR u.model = l.model)) s ON true
+     WHERE CAST(:tenant AS text) IS NULL OR l.tenant = :tenant
      ORDER BY l.tenant, l.model""")
 
 
-async def quota_use(conn: AsyncConnection) -> list[QuotaUse]:
-    """Each limit that is set, with what counts against it now."""
+async def quota_use(conn: AsyncConnection, tenant: str | None = None) -> list[QuotaUse]:
+    """Each limit that is set (of every tenant, or of one), with what counts against it now."""
     out = []
-    for r in (await conn.execute(_QUOTA_USE)).mappings():
+    for r in (await conn.execute(_QUOTA_USE, dict(tenant=tenant))).mappings():
         out += [QuotaUse(r["tenant"], r["model"], dim, float(r[f"used_{dim}"]), int(r[dim]))
                 for dim in LIMITS if r[dim] is not None]
     return out

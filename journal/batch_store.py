@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from sqlalchemy import (
@@ -281,22 +281,32 @@ async def list_batches(conn: AsyncConnection, tenant: str, after: str | None, li
 
 
 async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
-    q = (select(batch_items.c.status, func.count()).where(batch_items.c.batch_id == batch_id)
-         .group_by(batch_items.c.status))
-    by_status: dict[str, int] = dict((await conn.execute(q)).all())
-    return dict(
-        total=sum(by_status.values()),
-        completed=by_status.get("completed", 0),
-        failed=by_status.get("failed", 0),
-    )
+    return (await progress(conn, batch_id)).request_counts()
 
 
-async def preemptions(conn: AsyncConnection, batch_id: str) -> dict[str, int]:
-    """How often the batch's items yielded to interactive work, and how many did."""
-    q = select(func.coalesce(func.sum(batch_items.c.preemptions), 0),
-               func.count().filter(batch_items.c.preemptions > 0))
-    total, items = (await conn.execute(q.where(batch_items.c.batch_id == batch_id))).one()
-    return dict(preemptions=int(total), items_preempted=int(items))
+@dataclass(frozen=True)
+class Progress:
+    """A batch's items so far, in one read of them: OpenAI's `request_counts`, how often
+    they yielded to interactive work, and the tokens of those completed."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    preemptions: int = 0  # times its items yielded to interactive work
+    items_preempted: int = 0
+    input_tokens: int = 0  # of the completed items, from their responses' usage
+    output_tokens: int = 0
+
+    def request_counts(self) -> dict[str, int]:
+        return dict(total=self.total, completed=self.completed, failed=self.failed)
+
+
+async def progress(conn: AsyncConnection, batch_id: str) -> Progress:
+    i = batch_items.c
+    q = select(func.count(), func.count().filter(i.status == "completed"), func.count().filter(i.status == "failed"),
+               func.coalesce(func.sum(i.preemptions), 0), func.count().filter(i.preemptions > 0),
+               func.coalesce(func.sum(i.input_tokens), 0), func.coalesce(func.sum(i.output_tokens), 0))
+    return Progress(*(int(n) for n in (await conn.execute(q.where(i.batch_id == batch_id))).one()))
 
 
 async def move_status(conn: AsyncConnection, batch_id: str, status: str, at: float, **fields: Any) -> bool:

@@ -22,9 +22,10 @@ async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: 
     return cap, draining
 
 
-async def drain(conn: AsyncConnection, id: str) -> bool:
-    """Mark an engine draining; False if there is no such engine."""
-    done = await conn.execute(engines.update().where(engines.c.id == id).values(draining=True))
+async def drain(conn: AsyncConnection, id: str, draining: bool = True) -> bool:
+    """Mark an engine draining (or serving again); False if there is no such engine. The
+    engine worker reads it at its next announcement."""
+    done = await conn.execute(engines.update().where(engines.c.id == id).values(draining=draining))
     return done.rowcount == 1
 
 

@@ -346,3 +346,25 @@ async def others(conn: AsyncConnection, holder: str) -> list[dict[str, Any]]:
         quota_usage.c.starts_at >= func.now() - text("interval '2 days'"),
     )
     return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
+# -- settled usage by time bucket (the audit views' figures, in UTC) --------------------
+
+BUCKETS = dict(minute="1 minute", hour="1 hour", day="1 day")
+
+
+async def settled_buckets(conn: AsyncConnection, tenant: str | None, unit: str, start: float, end: float,
+                          by: Sequence[str]) -> list[dict[str, Any]]:
+    """Settled usage per `unit` bucket in [start, end) (Unix seconds), of one tenant or every
+    one, grouped further by `by` (columns of the ledger: model, tier): what the audit views
+    `usage_by_minute|hour|day` hold for those buckets, read straight off the ledger's index."""
+    assert unit in BUCKETS and set(by) <= {"model", "tier"}, (unit, by)
+    cols = "".join(f", {c}" for c in by)
+    rows = await conn.execute(text(f"""
+        SELECT extract(epoch FROM date_trunc('{unit}', at, 'UTC'))::bigint AS start{cols},
+               count(*) AS requests, sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens
+          FROM ledger
+         WHERE kind = 'settle' AND at >= to_timestamp(:start) AND at < to_timestamp(:end)
+           AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+         GROUP BY 1{cols} ORDER BY 1{cols}"""), dict(start=start, end=end, tenant=tenant))
+    return [dict(r) for r in rows.mappings()]

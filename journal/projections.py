@@ -91,28 +91,27 @@ async def _item_created(conn, evs):
     await conn.execute(insert(batch_items).on_conflict_do_nothing(), rows)
 
 
-async def _item_finished(conn, evs, status: str):
+async def _item_finished(conn, used: Sequence[tuple[Event, ledger.ItemUsage]], status: str):
     stmt = (
         update(batch_items)
         .where(batch_items.c.batch_id == bindparam("b_batch"), batch_items.c.idx == bindparam("b_idx"))
-        .values(status=status, result_position=bindparam("b_pos"))
+        .values(status=status, result_position=bindparam("b_pos"), input_tokens=bindparam("b_in"),
+                output_tokens=bindparam("b_out"))
     )
-    await conn.execute(
-        stmt, [dict(b_batch=p.batch_id, b_idx=p.idx, b_pos=e.position) for e, p in _items(evs)]
-    )
+    await conn.execute(stmt, [dict(b_batch=u.batch_id, b_idx=u.idx, b_pos=e.position, b_in=u.input_tokens,
+                                   b_out=u.output_tokens) for e, u in used])
+    await ledger.settle_items(conn, [u for _, u in used])
 
 
 @projects(EventType.ITEM_COMPLETED)
 async def _item_completed(conn, evs):
-    await _item_finished(conn, evs, "completed")
     done = [(e, item_result(e.type, e.payload)) for e in evs]
-    await ledger.settle_items(conn, [_used(e, p, _usage(p.body_json)) for e, p in done])
+    await _item_finished(conn, [(e, _used(e, p, _usage(p.body_json))) for e, p in done], "completed")
 
 
 @projects(EventType.ITEM_FAILED)
 async def _item_failed(conn, evs):
-    await _item_finished(conn, evs, "failed")
-    await ledger.settle_items(conn, [_used(e, p, {}) for e, p in _items(evs)])
+    await _item_finished(conn, [(e, _used(e, p, {})) for e, p in _items(evs)], "failed")
 
 
 def _usage(body_json: str | None) -> dict:

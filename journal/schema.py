@@ -105,6 +105,9 @@ batch_items = Table(
     Column("status", Text, nullable=False),  # pending | completed | failed
     Column("result_position", BigInteger),  # the event holding the response or error
     Column("preemptions", Integer, nullable=False, server_default="0"),
+    # A completed item's usage, from its response (migration 0020): the batch's tokens so far.
+    Column("input_tokens", BigInteger),
+    Column("output_tokens", BigInteger),
     # The workflow pages through the items still to run: match that query exactly.
     Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
 )
@@ -254,3 +257,21 @@ admission_holders = Table(
     Column("holder", Text, primary_key=True),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
+
+# -- webhook endpoints (migration 0021; journal/webhook_store.py) ----------------------
+# Not a projection: the API writes them. The API's role reads every column but `secret`
+# (WEBHOOK_PUBLIC), which only the control worker reads, to sign deliveries.
+webhooks = Table(
+    "webhooks",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("url", Text, nullable=False),
+    Column("secret", Text, nullable=False),
+    Column("events", ARRAY(Text), nullable=False),
+    Column("description", Text),
+    Column("created_at", BigInteger, nullable=False),
+    Column("deleted_at", BigInteger),  # unix seconds; NULL: live
+    Index("webhooks_tenant_live", "tenant", "created_at", postgresql_where=text("deleted_at IS NULL")),
+)
+WEBHOOK_PUBLIC = tuple(c for c in webhooks.c if c.name != "secret")

@@ -6,6 +6,9 @@ status change is checked against the current one and a stale move is simply drop
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 _MOVES: dict[str, frozenset[str]] = {
@@ -40,3 +43,23 @@ def finalize_plan(current: str, outcome: str) -> tuple[str, str] | None:
     if current == "cancelling" or outcome == "cancelled":
         return "cancelling", "cancelled"
     return "finalizing", outcome
+
+
+def estimated_completion(status: str, in_progress_at: float | None, done: int, total: int,
+                         now: float) -> int | None:
+    """When an in-progress batch should have every item ended (Unix seconds), at the pace
+    its items have ended so far, preemptions and all. None unless it runs, and before its
+    first item ends (there is no pace to go by yet)."""
+    if status != "in_progress" or in_progress_at is None or done <= 0 or total <= 0:
+        return None
+    if done >= total:
+        return int(now)
+    elapsed = max(now - in_progress_at, 0.0)
+    return int(max(now, in_progress_at + elapsed * total / done) + 0.5)
+
+
+def pace_end(row: Mapping[str, Any], now: float) -> float:
+    """Until when a batch's pace is measured: its items stopped running when it left
+    `in_progress` (the first of those timestamps that is set), else now."""
+    ends = [row.get(k) for k in ("finalizing_at", "cancelling_at", "expired_at", "failed_at", "completed_at")]
+    return float(min((e for e in ends if e), default=now))

@@ -36,6 +36,12 @@ class EventType(StrEnum):
     FT_MODEL_DELETED = "ft_model_deleted"  # job_id, model, at: its tenant deleted the fine-tuned model
     # A tenant's content erased (journal/erasure.py): at, who asked, and what was masked.
     CONTENT_ERASED = "content_erased"
+    # Completion webhooks (journal/webhook_store.py; payloads in protocol/webhooks.py), stream
+    # `webhook:<event id>`: the event raised once per (job, terminal status), each delivery
+    # attempt to an endpoint, and an endpoint given up on.
+    WEBHOOK_EVENT = "webhook_event"
+    WEBHOOK_ATTEMPT = "webhook_attempt"
+    WEBHOOK_ABANDONED = "webhook_abandoned"
     # The fleet controller (workflows/fleet.py).
     SURGE_STARTED = "surge_started"  # pressure, engines, caps
     SURGE_ENDED = "surge_ended"

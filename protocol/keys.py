@@ -3,8 +3,9 @@ subjects and Temporal workflow ids), object store keys, fine-tuned model names. 
 workflows and SQL join on these, so each is built here and nowhere else.
 
 `file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`,
-`ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens), and
-`tenant:<id>` (what was done to the tenant as a whole: its erasures);
+`ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens),
+`tenant:<id>` (what was done to the tenant as a whole: its erasures), and `webhook:<event id>` (a
+webhook event and its deliveries; `webhooks:<job stream>` is the workflow that delivers it);
 `files/<id>`, `fine-tuning/<job>/checkpoints/step-<n>.pt`, `fine-tuning/<job>/adapter`;
 `ft:<base>:<suffix>:<job>`.
 """
@@ -76,3 +77,13 @@ def fine_tuned_prefix(base: str) -> str:
 
 def is_fine_tuned(name: str) -> bool:
     return name.startswith("ft:")
+
+
+def webhook(event_id: str) -> str:
+    """The journal stream of a webhook event and its deliveries (`evt_…`)."""
+    return f"webhook:{event_id}"
+
+
+def webhook_delivery(job_stream: str) -> str:
+    """The workflow id of the delivery of a job's terminal event: one per job, as a job ends once."""
+    return f"webhooks:{job_stream}"

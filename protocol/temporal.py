@@ -254,3 +254,39 @@ class FineTuneStatusInput:
     job_id: str
     status: str  # running, paused, succeeded, cancelled, failed
     message: str = ""
+
+
+@dataclass
+class WebhookInput:
+    """A job reached a terminal status: announce it to its tenant's endpoints
+    (workflows/webhooks.py). `kind`: "batch" | "fine_tuning.job"."""
+
+    kind: str
+    job_id: str
+
+
+@dataclass
+class WebhookPlan:
+    """The event raised (none where no endpoint of the tenant subscribes to it), where it
+    goes, and how the control worker's settings say to retry each delivery."""
+
+    event_id: str = ""
+    endpoints: list[str] = field(default_factory=list)
+    initial_interval_s: float = 1.0
+    max_interval_s: float = 300.0
+    give_up_after_s: float = 3 * 86400.0
+    attempt_timeout_s: float = 10.0
+
+
+@dataclass
+class DeliverInput:
+    event_id: str
+    endpoint_id: str
+
+
+@dataclass
+class AbandonInput:
+    event_id: str
+    endpoint_id: str
+    reason: str
+    detail: str = ""

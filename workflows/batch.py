@@ -21,6 +21,7 @@ from temporalio.exceptions import TimeoutError as Unclaimed  # the builtin Timeo
 with workflow.unsafe.imports_passed_through():
     from activities.batch import BatchActivities
     from activities.generate import GenerationActivities
+    from protocol import keys
     from protocol.temporal import (
         BatchInput,
         BatchOutcome,
@@ -34,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ValidateResult,
     )
     from workflows.reasons import told
+    from workflows.webhooks import announce
 
 CONTROL: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=10),
@@ -67,6 +69,12 @@ class BatchWorkflow:
 
     @workflow.run
     async def run(self, inp: BatchInput) -> str:
+        status = await self._run(inp)
+        # Its terminal status is journaled: tell the tenant's webhooks (workflows/webhooks.py).
+        await announce("batch", inp.batch_id, keys.batch(inp.batch_id))
+        return status
+
+    async def _run(self, inp: BatchInput) -> str:
         self._cancel = self._cancel or inp.cancel_requested
         ref = ValidateInput(inp.batch_id, inp.model)
 

@@ -22,6 +22,7 @@ from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.finetune import FineTuneActivities
+    from protocol import keys
     from protocol.temporal import (
         FineTuneInput,
         FineTuneRef,
@@ -32,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.batch import BATCH_PRIORITY_KEY, GENERATION_ATTEMPTS, INPUT_STEP
     from workflows.reasons import told
+    from workflows.webhooks import announce
 
 STATUS_STEP: dict[str, Any] = dict(
     start_to_close_timeout=timedelta(minutes=1),
@@ -59,6 +61,12 @@ class FineTuneWorkflow:
 
     @workflow.run
     async def run(self, inp: FineTuneInput) -> str:
+        status = await self._run(inp)
+        # Its terminal status is journaled: tell the tenant's webhooks (workflows/webhooks.py).
+        await announce("fine_tuning.job", inp.job_id, keys.ftjob(inp.job_id))
+        return status
+
+    async def _run(self, inp: FineTuneInput) -> str:
         self._paused = self._paused or inp.paused
         self._cancel = self._cancel or inp.cancel_requested
 

@@ -54,12 +54,15 @@ async def objects(a, db) -> dict[str, str]:
             hyperparameters=dict(n_epochs=1, batch_size=1, learning_rate_multiplier=1.0), seed=1, suffix="a",
             metadata=None, status="succeeded", error=None, fine_tuned_model=model, trained_tokens=1, result_files=[],
             created_at=now, finished_at=now))
-    return dict(file_id=file_id, batch_id=batch_id, fine_tuning_job_id=job_id, model=model)
+    hook = await a.post("/v1/webhooks", json=dict(url="https://example.com/a"))
+    assert hook.status_code == 200, hook.text
+    return dict(file_id=file_id, batch_id=batch_id, fine_tuning_job_id=job_id, model=model,
+                webhook_id=hook.json()["id"])
 
 
 # An id of each kind that exists nowhere, in the shape a real one has.
 UNKNOWN = dict(file_id="file-" + "0" * 24, batch_id="batch_" + "0" * 24, fine_tuning_job_id="ftjob-" + "0" * 24,
-               model="ft:ballast-tiny:a:ftjob-" + "0" * 24)
+               model="ft:ballast-tiny:a:ftjob-" + "0" * 24, webhook_id="wh_" + "0" * 24)
 
 
 def id_routes(app) -> list[tuple[str, str]]:
@@ -91,6 +94,7 @@ async def test_every_route_that_takes_an_id_answers_another_tenants_id_as_unknow
     assert (await a.get(f"/v1/batches/{objects['batch_id']}")).json()["status"] == "validating"
     assert (await a.get(f"/v1/fine_tuning/jobs/{objects['fine_tuning_job_id']}")).json()["status"] == "succeeded"
     assert objects["model"] in [m["id"] for m in (await a.get("/v1/models")).json()["data"]]
+    assert (await a.get(f"/v1/webhooks/{objects['webhook_id']}")).status_code == 200
 
 
 async def test_every_admin_route_refuses_a_tenants_key_and_no_key(a, settings):
@@ -98,7 +102,7 @@ async def test_every_admin_route_refuses_a_tenants_key_and_no_key(a, settings):
     routes = sorted((m, r.path) for r in app.routes if isinstance(r, APIRoute) and r.path.startswith("/admin/")
                     for m in r.methods)
     assert len(routes) >= 6, routes
-    values = dict(tenant_id="default", key_id="key_" + "0" * 24)
+    values = dict(tenant_id="default", key_id="key_" + "0" * 24, engine_id="nobody-1")
     async with build(settings, Untouchable("postgres"), Untouchable("temporal")) as anonymous:
         for method, template in routes:
             path = fill(template, values)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from ballast import procs
+from ballast.client import CLIENT_ENV
 from config import Settings
 from config.reference import render
 
@@ -39,6 +40,6 @@ def test_the_docs_name_only_settings_that_exist():
             assert env in fields or env in NOT_SETTINGS, f"{doc.name} names {env}, which config.Settings does not read"
 
 
-# Read by the test suite (histories), or by a supervisor's child before any settings are (the
-# readiness file ballast/procs.py writes): never a setting.
-NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV}
+# Read by the test suite (histories), by a supervisor's child before any settings are (the
+# readiness file ballast/procs.py writes), or by the client CLI: never a setting.
+NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV, *CLIENT_ENV}

@@ -32,13 +32,14 @@ MATRIX: dict[str, tuple[str | None, str | None, str | None]] = {
     "batches": (W, W, R),
     "batch_items": (R, W, W),
     "fine_tuning_jobs": (W, W, R),
-    "engines": (R, W, W),  # control: batch_cap only; an engine: its own rows' announcement only
+    "engines": (W, W, W),  # api: draining only; control: batch_cap only; an engine: its own rows' announcement only
     "leases": (None, W, W),
     "tenants": (W, R, R),
     "api_keys": (W, None, None),
     "limits": (W, R, R),
     "ledger": (W, W, W),
     "admission_holders": (W, W, None),
+    "webhooks": (W, R, None),  # the API: every column but `secret`; control: with it, to sign (0021)
     **{t: (R, W, R) for t in _QUOTA},
     **{t: (R, R, None) for t in _VIEWS},
     "alembic_version": (None, None, None),
@@ -52,7 +53,8 @@ def _privileges(conn: psycopg.Connection, role: str, table: str) -> set[str]:
         return bool(row and row[0])
 
     return {p for p in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
-            if holds("has_table_privilege", p) or (p in ("INSERT", "UPDATE") and holds("has_any_column_privilege", p))}
+            if holds("has_table_privilege", p)
+            or (p in ("SELECT", "INSERT", "UPDATE") and holds("has_any_column_privilege", p))}
 
 
 def test_every_table_is_decided(db_url):
@@ -116,6 +118,8 @@ def _refused(url: str, sql: str, params: tuple = ()) -> None:
     ("control", "UPDATE engines SET url = 'http://mallory'"),
     ("control", "INSERT INTO engines (id, url, model, queue, stats) VALUES ('e', 'http://x', 'm', 'q', '{}')"),
     ("api", "UPDATE engines SET url = 'http://mallory'"),
+    ("api", "UPDATE engines SET batch_cap = 0"),
+    ("api", "INSERT INTO engines (id, url, model, queue, stats) VALUES ('e', 'http://x', 'm', 'q', '{}')"),
     ("api", "DELETE FROM engines"),
     ("api", "INSERT INTO leases (stream, token, holder) VALUES ('s', 1, 'me')"),
     *[(k, f"{verb} events") for k in KINDS for verb in ("DELETE FROM", "TRUNCATE")],

@@ -1,4 +1,4 @@
-from policy.lifecycle import TERMINAL, can_move, cancellable, finalize_plan
+from policy.lifecycle import TERMINAL, can_move, cancellable, estimated_completion, finalize_plan, pace_end
 
 
 def test_happy_path_and_cancel_path():
@@ -45,3 +45,16 @@ def test_finalize_leaves_a_final_batch_alone():
     for status in TERMINAL:
         for outcome in ("completed", "cancelled", "expired"):
             assert finalize_plan(status, outcome) is None
+
+
+def test_a_batchs_estimated_completion_follows_its_measured_pace():
+    # 40 of 100 items ended in the 20 s since it started: 50 s in all, 30 s from now.
+    assert estimated_completion("in_progress", 1000.0, 40, 100, now=1020.0) == 1050
+    assert estimated_completion("in_progress", 1000.0, 0, 100, now=1020.0) is None  # no pace yet
+    assert estimated_completion("validating", None, 0, 100, now=1020.0) is None
+    assert estimated_completion("finalizing", 1000.0, 100, 100, now=1020.0) is None  # no longer running
+    assert estimated_completion("in_progress", 1000.0, 100, 100, now=1020.0) == 1020  # all ended: now
+    assert estimated_completion("in_progress", 1000.0, 50, 100, now=999.0) == 1000  # never before now
+    assert pace_end(dict(finalizing_at=1030, completed_at=1040), now=2000.0) == 1030
+    assert pace_end(dict(cancelling_at=1010, cancelled_at=1015), now=2000.0) == 1010
+    assert pace_end(dict(in_progress_at=1000), now=2000.0) == 2000

@@ -14,8 +14,9 @@ from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FleetWorkflow
 from workflows.interactive import InteractiveWorkflow
 from workflows.quota import QuotaReconciler
+from workflows.webhooks import WebhookDelivery
 
-WORKFLOWS = [BatchWorkflow, FineTuneWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler]
+WORKFLOWS = [BatchWorkflow, FineTuneWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler, WebhookDelivery]
 RECORDED = sorted(DIR.glob("*.json.gz"))
 
 
