@@ -1,4 +1,4 @@
-"""`ballast batch|files|models|ft|usage|admin|profile|completion`: Ballast's API from a shell.
+"""`ballast batch|files|models|ft|usage|webhooks|admin|profile|completion`: Ballast's API from a shell.
 
 Every command talks HTTP to the API (ballast/client.py says where and with which key), prints
 a table or, with `--json`, the API's own objects (one JSON document on stdout), and exits with
@@ -108,7 +108,7 @@ def cli(ctx: click.Context, profile: str | None, base_url: str | None, api_key: 
         as_json: bool) -> None:
     """Ballast: durable workload manager for LLM inference on vLLM.
 
-    The client commands (batch, files, models, ft, usage, admin) talk to a running API over
+    The client commands (batch, files, models, ft, usage, webhooks, admin) talk to a running API over
     HTTP; the others run Ballast itself (`ballast up` runs everything on this machine).
     """
     ctx.obj = State((profile, base_url, api_key, admin_key), as_json)
@@ -768,6 +768,68 @@ def engines_undrain(state: State, engine_id: str) -> int:
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+# -- webhooks ---------------------------------------------------------------------------
+
+
+@cli.group()
+def webhooks() -> None:
+    """Endpoints that get a signed event when a batch or fine-tuning job ends."""
+
+
+WEBHOOK_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled",
+                  "fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
+WEBHOOK_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+    ("ID", lambda w: w["id"]), ("URL", lambda w: w["url"]), ("EVENTS", lambda w: ",".join(w["events"])),
+    ("CREATED", lambda w: when(w["created_at"]))]
+
+
+@command(webhooks, "create")
+@click.argument("url")
+@click.option("--event", "events", multiple=True, type=click.Choice(WEBHOOK_EVENTS),
+              help="An event to deliver (repeatable; default every one).")
+@click.option("--description")
+def webhooks_create(state: State, url: str, events: tuple[str, ...], description: str | None) -> int:
+    """Register URL; its signing secret is printed once (with --json, in `secret`)."""
+    body: dict[str, Any] = dict(url=url, description=description)
+    if events:
+        body["events"] = list(events)
+    made = state.client.post("/v1/webhooks", body)
+    if state.as_json:
+        emit(state, made)
+    else:
+        err.print(f"webhook {made['id']} delivers {', '.join(made['events'])} to {made['url']}; its secret "
+                  "(shown once; verify deliveries with it):")
+        print(made["secret"])
+    return Exit.OK
+
+
+@command(webhooks, "list")
+def webhooks_list(state: State) -> int:
+    """The tenant's endpoints."""
+    emit(state, state.client.get("/v1/webhooks"), WEBHOOK_COLUMNS)
+    return Exit.OK
+
+
+@command(webhooks, "delete")
+@click.argument("webhook_id")
+def webhooks_delete(state: State, webhook_id: str) -> int:
+    """Deliver nothing more to it (retries of earlier events included)."""
+    emit(state, state.client.delete(f"/v1/webhooks/{webhook_id}"))
+    return Exit.OK
+
+
+@command(webhooks, "deliveries")
+@click.argument("webhook_id")
+@click.option("--limit", default=20, show_default=True)
+def webhooks_deliveries(state: State, webhook_id: str, limit: int) -> int:
+    """Its recent deliveries: each event, its attempts and how the last one went."""
+    emit(state, state.client.get(f"/v1/webhooks/{webhook_id}/deliveries", limit=limit),
+         [("EVENT", lambda d: d["event_id"]), ("TYPE", lambda d: d["type"]), ("STATUS", lambda d: d["status"]),
+          ("ATTEMPTS", lambda d: d["attempts"]), ("LAST", lambda d: d["last_status_code"] or d["last_error"]),
+          ("DELIVERED", lambda d: when(d["delivered_at"]))])
+    return Exit.OK
 
 
 # -- profiles and completion ------------------------------------------------------------

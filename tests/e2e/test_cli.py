@@ -160,6 +160,21 @@ def test_exit_codes_are_as_documented(stack, tenant_key, tmp_path, gate):
     assert "cancelled" in stdout
 
 
+def test_webhooks_are_registered_listed_and_deleted(stack, tenant_key, tmp_path):
+    made = run(stack, "--json", "webhooks", "create", "https://hooks.example.com/ballast", "--event", "batch.completed",
+               key=tenant_key, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    hook = json.loads(made.stdout)
+    assert hook["secret"].startswith("whsec_") and hook["events"] == ["batch.completed"]
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {tenant_key}"}) as api:
+        listed = json.loads(run(stack, "--json", "webhooks", "list", key=tenant_key, cwd=tmp_path).stdout)
+        assert listed == api.get("/v1/webhooks").json() and "secret" not in listed["data"][0]
+        assert run(stack, "webhooks", "delete", hook["id"], key=tenant_key, cwd=tmp_path).returncode == 0
+        assert api.get(f"/v1/webhooks/{hook['id']}").status_code == 404
+    plain = run(stack, "webhooks", "create", "ftp://nowhere", key=tenant_key, cwd=tmp_path)
+    assert plain.returncode == 3 and "url" in plain.stderr
+
+
 def test_admin_over_http_needs_no_database(stack, admin_key, tenant_key, tmp_path):
     """Tenants, limits, tiers, regions and the engine workers, with an admin key alone."""
     name = f"cli-made-{uuid.uuid4().hex[:6]}"
