@@ -461,6 +461,8 @@ def _follow_job(state: State, job_id: str, interval: float) -> int:
             else:
                 err.print(f"{when(e['created_at'])} {e['message']}")
         if job["status"] in JOB_DONE:
+            if job.get("error"):
+                err.print(f"{job['status']}: {job['error'].get('message')}")
             emit(state, job, JOB_COLUMNS)
             return Exit.OK if job["status"] == "succeeded" else Exit.UNSUCCESSFUL
         time.sleep(interval)

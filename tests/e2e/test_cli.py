@@ -160,6 +160,33 @@ def test_exit_codes_are_as_documented(stack, tenant_key, tmp_path, gate):
     assert "cancelled" in stdout
 
 
+def test_ft_create_follows_steps_and_losses_as_the_api_reports_them(stack, tenant_key, tmp_path):
+    def chats(seed: int, n: int) -> str:
+        return "".join(json.dumps(dict(messages=[dict(role="user", content=f"Colour {seed + i}?"),
+                                                 dict(role="assistant", content=["red", "green", "blue"][i % 3])]))
+                       + "\n" for i in range(n))
+
+    (tmp_path / "train.jsonl").write_text(chats(0, 10))
+    (tmp_path / "valid.jsonl").write_text(chats(100, 10))
+    done = run(stack, "--json", "ft", "create", "train.jsonl", "--model", "ballast-tiny", "--validation",
+               "valid.jsonl", "--epochs", "2", "--batch-size", "4", "--seed", "3", "--follow", "--interval", "0.5",
+               key=tenant_key, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    job = json.loads(done.stdout)
+    assert job["status"] == "succeeded" and job["fine_tuned_model"]
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {tenant_key}"}) as api:
+        assert api.get(f"/v1/fine_tuning/jobs/{job['id']}").json() == job
+        events = api.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params=dict(limit=100)).json()["data"]
+    steps = [e["data"] for e in reversed(events) if "step" in (e.get("data") or {})]
+    assert steps and all(d.get("valid_loss") is not None for d in steps)
+    # Each step as the CLI showed it is the step, total, train and validation loss the API's events carry.
+    shown = [ln.split(" ", 2)[2] for ln in done.stderr.splitlines() if " step " in f" {ln}" and "train loss" in ln]
+    assert shown == [f"step {d['step']}/{d['total_steps']} · train loss {d['train_loss']:.4f} · validation loss "
+                     f"{d['valid_loss']:.4f}" for d in steps], done.stderr
+    listed = json.loads(run(stack, "--json", "ft", "checkpoints", job["id"], key=tenant_key, cwd=tmp_path).stdout)
+    assert [c["step_number"] for c in listed["data"]] == sorted((d["step"] for d in steps), reverse=True)[:10]
+
+
 def test_webhooks_are_registered_listed_and_deleted(stack, tenant_key, tmp_path):
     made = run(stack, "--json", "webhooks", "create", "https://hooks.example.com/ballast", "--event", "batch.completed",
                key=tenant_key, cwd=tmp_path)
