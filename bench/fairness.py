@@ -59,6 +59,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from ballast import pg
+from bench.pictures import draw_fairness
 from bench.stack import ballast_up
 from bench.stats import p50, pct
 from config import Settings
@@ -66,6 +67,7 @@ from journal import schema, tenant_store
 from journal.db import connect
 
 SEED = 7
+PICTURE = Path(__file__).with_name("fairness.png")
 W_IN, W_OUT = 1, 2  # VTC's weights: input + 2 × output tokens
 
 
@@ -382,6 +384,8 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
             # slots the engine gave a tenant while the other, served less, had nothing waiting
             out_of_turn={n: (lambda xs: xs[-1].get(n, 0) - xs[0].get(n, 0) if xs else 0)(
                 [o for at, o in turns if start <= at <= end]) for n in ("short", "long")}),
+        # for the picture (bench/pictures.py): each tenant's service received, cumulative
+        series={t.name: cumulative(t.events, start, end) for t in (short, long_)},
     )
     sc.log(f"  backlog: Jain per window {b['jain']} (client); weighted tok/s {b['tokens_per_s']}; largest service "
            f"difference at the client {b['max_service_diff']} over any interval, {b['backlogged_diff']} over any "
@@ -394,6 +398,20 @@ async def backlog(sc: Scene, seconds: float, window: float, streams: dict[str, i
            f"the scheduler's counters: {b['scheduler']}; TTFT p50/p99 ms as the client, the API and the engine "
            f"worker saw it {b['ttft_p50_p99']}")
     return b
+
+
+def cumulative(events: list[tuple[float, float]], start: float, end: float, step: float = 0.25
+               ) -> list[tuple[float, float]]:
+    """Service received in [start, end), summed every `step` seconds: (seconds from start, total so far)."""
+    bins = [0.0] * (int((end - start) / step) + 1)
+    for at, w in events:
+        if start <= at < end:
+            bins[int((at - start) / step)] += w
+    out, total = [], 0.0
+    for k, w in enumerate(bins):
+        total += w
+        out.append((round(k * step, 2), total))
+    return out
 
 
 def journaled_ttfts(db_url: str, request_ids: list[str]) -> dict[str, list[float]]:
@@ -497,5 +515,10 @@ def main(settings: Settings, seconds: float = 20.0, window: float = 5.0, max_num
                                 giant_tokens_per_s=f["ttft"]["giant_tokens_per_s"],
                                 **{k: v for k, v in f["ttft"].items() if k.endswith("_p50_p99")})))
                   for arm, f in figures.items()})
+    if "backlog" in parts:
+        draw_fairness(PICTURE, {arm: dict(tenants=f["backlog"]["series"]) for arm, f in figures.items()},
+                      f"bench fairness: two tenants of weight 1 backlogged on {max_num_seqs} slots, one's requests "
+                      f"10x the other's ({prompt}+{out_tokens} vs {10 * prompt}+{10 * out_tokens} tokens)")
+        log(f"picture: {PICTURE}")
     print(json.dumps(out))
     return 0

@@ -52,11 +52,13 @@ from typing import Any
 import httpx
 
 from bench.batch import ALPHABET
+from bench.pictures import draw_surge
 from bench.stack import Stack, ballast_up
 from bench.stats import mean, p50, p99, pct, ratio_ci
 from config import Settings
 
 SEED = 11
+PICTURE = Path(__file__).with_name("surge.png")
 ROUNDS = 4  # plays of the arrivals per arm, pooled
 MAX_TOKENS = 64  # per chat request
 # Backlog items per second of an arm (its batch-alone phase and every round): enough on an
@@ -121,6 +123,7 @@ class Arm:
     capacity: float | None = None  # batch tokens/s alone, in this arm's stack
     batch: list[dict[str, Any]] = field(default_factory=list)  # from the journal, per round's window
     batch_slots: list[int] = field(default_factory=list)  # batch holds on the engine, sampled
+    picture: dict[str, Any] = field(default_factory=dict)  # its first round, as bench/pictures.py draws it
 
     def idle_share(self, r: int) -> float:
         """The share of round r's window with no interactive request in flight."""
@@ -302,10 +305,40 @@ def run_arm(settings: Settings, name: str, plans: list[list[tuple[float, int, st
             log(f"  {name}: batch alone {arm.capacity:.0f} tok/s")
 
         asyncio.run(interactive())
+        arm.picture = first_round(stack.db_url, arm)
         if name != "alone":
             still_running(stack, batch_id[0])
             arm.batch = [batch_in_window(stack.db_url, w0, w1, prompt_tokens) for w0, w1 in arm.windows]
     return arm
+
+
+def first_round(db_url: str, arm: Arm) -> dict[str, Any]:
+    """The arm's first round for its picture: each chat's TTFT where it arrived, the batch
+    tokens the journal committed per second, and the fleet controller's surges (their
+    journaled starts and ends), in seconds from the round's start."""
+    import psycopg
+
+    w0, w1 = arm.windows[0]
+    settled(db_url, w1)
+    with psycopg.connect(db_url) as conn:
+        tokens = conn.execute("SELECT floor(extract(epoch FROM committed_at) - %s)::int, "
+                              "sum(jsonb_array_length(payload->'token_ids')) FROM events WHERE type = 'item_chunk' "
+                              "AND committed_at >= to_timestamp(%s) AND committed_at < to_timestamp(%s) GROUP BY 1 "
+                              "ORDER BY 1", (w0, w0, w1)).fetchall()
+        marks = conn.execute("SELECT stream, type, extract(epoch FROM committed_at)::float FROM events "
+                             "WHERE type IN ('surge_started', 'surge_ended') AND committed_at < to_timestamp(%s) "
+                             "ORDER BY position", (w1,)).fetchall()
+    surges: list[tuple[float, float]] = []
+    open_: dict[str, float] = {}
+    for stream, kind, at in marks:
+        if kind == "surge_started":
+            open_.setdefault(stream, at)
+        elif stream in open_:
+            surges.append((open_.pop(stream), at))
+    surges += [(at, w1) for at in open_.values()]
+    return dict(seconds=w1 - w0, chats=[(c.start - w0, c.first - c.start) for c in arm.chats if c.burst[0] == 0],
+                tokens=[(t, int(n)) for t, n in tokens],
+                surges=[(max(a, w0) - w0, min(b, w1) - w0) for a, b in surges if b > w0])
 
 
 def _ratios(a: Arm, alone: Arm) -> dict[str, Any]:
@@ -405,6 +438,9 @@ def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3, arms: 
     out: dict[str, Any] = dict(bench="surge", seconds=duration_s, rounds=rounds, burst_rate=rate,
                                chat_requests=sum(map(len, plans)), max_tokens=MAX_TOKENS, **summarise(ran))
     out["targets"] = verdict(out)
+    draw_surge(PICTURE, {n: a.picture for n, a in ran.items()},
+               f"bench surge: chat bursts over a batch backlog, one round of {duration_s:.0f} s per arm "
+               f"(batch alone: {out['batch_capacity_tokens_per_s']} tok/s)")
     print(f"\nbatch capacity (alone): {out['batch_capacity_tokens_per_s']} tok/s; ratios to alone with 95 % intervals")
     print(f"{'arm':10} {'n':>4} {'TTFT p50':>9} {'p99':>9} {'TPOT':>7} {'p50×':>18} {'p99×':>18} {'TPOT×':>18} "
           f"{'batch tok/s':>11} {'harvest':>8} {'preempt':>8} {'re-prefill':>10}")
@@ -416,5 +452,6 @@ def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3, arms: 
               f"{a.get('batch_tokens_per_s', '-'):>11} {a.get('harvest_of_idle', '-'):>8} "
               f"{a.get('preemptions', '-'):>8} {a.get('reprefill_tokens', '-'):>10}")
     print(f"targets: {out['targets']}")
+    print(f"picture: {PICTURE}")
     print(json.dumps(out))
     return 0

@@ -44,12 +44,14 @@ from typing import Any
 import httpx
 import psycopg
 
+from bench.pictures import draw_training
 from bench.stack import Stack, ballast_up
 from bench.stats import p50
 from bench.stats import pct as _pct
 from config import Settings
 
 SEED = 29
+PICTURE = Path(__file__).with_name("training.png")
 EXAMPLES = 200
 BATCH_SIZE = 4
 EPOCHS = 8  # 400 steps a job
@@ -165,6 +167,7 @@ def run_arm(settings: Settings, arm: str, env: dict[str, str], jobs: int, n_chat
         if n_chats:
             out["surge"] = surge(stack, model, file_id, n_chats)
         ckpts = out.pop("checkpoint_payloads")
+        out["picture"] = picture(got["checkpoints"])  # its last job's
         out["checkpoint_bytes"] = ckpts[-1]["bytes"]
         out["checkpoint_s_p50"] = round(p50(c["timing"]["checkpoint_s"] for c in ckpts), 4)
         return out
@@ -189,13 +192,18 @@ def surge(stack: Stack, model: str, file_id: str, n: int) -> dict[str, Any]:
     first, resumed = ckpts[0]["timing"], [c["timing"] for c in ckpts[1:]]
     step_s = p50(c["timing"]["train_s"] / max(1, len(c["losses"])) for c in ckpts if c["losses"])
     resume = sorted(t["resume_s"] for t in resumed)
-    return dict(chats=n, preemptions=len(waited), yield_ms_p50=_ms(_pct(waited, 50)),
+    return dict(picture=picture(ckpts), chats=n, preemptions=len(waited), yield_ms_p50=_ms(_pct(waited, 50)),
                 yield_ms_p99=_ms(_pct(waited, 99)), yield_ms_max=_ms(max(waited, default=0)),
                 ttft_ms_idle_p50=_ms(_pct(idle, 50)), ttft_ms_busy_p50=_ms(_pct(busy, 50)),
                 ttft_ms_idle_p99=_ms(_pct(idle, 99)), ttft_ms_busy_p99=_ms(_pct(busy, 99)),
                 resumes=len(resume), resume_ms_p50=_ms(_pct(resume, 50)), resume_ms_p99=_ms(_pct(resume, 99)),
                 first_chunk_start_ms=_ms(first["resume_s"]), step_ms=_ms(step_s),
                 resume_in_steps=round(_pct(resume, 50) / step_s, 2) if resume else None)
+
+
+def picture(ckpts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A job's checkpoints as bench/pictures.py draws them."""
+    return [dict(step=c["step"], losses=c["losses"], ended_by=c.get("ended_by")) for c in ckpts]
 
 
 def _ms(s: float) -> float:
@@ -210,6 +218,12 @@ def main(settings: Settings, jobs: int = 3, n_chats: int = 20) -> int:
     for arm, env in ARMS.items():
         print(f"arm {arm} …", flush=True)
         out[arm] = run_arm(settings, arm, env, jobs, n_chats if arm == "default" else 0)
+    pictures = {f"{arm}: a job alone" if arm != "uncheckpointed" else "uncheckpointed: one chunk":
+                out[arm].pop("picture") for arm in ARMS}
+    surge = out["default"]["surge"]
+    pictures["default: chats arriving 2.5-4.5 s apart (cancelled after them)"] = surge.pop("picture")
+    draw_training(PICTURE, pictures, f"bench training: {EXAMPLES // BATCH_SIZE * EPOCHS} steps a job, checkpoints "
+                                     f"as each arm takes them; {surge['chats']} chats preempting the last job")
     base = out["uncheckpointed"]["ms_per_step"]
     out["overhead"] = {arm: round(out[arm]["ms_per_step"] / base, 3) for arm in ("default", "every-10")}
     print(f"\n{'arm':15} {'ms/step':>8} {'× uncheckpointed':>17} {'wall ÷ steps':>13} {'checkpoints/job':>16}")
@@ -224,5 +238,6 @@ def main(settings: Settings, jobs: int = 3, n_chats: int = 20) -> int:
           f"p99 {s['yield_ms_p99']} ms; chat TTFT p50 {s['ttft_ms_busy_p50']} ms (idle {s['ttft_ms_idle_p50']} ms)")
     print(f"resume: p50 {s['resume_ms_p50']} ms, p99 {s['resume_ms_p99']} ms ({s['resume_in_steps']} steps; "
           f"a job's first chunk starts in {s['first_chunk_start_ms']} ms)")
+    print(f"picture: {PICTURE}")
     print(json.dumps(out))
     return 0
