@@ -25,11 +25,12 @@ endif
 
 # From the OS packages, once (sudo unless we are root): HAProxy, the TLS terminator the tests
 # and `make hosts` put in front of Temporal (stunnel cannot: gRPC demands ALPN h2), and
-# Prometheus, which the metrics tests run to scrape every process.
+# Prometheus, which the metrics tests run to scrape every process; and Chromium, which the
+# console's tests drive headless (Playwright launches it: it downloads no browser of its own).
 test-deps:
-	@{ command -v haproxy || test -x /usr/sbin/haproxy; } >/dev/null && command -v prometheus >/dev/null || \
+	@{ command -v haproxy || test -x /usr/sbin/haproxy; } >/dev/null && command -v prometheus >/dev/null && command -v chromium >/dev/null || \
 	  { s=$$([ "$$(id -u)" = 0 ] || echo sudo); $$s apt-get update -qq && \
-	    $$s apt-get install -y -qq --no-install-recommends haproxy prometheus; }
+	    $$s apt-get install -y -qq --no-install-recommends haproxy prometheus chromium; }
 
 run: install
 	$(VENV)/bin/ballast up

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from temporalio.client import Client
 
 from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models, usage, webhooks
+from api.console import router as console_router
 from api.deps import REQUIRE_KEY, Services
 from api.request_ids import RequestId
 from api.services.admission import Admission
@@ -75,15 +76,19 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(usage.router)  # a tenant's key or an admin key
     app.include_router(admin.router)
+    app.include_router(console_router)  # /console and /admin/timeline (api/console.py)
     app.include_router(health.router)
     app.include_router(metrics.router)
     return app
 
 
 class AdminListener:
-    """/admin only on the admin listener (`port`), and on it nothing else but /healthz: a
+    """/admin only on the admin listener (`port`), and on it nothing else but what serves an
+    admin key and a tenant's alike (BOTH: /healthz, the console, usage and limits): a
     request on the wrong listener is answered as a route that does not exist. Plain ASGI,
     as LimitBody."""
+
+    BOTH = ("/healthz", "/console", "/console/", "/v1/usage/completions", "/v1/limits")
 
     def __init__(self, app, port: int):
         self.app, self.port = app, port
@@ -92,7 +97,9 @@ class AdminListener:
         if scope["type"] == "http":
             on_admin = (scope.get("server") or (None, None))[1] == self.port
             admin = (scope["path"] + "/").startswith("/admin/")
-            if admin != on_admin and scope["path"] != "/healthz":
+            path = scope["path"]
+            both = path in self.BOTH or path.startswith("/console/")
+            if admin != on_admin and not both:
                 response = errors.error_response(404, f"No route {scope['path']} here.", None, "not_found")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)

@@ -1,5 +1,6 @@
 """BALLAST_ADMIN_PORT: /admin answers only on its own listener, and that listener answers
-nothing of /v1; over real sockets, as `ballast api` listens."""
+nothing else of /v1 than usage and limits (which serve admin keys too), beside the console;
+over real sockets, as `ballast api` listens."""
 
 from __future__ import annotations
 
@@ -34,8 +35,16 @@ async def test_admin_only_on_its_own_listener(settings, db, default_key):
             assert (await inside.get("/admin/tenants", headers=admin)).status_code == 200
             assert_openai_error(await inside.get("/admin/tenants", headers=tenant), 403, code="admin_key_required")
             assert_openai_error(await inside.get("/v1/models", headers=tenant), 404, code="not_found")
-            # Health on both (a probe may use either).
+            # Health on both (a probe may use either); the console, usage and limits on both: they
+            # serve an admin key and a tenant's alike.
             assert {(await c.get("/healthz")).status_code for c in (outside, inside)} == {503}
+            for c in (outside, inside):
+                assert (await c.get("/console/")).status_code == 200
+                assert (await c.get("/console/console.js")).status_code == 200
+                assert (await c.get("/v1/limits", headers=admin)).status_code == 200
+                assert (await c.get("/v1/usage/completions", headers=tenant, params=dict(start_time=0))
+                        ).status_code == 200
+            assert_openai_error(await inside.get("/v1/files", headers=tenant), 404, code="not_found")
     finally:
         server.should_exit = True
         await task
