@@ -86,6 +86,21 @@ def make_key(db_url: str, tenant: str = "default", tiers: tuple[str, ...] = ("pr
         return pool.submit(asyncio.run, make()).result()
 
 
+def make_admin_key(db_url: str) -> str:
+    """An admin key of no tenant, made in the database as `POST /admin/keys` makes one."""
+
+    async def make() -> str:
+        db = connect(db_url, pool_size=1)
+        try:
+            async with db.begin() as conn:
+                return (await tenant_store.create_key(conn, None, "e2e-admin", True))[1]
+        finally:
+            await db.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, make()).result()
+
+
 class Stack:
     def __init__(self, root: Path, env: dict[str, str], key: str, db_urls: Mapping[str, str]):
         self.root = root

@@ -21,7 +21,7 @@ import pytest
 
 from ballast import procs
 from config.database import libpq_url
-from tests.e2e.conftest import make_key
+from tests.e2e.conftest import make_admin_key, make_key
 
 pytestmark = pytest.mark.e2e
 
@@ -47,20 +47,7 @@ def tenant_key(db_url) -> str:
 
 @pytest.fixture(scope="module")
 def admin_key(db_url) -> str:
-    import asyncio
-
-    from journal import tenant_store
-    from journal.db import connect
-
-    async def make() -> str:
-        db = connect(db_url, pool_size=1)
-        try:
-            async with db.begin() as conn:
-                return (await tenant_store.create_key(conn, None, "cli-admin", True))[1]
-        finally:
-            await db.dispose()
-
-    return asyncio.run(make())
+    return make_admin_key(db_url)
 
 
 def _lines(n: int) -> str:

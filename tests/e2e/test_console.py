@@ -16,7 +16,6 @@ temporary directory, whose path is printed.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import os
@@ -25,7 +24,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,9 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from journal import tenant_store
-from journal.db import connect
-from tests.e2e.conftest import WAIT_S, Stack, make_key
+from tests.e2e.conftest import WAIT_S, Stack, make_admin_key, make_key
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.e2e,
@@ -47,21 +43,6 @@ CHATS = [[dict(role="user", content=f"Colour {i}?"), dict(role="assistant", cont
          for i in range(10)]
 HELD_OUT = [[dict(role="user", content=f"Shade {i}?"), dict(role="assistant", content=["teal", "navy"][i % 2])]
             for i in range(3)]
-
-
-def make_admin_key(db_url: str) -> str:
-    """An admin key of no tenant, made in the database as `POST /admin/keys` makes one."""
-
-    async def make() -> str:
-        db = connect(db_url, pool_size=1)
-        try:
-            async with db.begin() as conn:
-                return (await tenant_store.create_key(conn, None, "console-e2e", True))[1]
-        finally:
-            await db.dispose()
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, make()).result()
 
 
 def wait(what: str, until: Callable[[], object], timeout: float = WAIT_S, every: float = 0.5):
