@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SHADE = dict(color="tab:orange", alpha=0.18, linewidth=0)
+FLEET = dict(facecolor="none", edgecolor="tab:red", hatch="//", alpha=0.5, linewidth=0)
 
 
 def _pyplot() -> Any:
@@ -19,17 +20,18 @@ def _pyplot() -> Any:
     return plt
 
 
-def _shade(ax: Any, spans: list[tuple[float, float]]) -> None:
+def _shade(ax: Any, spans: list[tuple[float, float]], style: dict[str, Any] = SHADE) -> None:
     for a, b in spans:
-        ax.axvspan(a, b, **SHADE)
+        ax.axvspan(a, b, **style)
 
 
 def draw_surge(path: Path, arms: dict[str, dict[str, Any]], title: str) -> None:
     """One column per arm, over one round of its interactive load: each chat's TTFT at the
     moment it arrived, above the batch's tokens/s as the journal committed them (1 s bins),
-    with the fleet controller's surges shaded in both. `arms[name]`: `chats` [(t, ttft_s)],
-    `tokens` [(t, n)], `surges` [(t0, t1)], every t in seconds from the round's start, and
-    `seconds` (the round's length)."""
+    with the surge shaded in both: the load's own (`load_surge`, when chats arrive five
+    times as often) and, hatched, any the fleet controller declared on the pool (`surges`).
+    `arms[name]`: `chats` [(t, ttft_s)], `tokens` [(t, n)], `surges` [(t0, t1)], every t in
+    seconds from the round's start, and `seconds` (the round's length)."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, len(arms), figsize=(5 * len(arms), 6.5), sharex="col", sharey="row", squeeze=False,
                              gridspec_kw=dict(height_ratios=[1.3, 1]))
@@ -37,7 +39,9 @@ def draw_surge(path: Path, arms: dict[str, dict[str, Any]], title: str) -> None:
         top, bottom = axes[0][col], axes[1][col]
         top.set_title(name)
         for ax in (top, bottom):
-            _shade(ax, arm["surges"])
+            if arm.get("load_surge"):
+                _shade(ax, [tuple(arm["load_surge"])])
+            _shade(ax, arm["surges"], FLEET)
             ax.set_xlim(0, arm["seconds"])
         if arm["chats"]:
             top.scatter([t for t, _ in arm["chats"]], [1000 * s for _, s in arm["chats"]], s=9, color="tab:blue")
@@ -48,7 +52,8 @@ def draw_surge(path: Path, arms: dict[str, dict[str, Any]], title: str) -> None:
         bottom.set_xlabel("seconds into the round")
     axes[0][0].set_ylabel("chat TTFT (ms, log)")
     axes[1][0].set_ylabel("batch tokens/s (journaled)")
-    fig.suptitle(f"{title}\nshaded: the fleet controller's surges (batch capped on the pool)", fontsize=10)
+    fig.suptitle(f"{title}\nshaded: the surge (chats arriving 5x as often); hatched: the fleet controller's surges "
+                 "on the pool, if any", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -81,9 +86,11 @@ def draw_training(path: Path, jobs: dict[str, list[dict[str, Any]]], title: str)
     since the one before, `ended_by`)."""
     plt = _pyplot()
     colours = dict(preempted="tab:red", steps="tab:gray", done="tab:green", cancelled="black")
-    fig, axes = plt.subplots(1, len(jobs), figsize=(6 * len(jobs), 4), squeeze=False)
-    for col, (name, ckpts) in enumerate(jobs.items()):
-        ax = axes[0][col]
+    cols = min(2, len(jobs))
+    rows = -(-len(jobs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.6 * rows), squeeze=False)
+    for k, (name, ckpts) in enumerate(jobs.items()):
+        ax = axes[k // cols][k % cols]
         steps: list[int] = []
         losses: list[float] = []
         before = 0
@@ -100,8 +107,10 @@ def draw_training(path: Path, jobs: dict[str, list[dict[str, Any]]], title: str)
             seen.add(why)
         ax.set_title(name)
         ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
         ax.legend(loc="upper right", fontsize=8)
-    axes[0][0].set_ylabel("training loss")
+    for k in range(len(jobs), rows * cols):
+        axes[k // cols][k % cols].set_visible(False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -438,8 +438,10 @@ def main(settings: Settings, duration_s: float = 90.0, rate: float = 0.3, arms: 
     out: dict[str, Any] = dict(bench="surge", seconds=duration_s, rounds=rounds, burst_rate=rate,
                                chat_requests=sum(map(len, plans)), max_tokens=MAX_TOKENS, **summarise(ran))
     out["targets"] = verdict(out)
-    draw_surge(PICTURE, {n: a.picture for n, a in ran.items()},
-               f"bench surge: chat bursts over a batch backlog, one round of {duration_s:.0f} s per arm "
+    # The picture's data stays in the JSON line, so the picture can be drawn again from it.
+    out["picture"] = {n: dict(a.picture, load_surge=(duration_s / 3, 2 * duration_s / 3)) for n, a in ran.items()}
+    draw_surge(PICTURE, out["picture"],
+               f"bench surge: chat bursts over a batch backlog, the first round of {duration_s:.0f} s per arm "
                f"(batch alone: {out['batch_capacity_tokens_per_s']} tok/s)")
     print(f"\nbatch capacity (alone): {out['batch_capacity_tokens_per_s']} tok/s; ratios to alone with 95 % intervals")
     print(f"{'arm':10} {'n':>4} {'TTFT p50':>9} {'p99':>9} {'TPOT':>7} {'p50×':>18} {'p99×':>18} {'TPOT×':>18} "

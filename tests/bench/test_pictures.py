@@ -17,7 +17,7 @@ def _size(path) -> tuple[int, int]:
 
 def test_surge_fairness_and_training_pictures(tmp_path):
     surge = dict(seconds=30.0, chats=[(1.0, 0.02), (12.5, 0.4)], tokens=[(0, 900), (1, 850), (12, 100)],
-                 surges=[(12.0, 15.5)])
+                 surges=[(12.0, 15.5)], load_surge=[10.0, 20.0])
     pictures.draw_surge(tmp_path / "s.png", dict(alone=dict(surge, tokens=[], surges=[]), ballast=surge),
                         "surge")
     assert _size(tmp_path / "s.png")[0] > _size(tmp_path / "s.png")[1]  # a column per arm, side by side
