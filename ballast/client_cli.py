@@ -134,11 +134,12 @@ def emit(state: State, obj: Any, columns: Sequence[tuple[str, Callable[[dict[str
         for k, v in (items[0] if items else {}).items():
             t.add_row(k, json.dumps(v) if isinstance(v, dict | list) else str(v))
     else:
+        cells = [["-" if (v := get(item)) is None else str(v) for _, get in columns] for item in items]
         t = Table(box=None, header_style="bold")
-        for name, _ in columns:
-            t.add_column(name)
-        for item in items:
-            t.add_row(*("-" if (v := get(item)) is None else str(v) for _, get in columns))
+        for k, (name, _) in enumerate(columns):  # the first column (an id) is never cut short
+            t.add_column(name, no_wrap=k == 0, min_width=max((len(r[0]) for r in cells), default=0) if k == 0 else None)
+        for row in cells:
+            t.add_row(*row)
     out.print(t)
 
 
@@ -227,18 +228,18 @@ def _follow_batch(state: State, batch_id: str, interval: float) -> dict[str, Any
     c = state.client
     b = c.get(f"/v1/batches/{batch_id}")
     if err.is_terminal:
-        with Progress(TextColumn("[bold]{task.fields[status]}"), BarColumn(),
-                      TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[detail]}"),
-                      TimeElapsedColumn(), console=err, transient=False) as bar:
-            task = bar.add_task("batch", total=None, status=b["status"], detail="")
+        with Progress(TextColumn("[bold]{task.fields[status]}"), BarColumn(), TextColumn("{task.fields[counts]}"),
+                      TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=err, transient=False) as bar:
+            task = bar.add_task("batch", total=None, status=b["status"], counts="", detail="")
             while True:
                 n, x = b["request_counts"], b.get("ballast") or {}
                 rate = x.get("output_tokens_per_s")
                 eta = x.get("estimated_completion")
+                done = n["completed"] + n["failed"]
                 detail = (f"{n['failed']} failed · {rate or 0:.1f} tok/s · {x.get('preemptions', 0)} preemptions"
                           + (f" · ETA {max(0, int(eta - time.time()))}s" if eta else ""))
-                bar.update(task, completed=n["completed"] + n["failed"], total=n["total"] or None,
-                           status=b["status"], detail=detail)
+                bar.update(task, completed=done, total=n["total"] or None, status=b["status"],
+                           counts=f"{done}/{n['total']}" if n["total"] else "", detail=detail)
                 if b["status"] in BATCH_DONE:
                     return b
                 time.sleep(interval)
