@@ -63,3 +63,24 @@ def test_since_takes_spans_dates_and_seconds():
     assert client_cli.since_time("2026-03-01T01:00:00+01:00") == 1772323200
     with pytest.raises(Exception, match="give 7d"):
         client_cli.since_time("yesterday")
+
+
+def test_shell_completion_completes_every_level():
+    """What `eval "$(ballast completion bash)"` asks the program, answered as bash expects it."""
+    import os
+    import subprocess
+    import sys
+
+    def complete(words: str) -> list[str]:
+        env = dict(os.environ, _BALLAST_COMPLETE="bash_complete", COMP_WORDS=words,
+                   COMP_CWORD=str(len(words.split()) - 1))
+        got = subprocess.run([sys.executable, "-m", "ballast.cli"], env=env, capture_output=True, text=True, timeout=60)
+        return [line.split(",", 1)[1] for line in got.stdout.splitlines()]
+
+    assert complete("ballast ba") == ["batch"]
+    assert complete("ballast up") == ["up"]  # the server's commands are listed too
+    assert complete("ballast admin engines d") == ["drain"]
+    assert "--wait" in complete("ballast batch submit --w")
+    script = subprocess.run([sys.executable, "-m", "ballast.cli", "completion", "bash"], capture_output=True,
+                            text=True, timeout=60).stdout
+    assert "_BALLAST_COMPLETE" in script and "complete " in script
