@@ -51,7 +51,10 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
     batch = _wait(a, f"/v1/batches/{batch_id}", {"completed", "failed", "expired", "cancelled"})
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 1, batch
     job_before = _wait(a, f"/v1/fine_tuning/jobs/{job_id}", {"cancelled", "failed", "succeeded"})
-    objects = dict(file_id=file_id, batch_id=batch_id, fine_tuning_job_id=job_id)
+    # A webhook of A's, deleted at the end: none of A's work ends while it exists.
+    hook = a.post("/v1/webhooks", json=dict(url="https://example.com/a"))
+    assert hook.status_code == 200, hook.text
+    objects = dict(file_id=file_id, batch_id=batch_id, fine_tuning_job_id=job_id, webhook_id=hook.json()["id"])
     before = {p: a.get(p).json() for p in (f"/v1/files/{file_id}", f"/v1/batches/{batch_id}",
                                              f"/v1/fine_tuning/jobs/{job_id}")}
     assert before[f"/v1/fine_tuning/jobs/{job_id}"] == job_before
@@ -69,12 +72,13 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
             (method, template, mine, ref)
     # A's objects are as they were: nothing B sent (a DELETE, a cancel, a pause) reached them.
     assert {p: a.get(p).json() for p in before} == before
+    assert a.delete(f"/v1/webhooks/{objects['webhook_id']}").status_code == 200  # B's DELETE did not
     assert a.get(f"/v1/files/{batch['output_file_id']}/content").status_code == 200
 
     admin = sorted((m, r.path) for r in app.routes if getattr(r, "path", "").startswith("/admin/")
                    for m in getattr(r, "methods", ()))
     assert len(admin) >= 6, admin
-    values = dict(tenant_id="default", key_id="key_" + "0" * 24)
+    values = dict(tenant_id="default", key_id="key_" + "0" * 24, engine_id="nobody-1")
     with httpx.Client(base_url=stack.url, timeout=30) as anonymous:
         for method, template in admin:
             path = fill(template, values)
