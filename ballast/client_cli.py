@@ -25,6 +25,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ballast.client import ApiError, Client, Exit, Profile, config_path, read_profiles, resolve, write_profile
+from journal.finetune_store import FINAL
+from policy.lifecycle import TERMINAL
+from protocol.limits import LIMITS
+from protocol.webhooks import EVENT_TYPES
 
 EXIT_CODES = """\b
 Exit codes:
@@ -36,8 +40,6 @@ Exit codes:
   5    the API could not be reached, or failed (5xx)
   130  interrupted (submitted work goes on)"""
 
-BATCH_DONE = ("completed", "failed", "expired", "cancelled")
-JOB_DONE = ("succeeded", "failed", "cancelled")
 out = Console(highlight=False, soft_wrap=True)
 if not out.is_terminal:  # piped: whole lines, never cut to a terminal's width
     out = Console(highlight=False, soft_wrap=True, width=4096)
@@ -240,7 +242,7 @@ def _follow_batch(state: State, batch_id: str, interval: float) -> dict[str, Any
                           + (f" · ETA {max(0, int(eta - time.time()))}s" if eta else ""))
                 bar.update(task, completed=done, total=n["total"] or None, status=b["status"],
                            counts=f"{done}/{n['total']}" if n["total"] else "", detail=detail)
-                if b["status"] in BATCH_DONE:
+                if b["status"] in TERMINAL:
                     return b
                 time.sleep(interval)
                 b = c.get(f"/v1/batches/{batch_id}")
@@ -250,7 +252,7 @@ def _follow_batch(state: State, batch_id: str, interval: float) -> dict[str, Any
         if line != said:
             err.print(f"{time.strftime('%H:%M:%S')} {b['id']} {line}")
             said = line
-        if b["status"] in BATCH_DONE:
+        if b["status"] in TERMINAL:
             return b
         time.sleep(interval)
         b = c.get(f"/v1/batches/{batch_id}")
@@ -461,7 +463,7 @@ def _follow_job(state: State, job_id: str, interval: float) -> int:
                 err.print(f"{when(e['created_at'])} {loss}")
             else:
                 err.print(f"{when(e['created_at'])} {e['message']}")
-        if job["status"] in JOB_DONE:
+        if job["status"] in FINAL:
             if job.get("error"):
                 err.print(f"{job['status']}: {job['error'].get('message')}")
             emit(state, job, JOB_COLUMNS)
@@ -594,8 +596,6 @@ def admin() -> None:
     no database credentials)."""
 
 
-LIMIT_NAMES = ("requests_per_min", "input_tokens_per_min", "output_tokens_per_min", "concurrent_requests",
-               "tokens_per_day", "batch_queue_tokens", "concurrent_fine_tunes")
 TENANT_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("TENANT", lambda t: t["id"]), ("WEIGHT", lambda t: t["weight"]), ("TIERS", lambda t: ",".join(t["tiers"]) or "-"),
     ("REGIONS", lambda t: ",".join(t["regions"]) if t.get("regions") is not None else "anywhere"),
@@ -683,24 +683,24 @@ def keys_revoke(state: State, key_id: str) -> int:
 @click.argument("tenant")
 @click.option("--model", default="*", show_default=True, help="The limits' model ('*': every model together).")
 @click.option("--set", "sets", multiple=True, metavar="NAME=N|none",
-              help=f"Set a limit (repeatable; others of the model stay): {', '.join(LIMIT_NAMES)}.")
+              help=f"Set a limit (repeatable; others of the model stay): {', '.join(LIMITS)}.")
 def admin_limits(state: State, tenant: str, model: str, sets: tuple[str, ...]) -> int:
     """Show a tenant's limits, or set some."""
     c = state.client
     if sets:
         held = c.get(f"/admin/tenants/{tenant}/limits")["data"]
         current: dict[str, Any] = next((r for r in held if r["model"] == model), {})
-        body = {n: current.get(n) for n in LIMIT_NAMES}
+        body = {n: current.get(n) for n in LIMITS}
         for s in sets:
             name, value = _pair(s)
-            if name not in LIMIT_NAMES:
-                raise ApiError(Exit.USAGE, f"--set {s!r}: no limit {name!r}; the limits are {', '.join(LIMIT_NAMES)}")
+            if name not in LIMITS:
+                raise ApiError(Exit.USAGE, f"--set {s!r}: no limit {name!r}; the limits are {', '.join(LIMITS)}")
             if value != "none" and not value.isdigit():
                 raise ApiError(Exit.USAGE, f"--set {s!r}: give a whole number or 'none'")
             body[name] = None if value == "none" else int(value)
         c.put(f"/admin/tenants/{tenant}/limits", dict(model=model, **body))
     emit(state, c.get(f"/admin/tenants/{tenant}/limits"),
-         [("MODEL", lambda r: r["model"]), *((n.upper(), lambda r, n=n: r[n]) for n in LIMIT_NAMES)])
+         [("MODEL", lambda r: r["model"]), *((n.upper(), lambda r, n=n: r[n]) for n in LIMITS)])
     return Exit.OK
 
 
@@ -781,8 +781,6 @@ def webhooks() -> None:
     """Endpoints that get a signed event when a batch or fine-tuning job ends."""
 
 
-WEBHOOK_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled",
-                  "fine_tuning.job.succeeded", "fine_tuning.job.failed", "fine_tuning.job.cancelled")
 WEBHOOK_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("ID", lambda w: w["id"]), ("URL", lambda w: w["url"]), ("EVENTS", lambda w: ",".join(w["events"])),
     ("CREATED", lambda w: when(w["created_at"]))]
@@ -790,7 +788,7 @@ WEBHOOK_COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
 
 @command(webhooks, "create")
 @click.argument("url")
-@click.option("--event", "events", multiple=True, type=click.Choice(WEBHOOK_EVENTS),
+@click.option("--event", "events", multiple=True, type=click.Choice(EVENT_TYPES),
               help="An event to deliver (repeatable; default every one).")
 @click.option("--description")
 def webhooks_create(state: State, url: str, events: tuple[str, ...], description: str | None) -> int:
