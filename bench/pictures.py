@@ -1,6 +1,6 @@
 """The benchmarks' pictures, drawn from what each run measured (the batch run's timeline is
 bench/timeline.py): the surge run, fairness between tenants, and a fine-tune under chats.
-Each takes plain data, so a run's JSON could draw it again."""
+Each takes plain data (the surge run also keeps its picture's in its JSON line)."""
 
 from __future__ import annotations
 
