@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -41,7 +41,7 @@ from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
 from protocol import keys, responses
 from protocol.errors import ProtocolError, storable
-from protocol.events import EventType, ItemChunk, ItemPreempted
+from protocol.events import EventType, ItemChunk, ItemPreempted, chunk_payload
 from protocol.requests import RequestLimits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
@@ -141,7 +141,7 @@ class GenerationActivities:
             return GenerateResult("failed", idx=idx)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
         prompt, params = ready.prompt, ready.sampling
-        at.resume(item["tokens"])  # what is journaled: this run continues from there
+        at.resume(item["tokens"], item["logprobs"])  # what is journaled: this run continues from there
         resumed_from, reason = at.saved, None
         while not self._already_finished(prompt, at.tokens, params):
             got = await self._on_engine(at, prompt, params)
@@ -155,7 +155,8 @@ class GenerationActivities:
         text, reason, used = sampling.finish(self.engine, prompt, tokens, params, reason)
         kind = "chatcmpl" if req.endpoint == sampling.CHAT else "cmpl"
         meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
-        body = responses.completion(endpoint, meta, text, reason, len(prompt), used)
+        body = responses.completion(endpoint, meta, text, reason, len(prompt), used, cached_tokens=at.cached,
+                                    logprobs=sampling.logprobs(self.engine, req, tokens[:used], at.logprobs[:used]))
         await self.checkpointer.submit([*at.due(), at.completed(body)])
         self._count(at, "completed", len(tokens) - resumed_from)
         return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
@@ -175,15 +176,20 @@ class GenerationActivities:
             families.REPREFILLED.labels(self.engine.spec.name).inc(len(prompt) + len(tokens))
         at.runs += 1  # a preemption before any new token resumes at the same offset: ids stay unique
         request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
+        rest = sampling.resumed(params, tokens)
         async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
             self.trace("submit", item=at.stream)
             try:
                 with self.checkpointer.track(at):  # its tokens go to the journal every commit
                     async for step in self.engine.generate(
-                        request_id, prompt + tokens, replace(params, max_tokens=params.max_tokens - len(tokens)),
+                        request_id, prompt + tokens, rest,
                         priority=BATCH_PRIORITY, item=at.stream, resumed_from=at.saved,  # for engine/gate.py
                     ):
+                        if at.cached is None:  # the prompt's, as the first stretch found it
+                            at.cached = min(step.cached_tokens, len(prompt))
                         tokens += step.token_ids
+                        if step.logprobs is not None:
+                            at.logprobs += step.logprobs
                         reason = step.finish_reason
                         hold.generated, hold.unsaved = len(tokens), len(tokens) - at.saved
                         if hold.unsaved >= self.checkpoint_tokens:
@@ -213,7 +219,7 @@ class GenerationActivities:
             return False
         if len(tokens) >= params.max_tokens:
             return True
-        if tokens[-1] == self.engine.tokenizer.eos_token_id and not params.ignore_eos:
+        if params.stop_token(self.engine, tokens[-1]):
             return True
         return sampling.stopped(self.engine, prompt, tokens, params)
 
@@ -239,12 +245,17 @@ class Attempt:
         self.tries = 1
         self.runs = 0  # stretches on the engine (one more after each preemption)
         self.tokens: list[int] = []  # every token the item has, journaled or not
+        self.logprobs: list[Any] = []  # each token's alternatives, where the request asked for them
         self.saved = 0  # tokens[:saved] are journaled, or in a commit on its way
+        self.cached: int | None = None  # prompt tokens the engine had cached (usage.prompt_tokens_details)
         self.progress = progress if progress is not None else {}  # heartbeat details, by idx
         self._refused: BaseException | None = None
 
-    def resume(self, journaled: list[int]) -> None:
+    def resume(self, journaled: list[int], logprobs: list[Any] | None = None) -> None:
         self.tokens, self.saved = list(journaled), len(journaled)
+        self.logprobs = list(logprobs or [])
+        if self.logprobs and len(self.logprobs) != self.saved:
+            raise AssertionError(f"{self.stream}: {self.saved} tokens journaled with {len(self.logprobs)} logprobs")
         self.progress[self.idx] = self.saved
 
     def due(self) -> list[NewEvent]:
@@ -254,8 +265,9 @@ class Attempt:
         if self.saved == offset:
             return []
         self.progress[self.idx] = self.saved
-        chunk = ItemChunk(self.batch["id"], self.idx, offset, self.tokens[offset:], self.runner)
-        return [NewEvent(self.stream, EventType.ITEM_CHUNK, asdict(chunk), f"{self.stream}:chunk:{offset}",
+        chunk = ItemChunk(self.batch["id"], self.idx, offset, self.tokens[offset:], self.runner,
+                          self.logprobs[offset:self.saved] if self.logprobs else None)
+        return [NewEvent(self.stream, EventType.ITEM_CHUNK, chunk_payload(chunk), f"{self.stream}:chunk:{offset}",
                          self.batch["tenant"], fence=self.fence)]
 
     def committed(self, commit: asyncio.Future) -> None:

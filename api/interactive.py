@@ -198,8 +198,8 @@ class OpenRequest:
     def prompt_tokens(self) -> int:
         return self.record.prompt_tokens
 
-    async def events(self) -> AsyncGenerator[tuple[str | None, engine_wire.Finished | None], None]:
-        """(text delta, None) while generating, then (None, the final line). Raises
+    async def events(self) -> AsyncGenerator[tuple[engine_wire.Delta | None, engine_wire.Finished | None], None]:
+        """(delta, None) while generating, then (None, the final line). Raises
         EngineFailed when the engine reports a failure or the stream breaks."""
         try:
             async for ln in self.lines:
@@ -214,7 +214,7 @@ class OpenRequest:
                     return
                 if isinstance(msg, engine_wire.Delta):
                     self.tokens += msg.tokens
-                    yield msg.text, None
+                    yield msg, None
             raise EngineFailed("The engine worker ended the stream early.")
         except httpx.HTTPError as err:
             raise EngineFailed(f"The engine worker's stream broke ({type(err).__name__}).") from err
@@ -349,7 +349,7 @@ class _Streamed(StreamingResponse):
 
 
 async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[bytes, None]:
-    chunks = responses.Chunks(req.endpoint, run.meta)
+    chunks = responses.Chunks(req.endpoint, run.meta, req.logprobs)
     events = run.events()
     final, ttft = None, None
     status: RequestStatus | None = None
@@ -359,13 +359,13 @@ async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[byt
         async for delta, end in events:
             if delta is not None:
                 ttft = ttft or run.ttft()
-                yield chunks.text(delta)
+                yield chunks.text(delta.text, delta.logprobs)
             else:
                 final = end
         assert final is not None
         yield chunks.finish(final.finish_reason)
         if req.include_usage:
-            yield chunks.usage(run.prompt_tokens, final.completion_tokens)
+            yield chunks.usage(run.prompt_tokens, final.completion_tokens, final.cached_tokens)
         yield responses.done()
     except EngineFailed as err:
         status = "failed"
@@ -378,12 +378,14 @@ async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[byt
 
 async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
     text: list[str] = []
+    positions: list[Any] = []
     final, ttft = None, None
     try:
         async for delta, end in run.events():
             if delta is not None:
                 ttft = ttft or run.ttft()
-                text.append(delta)
+                text.append(delta.text)
+                positions += delta.logprobs or []
             final = end or final
     except EngineFailed as err:
         run.finished(None, ttft, "failed")
@@ -393,8 +395,11 @@ async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
         raise
     assert final is not None
     run.finished(final, ttft)
-    return JSONResponse(responses.completion(req.endpoint, run.meta, "".join(text), final.finish_reason,
-                                             run.prompt_tokens, final.completion_tokens))
+    return JSONResponse(responses.completion(
+        req.endpoint, run.meta, "".join(text), final.finish_reason, run.prompt_tokens, final.completion_tokens,
+        cached_tokens=final.cached_tokens,
+        logprobs=responses.shaped_logprobs(req.endpoint, positions if req.logprobs is not None else None,
+                                           req.logprobs)))
 
 
 async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutcome,

@@ -32,7 +32,7 @@ import logging
 import os
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,11 @@ class GatedEngine:
                 if pending and (room is None or room > 0):
                     step = pending.popleft()
                     if room is not None and len(step.token_ids) > room:  # pass what fits, keep the rest
-                        pending.appendleft(Step(step.token_ids[room:], step.finish_reason, step.text))
-                        step = Step(step.token_ids[:room], None, "")
+                        lp = step.logprobs
+                        pending.appendleft(replace(step, token_ids=step.token_ids[room:],
+                                                   logprobs=lp[room:] if lp is not None else None))
+                        step = replace(step, token_ids=step.token_ids[:room], finish_reason=None, text="",
+                                       logprobs=lp[:room] if lp is not None else None)
                     g.tokens += len(step.token_ids)
                     yield step
                     if step.finish_reason is not None:

@@ -5,15 +5,19 @@ prompts and finish texts alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from engine.text import detokenize
-from protocol.errors import ProtocolError
-from protocol.requests import CHAT, GenerationRequest, check_prompt_ids, fit_context
+from engine.text import decode_alternatives, detokenize
+from protocol import responses
+from protocol.errors import ProtocolError, storable
+from protocol.requests import CHAT, MIN_OVER_MAX, GenerationRequest, check_prompt_ids, fit_context
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """What vLLM's SamplingParams get (by the same names), and the detokenizer's options."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -21,6 +25,22 @@ class Sampling:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     adapter: str | None = None  # a fine-tuned model's name: its LoRA adapter on the base model
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+
+    def stop_token(self, engine, token_id: int) -> bool:
+        """Whether vLLM ends a request on this token: EOS (unless ignored) or a stop token id."""
+        return (token_id == engine.tokenizer.eos_token_id and not self.ignore_eos) or token_id in self.stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -33,18 +53,45 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
     """Render the prompt with the engine's own tokenizer and fit it to the context: the
     checks that need the model."""
     if req.endpoint == CHAT:
-        prompt = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages])
+        try:
+            prompt = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages],
+                                        req.chat_template_kwargs)
+        except Exception as err:  # a template that cannot take what the request gave it
+            if not req.chat_template_kwargs:
+                raise
+            return ProtocolError(400, "invalid_value", storable(f"The chat template failed with the given "
+                                 f"`chat_template_kwargs`: {err}"), "chat_template_kwargs")
     elif isinstance(req.prompt, tuple):
         prompt = list(req.prompt)
-        if err := check_prompt_ids(prompt, engine.max_token_id):
-            return err
+        if bad := check_prompt_ids(prompt, engine.max_token_id):
+            return bad
     else:
         prompt = engine.render_text(req.prompt)
     room = fit_context(req, len(prompt), engine.spec.max_model_len)
     if isinstance(room, ProtocolError):
         return room
+    if bad := check_token_ids(engine, req):
+        return bad
+    if req.min_tokens > room:  # as vLLM refuses it, against the room the context leaves
+        return ProtocolError(400, MIN_OVER_MAX, f"`min_tokens` is {req.min_tokens}, more than the "
+                             f"{room} tokens the completion may take.", "min_tokens")
     adapter = req.model if req.model != engine.spec.name else None
-    return Prepared(prompt, Sampling(room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos, adapter))
+    return Prepared(prompt, Sampling(
+        room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos, adapter,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, top_k=req.top_k, min_p=req.min_p,
+        min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=req.logprobs))
+
+
+def check_token_ids(engine, req: GenerationRequest) -> ProtocolError | None:
+    """Token ids a request names must be in the vocabulary, as vLLM requires."""
+    for param, ids in (("logit_bias", [t for t, _ in req.logit_bias]), ("stop_token_ids", req.stop_token_ids)):
+        if ids and max(ids) > engine.max_token_id:
+            return ProtocolError(400, "invalid_value", f"`{param}` names token id {max(ids)}, out of vocabulary "
+                                 f"(the largest is {engine.max_token_id}).", param)
+    return None
 
 
 def finish(engine, prompt: list[int], token_ids: list[int], s: Sampling,
@@ -53,8 +100,11 @@ def finish(engine, prompt: list[int], token_ids: list[int], s: Sampling,
     from all its tokens: what vLLM's own detokenizer gives over one uninterrupted run (no
     trailing half character; stop strings found as vLLM finds them, also one that
     straddles a resume point)."""
-    eos = bool(token_ids) and token_ids[-1] == engine.tokenizer.eos_token_id and not s.ignore_eos
-    d = detokenize(engine.tokenizer, prompt, token_ids, stop=s.stop, stop_terminated=eos)
+    eos = bool(token_ids) and s.stop_token(engine, token_ids[-1])
+    d = detokenize(engine.tokenizer, prompt, token_ids, stop=s.stop, stop_terminated=eos,
+                   include_stop_str_in_output=s.include_stop_str_in_output, min_tokens=s.min_tokens,
+                   skip_special_tokens=s.skip_special_tokens,
+                   spaces_between_special_tokens=s.spaces_between_special_tokens)
     if d.stop is not None:
         return d.text, "stop", d.num_tokens
     if eos:
@@ -66,4 +116,22 @@ def finish(engine, prompt: list[int], token_ids: list[int], s: Sampling,
 
 def stopped(engine, prompt: list[int], token_ids: list[int], s: Sampling) -> bool:
     """Whether a stop string already ended these tokens (a resume must not run on)."""
-    return bool(s.stop) and detokenize(engine.tokenizer, prompt, token_ids, stop=s.stop).stop is not None
+    return bool(s.stop) and detokenize(
+        engine.tokenizer, prompt, token_ids, stop=s.stop, include_stop_str_in_output=s.include_stop_str_in_output,
+        min_tokens=s.min_tokens, skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens).stop is not None
+
+
+def resumed(s: Sampling, tokens: list[int]) -> Sampling:
+    """The sampling of a generation that goes on after `tokens` (now in its prompt)."""
+    if not tokens:
+        return s
+    return replace(s, max_tokens=s.max_tokens - len(tokens), min_tokens=max(0, s.min_tokens - len(tokens)))
+
+
+def logprobs(engine, req: GenerationRequest, tokens: list[int], alternatives: list[Any]) -> dict[str, Any] | None:
+    """A whole choice's logprobs from every token's journaled alternatives."""
+    if req.logprobs is None:
+        return None
+    return responses.shaped_logprobs(req.endpoint, decode_alternatives(engine.tokenizer, tokens, alternatives),
+                                     req.logprobs)

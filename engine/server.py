@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine import sampling
+from engine import sampling, text
 from engine.adapters import AdapterMissing
 from engine.fair_share import FairShare
 from engine.slots import EngineSlots
@@ -81,7 +81,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         prompt, params = ready.prompt, ready.sampling
 
         async def lines():
-            ids, reason, ttft = [], None, None
+            ids: list[int] = []
+            reason, ttft, cached = None, None, None
             try:
                 yield wire.encode(wire.Accepted(len(prompt)))
                 try:
@@ -90,12 +91,18 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                                 fair.turn(job.tenant, job.tier, job.weight, len(prompt), job.priority) as turn):
                         async for step in engine.generate(job.request_id, prompt, params, priority=turn.priority,
                                                           detokenize=True, trace_headers=tracing.headers(span) or None):
+                            if cached is None:
+                                cached = step.cached_tokens
+                            positions = None
+                            if step.logprobs is not None:  # decoded in the context of all the tokens so far
+                                positions = text.decode_alternatives(engine.tokenizer, ids + step.token_ids,
+                                                                     step.logprobs, len(ids))
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
                             reason = step.finish_reason
                             if step.text or step.token_ids:
                                 ttft = ttft or round(1000 * (time.perf_counter() - t0), 2)
-                                yield wire.encode(wire.Delta(step.text, len(step.token_ids)))
+                                yield wire.encode(wire.Delta(step.text, len(step.token_ids), positions))
                 except AdapterMissing as err:  # a fine-tuned model whose adapter is gone
                     yield _failed(404, str(err), "model", "model_not_found")
                     return
@@ -108,7 +115,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     return
                 # One uninterrupted run: text, finish reason and count are vLLM's own.
                 yield wire.encode(wire.Finished(reason or "stop", len(ids), ttft,
-                                                round(1000 * (time.perf_counter() - t0), 2)))
+                                                round(1000 * (time.perf_counter() - t0), 2), cached))
             finally:  # however it ended, the API gone mid-stream included
                 log.info("served %s (x-request-id %s) of %s/%s: %d prompt + %d completion tokens, %s",
                          job.request_id, job.http_request_id or "-", tenant, tier, len(prompt), len(ids),

@@ -27,8 +27,10 @@ stop-string check so that it needs nothing of vLLM at import. Slow (pure-Python)
 tokenizers, which vLLM detokenizes with `SlowIncrementalDetokenizer`, go through vLLM's
 own helpers for that path.
 
-Not covered, as Ballast does not use it: min_tokens (vLLM checks stop strings only once
-min_tokens are out). Output is one token per engine step, as without speculative
+- With min_tokens, stop strings are searched only in the text of tokens past the first
+  min_tokens.
+
+Output is one token per engine step, as without speculative
 decoding; vLLM trims a multi-token step at the stop string to the same result.
 
 Cost: one DecodeStream step per token, about 3 µs a token (tokenizer.decode: under 1 µs).
@@ -75,6 +77,7 @@ def detokenize(
     stop_terminated: bool = False,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
+    min_tokens: int = 0,
 ) -> Detokenized:
     """vLLM's final text for a request, with its stop strings applied.
 
@@ -99,6 +102,8 @@ def detokenize(
         if not new:
             continue
         text += new
+        if i < min_tokens:
+            continue
         hit = _check_stop_strings(text, len(new), stops, include_stop_str_in_output)
         if hit is not None:
             matched, truncate_to = hit
@@ -106,6 +111,27 @@ def detokenize(
                 text = text[:truncate_to]
             return Detokenized(text, i + 1, matched)
     return Detokenized(text, len(tokens))
+
+
+def decode_alternatives(tokenizer: Any, token_ids: Sequence[int], alternatives: Sequence[Sequence[Sequence[Any]]],
+                        start: int = 0) -> list[list[Any]]:
+    """Each logprob alternative's text (protocol/logprobs.py), as vLLM's LogprobsProcessor
+    decodes them: token by token, a text that ends in U+FFFD (a character split across
+    byte tokens) rebuilt from up to 4 preceding sampled tokens. `alternatives[i]` is the
+    position `start + i` of `token_ids` (all the generation's tokens: the context is the
+    whole run's, across resumes, as in one uninterrupted vLLM request)."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    vllm = LogprobsProcessor(tokenizer=tokenizer, logprobs=[], prompt_logprobs=None, cumulative_logprob=0.0,
+                             num_logprobs=0, num_prompt_logprobs=None)
+    out = []
+    for i, alts in enumerate(alternatives, start):
+        ids = [int(a[0]) for a in alts]
+        texts = vllm._verify_tokens(decoded_tokens_list=convert_ids_list_to_tokens(tokenizer, ids), tokens=ids,
+                                    context_token_ids=list(token_ids[max(0, i - 4):i]))
+        out.append([(t, float(a[1])) for t, a in zip(texts, alts, strict=True)])
+    return out
 
 
 def _stepper(tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, spaces_between: bool):

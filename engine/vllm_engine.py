@@ -23,6 +23,7 @@ from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
 from engine.model_spec import ModelSpec
 from engine.sampling import Sampling
+from protocol.logprobs import Alternatives, floor
 from telemetry import tracing
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ class Step:
     token_ids: list[int]  # new tokens since the previous Step (a delta)
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     text: str = ""  # the new text, when generate(detokenize=True)
+    # Per new token, when sampling.logprobs is set: vLLM's alternatives in vLLM's own order
+    # (the sampled token first, then by rank) as [token id, logprob] (protocol/logprobs.py).
+    logprobs: list[Alternatives] | None = None
+    cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
 
 
 @dataclass
@@ -239,8 +244,16 @@ class Engine:
         load = Load()
         return cls(spec, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_load_gauge(load)]), load)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        return prompts.render_chat(self.tokenizer, messages)
+    def render_chat(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """`template_kwargs`: a request's chat_template_kwargs, of which the template gets
+        those it (or apply_chat_template) takes, as vLLM's OpenAI server passes them; a
+        ValueError for the ones vLLM refuses."""
+        if template_kwargs:
+            from vllm.renderers.hf import resolve_chat_template_kwargs
+
+            template_kwargs = resolve_chat_template_kwargs(self.tokenizer, self.tokenizer.chat_template,
+                                                           template_kwargs)
+        return prompts.render_chat(self.tokenizer, messages, template_kwargs)
 
     def render_text(self, prompt: str) -> list[int]:
         return prompts.render_text(self.tokenizer, prompt)
@@ -285,9 +298,21 @@ class Engine:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            include_stop_str_in_output=sampling.include_stop_str_in_output,
             ignore_eos=sampling.ignore_eos,
+            min_tokens=sampling.min_tokens,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            logit_bias=dict(sampling.logit_bias) or None,
+            logprobs=sampling.logprobs,
+            skip_special_tokens=sampling.skip_special_tokens,
+            spaces_between_special_tokens=sampling.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
             # Text is only needed to stream it or to match stop strings.
             detokenize=detokenize or bool(sampling.stop),
@@ -303,7 +328,7 @@ class Engine:
                                             trace_headers=trace_headers or tracing.headers() or None):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None
-            yield Step(list(c.token_ids), reason, c.text or "")
+            yield Step(list(c.token_ids), reason, c.text or "", _alternatives(c.logprobs), out.num_cached_tokens or 0)
 
     async def check_health(self) -> None:
         """Raises where vLLM's engine has died (its engine core process gone)."""
@@ -321,6 +346,13 @@ class Engine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def _alternatives(positions: Any) -> list[Alternatives] | None:
+    """vLLM's logprob dicts (sampled token first, then by rank), as journaled."""
+    if positions is None:
+        return None
+    return [[[token, floor(lp.logprob)] for token, lp in alts.items()] for alts in positions]
 
 
 def _load_gauge(load: Load):

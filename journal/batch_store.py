@@ -386,12 +386,13 @@ async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, 
 
 async def load_for_generation(conn: AsyncConnection, batch_id: str,
                               idxs: Sequence[int]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """The batch, and each item with `tokens`: what its earlier attempts journaled."""
+    """The batch, and each item with `tokens`: what its earlier attempts journaled (and
+    `logprobs`, each token's alternatives, where the request asked for them)."""
     batch = await get_batch(conn, batch_id)
     if batch is None:
         raise LookupError(f"no batch {batch_id}")
     q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx.in_(idxs))
-    items = {r.idx: dict(r._mapping, tokens=[]) for r in (await conn.execute(q)).all()}
+    items = {r.idx: dict(r._mapping, tokens=[], logprobs=[]) for r in (await conn.execute(q)).all()}
     missing = set(idxs) - set(items)
     if missing:
         raise LookupError(f"batch {batch_id} has no items {sorted(missing)}")
@@ -402,18 +403,25 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
         for (p,) in (await conn.execute(q)).all():
             chunks.setdefault(p["idx"], []).append(p)
         for i, cs in chunks.items():
-            items[i]["tokens"] = journaled_tokens(cs)
+            items[i]["tokens"], items[i]["logprobs"] = journaled(cs)
     return batch, items
 
 
 def journaled_tokens(chunks: Sequence[dict[str, Any]]) -> list[int]:
-    """The contiguous run of checkpointed tokens from offset 0."""
+    return journaled(chunks)[0]
+
+
+def journaled(chunks: Sequence[dict[str, Any]]) -> tuple[list[int], list[Any]]:
+    """The contiguous run of checkpointed tokens from offset 0, and their logprobs (one
+    entry per token where the chunks carry them)."""
     tokens: list[int] = []
+    logprobs: list[Any] = []
     for c in sorted(chunks, key=lambda c: c["offset"]):
         if c["offset"] != len(tokens):
             break  # a gap (a commit that failed): what follows is regenerated
         tokens += c["token_ids"]
-    return tokens
+        logprobs += c.get("logprobs") or []
+    return tokens, logprobs
 
 
 async def pending_items(conn: AsyncConnection, batch_id: str, after_idx: int, limit: int) -> list[int]:

@@ -7,7 +7,7 @@ different versions still understand each other; a field an older peer does not s
 its default here.
 
     {"prompt_tokens": 12}                       Accepted: generation starts now
-    {"text": "Hel", "tokens": 1}                Delta: as the engine produces them
+    {"text": "Hel", "tokens": 1}                Delta: as the engine produces them (and "logprobs")
     {"finish_reason": "stop", "completion_tokens": 17, ...}    Finished
 or, instead of all of that, {"error": {...}, "status": 400} before anything is admitted; a
 failure after that ends the stream with an {"error": {...}, "status": 500} line (Failed).
@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from protocol.logprobs import Decoded
 
 
 def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +61,9 @@ class Accepted:
 class Delta:
     text: str
     tokens: int = 0
+    # Each new token's logprob alternatives, decoded (protocol/logprobs.py `Decoded`), where
+    # the request asked for logprobs.
+    logprobs: list[Decoded] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class Finished:
     completion_tokens: int
     engine_ttft_ms: float | None = None
     engine_ms: float | None = None
+    cached_tokens: int | None = None  # prompt tokens found in vLLM's prefix cache
 
 
 @dataclass(frozen=True)
@@ -82,10 +88,18 @@ class Failed:
 Line = Accepted | Delta | Finished | Failed
 
 
+# Fields added since the first version, left out while they hold nothing: a line that
+# uses no new feature is the JSON it always was.
+_LATER = ("logprobs", "cached_tokens")
+
+
 def encode(line: Line) -> bytes:
     # Once per token delta on the engine's stream: the fields as they are (asdict copies
     # them recursively).
-    return (json.dumps(vars(line), ensure_ascii=False) + "\n").encode()
+    d = vars(line)
+    if any(d.get(k, 0) is None for k in _LATER):
+        d = {k: v for k, v in d.items() if not (k in _LATER and v is None)}
+    return (json.dumps(d, ensure_ascii=False) + "\n").encode()
 
 
 def decode(raw: str | bytes) -> Line:

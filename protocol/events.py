@@ -4,7 +4,7 @@ names; `SELECT type, count(*) FROM events GROUP BY 1` lists them."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from enum import StrEnum
 from typing import Any
 
@@ -19,6 +19,9 @@ class EventType(StrEnum):
     # Beside batch_created: how long its output and error files live once written (seconds
     # from their creation; OpenAI's `output_expires_after`). No read model: finalize reads it.
     BATCH_OUTPUT_EXPIRY = "batch_output_expiry"  # batch_id, seconds
+    # Beside batch_created: the model the batch runs (its input file's first request's),
+    # projected into its row. Batches created before it have none.
+    BATCH_MODEL = "batch_model"  # batch_id, model
     ITEM_CREATED = "item_created"  # batch_id, idx, custom_id, the request body
     # A generation's attempt (fenced: the database refuses them without the current lease).
     ITEM_CHUNK = "item_chunk"  # offset, token_ids: tokens generated since the last chunk
@@ -63,6 +66,9 @@ class ItemChunk:
     offset: int
     token_ids: list[int]
     runner: str  # the attempt that wrote it (its lease holder)
+    # Each token's logprob alternatives (protocol/logprobs.py), where the request asked for
+    # them; left out of the payload otherwise.
+    logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,15 @@ def item_payload(type_: str, d: dict[str, Any]) -> ItemPayload:
     default)."""
     cls = _ITEM[type_]
     return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.default is MISSING})
+
+
+def chunk_payload(chunk: ItemChunk) -> dict[str, Any]:
+    """What a chunk event holds: its fields, without `logprobs` where it has none (the keys
+    a chunk has always had, which a retried append compares)."""
+    d = asdict(chunk)
+    if chunk.logprobs is None:
+        del d["logprobs"]
+    return d
 
 
 def item_result(type_: str, d: dict[str, Any]) -> ItemCompleted | ItemFailed:

@@ -3,12 +3,26 @@ or refused with a 400 whose `param` names it. A batch line and an interactive re
 pass the same checks; what vLLM would refuse (types, ranges, nulls where a value is
 needed, context length) is refused here, before any engine sees it.
 
-Supported, and what a preemption keeps: `temperature` 0 (greedy) resumes token for token
-as the uninterrupted run; with `temperature` > 0 a resumed generation is a valid sample
-but not the same one (`seed` included: vLLM's sampler state is not carried across a
-resume). Stop strings are applied to the whole text, so one that straddles a resume is
-still honoured. Everything else a request may say is either only its default (`n` = 1,
-`logprobs` false, no tools...) or a 400.
+Supported, and what a preemption keeps (a preempted batch item resumes as a new vLLM
+request whose prompt holds the tokens it had):
+
+- `temperature` 0 (greedy) resumes token for token as the uninterrupted run; with
+  `temperature` > 0 a resumed generation is a valid sample but not the same one (`seed`
+  included: vLLM's sampler state is not carried across a resume). `top_p`, `top_k` and
+  `min_p` only narrow what is sampled.
+- Stop strings are applied to the whole text, so one that straddles a resume is still
+  honoured; so are `stop_token_ids`, `include_stop_str_in_output` and the detokenizer's
+  options, which apply once, to all the tokens, at the end.
+- `logit_bias` is the same at every step; `repetition_penalty` counts prompt and output
+  tokens alike, so it sees the same tokens after a resume. Presence and frequency
+  penalties count output tokens only, and vLLM counts a resumed request's earlier tokens
+  as prompt: after a resume they weigh only the tokens generated since.
+- `min_tokens` counts the tokens already had.
+- `logprobs`: each token's, with its top alternatives, is journaled with the token, so a
+  resumed item's are whole.
+
+Everything else a request may say is either only its default (`n` = 1, no tools...) or a
+400 naming the parameter.
 """
 
 from __future__ import annotations
@@ -34,6 +48,8 @@ MAX_STOP = 4
 # a megabyte of them would be a cost the engine pays per token.
 MAX_STOP_CHARS = 256
 INT64 = (-(2**63), 2**63 - 1)
+MIN_OVER_MAX = "min_tokens_exceed_max_tokens"  # a 400 no JSON schema can state (it compares two values)
+MAX_LOGPROBS = 20  # alternatives per token: OpenAI's chat maximum, and vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,20 @@ class GenerationRequest:
     include_usage: bool = False
     service_tier: ServiceTier = "default"
     ignore_eos: bool = False  # a vLLM extension, handy for benchmarks
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
+    logprobs: int | None = None  # how many alternatives to give per token; None: no logprobs
+    # vLLM's extras, as its OpenAI server takes them
+    top_k: int = 0  # 0 (or -1): every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Invalid(Exception):
@@ -129,6 +159,16 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         raise Invalid("`stream_options` is only allowed when `stream` is true.", param="stream_options")
     tier: ServiceTier = v["service_tier"] if v["service_tier"] in SERVICE_TIERS else "default"  # None, "auto": default
     stop = v["stop"]
+    min_tokens = v["min_tokens"] or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise Invalid(f"`min_tokens` is {min_tokens}, more than `max_tokens` ({max_tokens}).", MIN_OVER_MAX,
+                      "min_tokens")
+    if endpoint == CHAT:
+        if v["top_logprobs"] and not v["logprobs"]:
+            raise Invalid("`top_logprobs` needs `logprobs` to be true.", param="top_logprobs")
+        logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
+    else:
+        logprobs = v["logprobs"]
     return GenerationRequest(
         endpoint=endpoint,
         model=v["model"],
@@ -143,6 +183,19 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         include_usage=bool((v["stream_options"] or {}).get("include_usage")),
         service_tier=tier,
         ignore_eos=bool(v["ignore_eos"]),
+        presence_penalty=float(v["presence_penalty"] or 0),
+        frequency_penalty=float(v["frequency_penalty"] or 0),
+        logit_bias=v["logit_bias"] or (),
+        logprobs=logprobs,
+        top_k=v["top_k"] or 0,
+        min_p=float(v["min_p"] or 0),
+        repetition_penalty=1.0 if v["repetition_penalty"] is None else float(v["repetition_penalty"]),
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(v["stop_token_ids"] or ()),
+        include_stop_str_in_output=bool(v["include_stop_str_in_output"]),
+        skip_special_tokens=v["skip_special_tokens"] is not False,
+        spaces_between_special_tokens=v["spaces_between_special_tokens"] is not False,
+        chat_template_kwargs=v.get("chat_template_kwargs"),
     )
 
 
@@ -225,7 +278,7 @@ def _number(lo: float, hi: float, *, lo_open: bool = False) -> Check:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise Invalid("must be a number.", "invalid_type")
         if value > hi or value < lo or (lo_open and value == lo):
-            raise Invalid(f"must be {'>' if lo_open else '>='} {lo} and <= {hi}.")
+            raise Invalid(f"must be {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}." if hi < math.inf else "."))
         return value
 
     return run
@@ -283,6 +336,38 @@ def _metadata(value: Any) -> dict[str, str]:
         raise Invalid("must be an object of at most 16 string pairs.", "invalid_type")
     if not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
         raise Invalid("keys are at most 64 characters and values strings of at most 512.")
+    return value
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """Token id (as a JSON key) to a bias; vLLM clamps each to [-100, 100], as done here."""
+    if not isinstance(value, dict):
+        raise Invalid("must be an object mapping token ids to biases.", "invalid_type")
+    out: dict[int, float] = {}
+    for k, bias in value.items():
+        token = k.strip()
+        if not (token.isdigit() or (token[:1] == "-" and token[1:].isdigit())):
+            raise Invalid(f"has a key that is not a token id: {k!r}.", "invalid_value", "logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+            raise Invalid(f"has a bias that is not a number (token {k}).", "invalid_type", "logit_bias")
+        if int(token) < 0:
+            raise Invalid(f"holds a negative token id ({token}).", "invalid_value", "logit_bias")
+        out[int(token)] = max(-100.0, min(100.0, float(bias)))
+    return tuple(sorted(out.items()))
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    ids = [_whole(t) for t in value] if isinstance(value, list) else None
+    if ids is None or any(t is None for t in ids):
+        raise Invalid("must be a list of token ids.", "invalid_type")
+    if any(t < 0 for t in ids):  # type: ignore[operator]
+        raise Invalid("holds a negative token id.")
+    return tuple(ids)  # type: ignore[arg-type]
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Invalid("must be an object.", "invalid_type")
     return value
 
 
@@ -356,20 +441,29 @@ _COMMON: dict[str, Check] = dict(
     stream=_optional(_bool),
     stream_options=_optional(_stream_options),
     service_tier=_optional(_choice("auto", *SERVICE_TIERS)),
-    # Penalties and biases change what a resumed generation would produce; not offered.
-    presence_penalty=_optional(_only((0, 0.0), "presence penalties are not supported")),
-    frequency_penalty=_optional(_only((0, 0.0), "frequency penalties are not supported")),
-    logit_bias=_optional(_only({}, "logit_bias is not supported")),
+    presence_penalty=_optional(_number(-2, 2)),
+    frequency_penalty=_optional(_number(-2, 2)),
+    logit_bias=_optional(_logit_bias),
     user=_optional(_string),
+    # vLLM's own sampling parameters, as its OpenAI server takes them.
     ignore_eos=_optional(_bool),
+    top_k=_optional(_int(-1)),
+    min_p=_optional(_number(0, 1)),
+    repetition_penalty=_optional(_number(0, math.inf, lo_open=True)),
+    min_tokens=_optional(_int(0)),
+    stop_token_ids=_optional(_token_ids),
+    include_stop_str_in_output=_optional(_bool),
+    skip_special_tokens=_optional(_bool),
+    spaces_between_special_tokens=_optional(_bool),
 )
 
 _CHAT: dict[str, Check] = dict(
     _COMMON,
     messages=_required(_messages),
     max_completion_tokens=_optional(_int(1)),
-    logprobs=_optional(_only(False, "logprobs are not supported")),
-    top_logprobs=_optional(_only(0, "logprobs are not supported")),
+    logprobs=_optional(_bool),
+    top_logprobs=_optional(_int(0, MAX_LOGPROBS)),
+    chat_template_kwargs=_optional(_object),
     store=_optional(_only(False, "store is not supported")),
     metadata=_optional(_metadata),
     response_format=_optional(_response_format),
@@ -397,7 +491,7 @@ _COMPLETIONS: dict[str, Check] = dict(
     echo=_optional(_only(False, "echo is not supported")),
     suffix=_optional(_only("", "suffix is not supported")),
     best_of=_optional(_only(1, "best_of > 1 is not supported")),
-    logprobs=_optional(_only(0, "logprobs are not supported")),
+    logprobs=_optional(_int(0, MAX_LOGPROBS)),
 )
 
 

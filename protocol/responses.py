@@ -5,58 +5,87 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from protocol import logprobs as lp
 from protocol.errors import error_body
 from protocol.requests import CHAT
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """`cached_tokens`: prompt tokens the engine found in its prefix cache, where known."""
+    out: dict[str, Any] = dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               total_tokens=prompt_tokens + completion_tokens)
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = dict(cached_tokens=cached_tokens)
+    return out
 
 
 def completion(endpoint: str, meta: dict[str, Any], text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int) -> dict[str, Any]:
-    """A whole response; `meta` holds id, created, model (and service_tier where served)."""
+               completion_tokens: int, *, cached_tokens: int | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole response; `meta` holds id, created, model (and service_tier where served).
+    `logprobs`: the choice's, shaped (protocol/logprobs.py)."""
     if endpoint == CHAT:
-        choice = dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish_reason, logprobs=None)
+        choice = dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish_reason,
+                      logprobs=logprobs)
         obj = "chat.completion"
     else:
-        choice = dict(index=0, text=text, finish_reason=finish_reason, logprobs=None)
+        choice = dict(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)
         obj = "text_completion"
-    return dict(meta, object=obj, choices=[choice], usage=usage(prompt_tokens, completion_tokens))
+    return dict(meta, object=obj, choices=[choice], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+def shaped_logprobs(endpoint: str, positions: list[lp.Decoded] | None, top: int | None) -> dict[str, Any] | None:
+    """A whole choice's logprobs from its decoded alternatives (None: not asked for)."""
+    if positions is None or top is None:
+        return None
+    return lp.chat(positions, top) if endpoint == CHAT else lp.completion(positions, top)
 
 
 class Chunks:
-    """Server-sent events of one streamed response, in OpenAI's shape."""
+    """Server-sent events of one streamed response, in OpenAI's shape. `top`: the
+    alternatives per token the request asked for (None: no logprobs)."""
 
-    def __init__(self, endpoint: str, meta: dict[str, Any]):
+    def __init__(self, endpoint: str, meta: dict[str, Any], top: int | None = None):
         self.chat = endpoint == CHAT
         self.meta = meta
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
+        self.top = top
+        self._offset = 0  # completions: the text offset of the next chunk's first token
 
     def start(self) -> bytes | None:
         """Chat streams open with the assistant's role; completions have no such chunk."""
         return self._event([self._choice("", None, first=True)]) if self.chat else None
 
-    def text(self, delta: str) -> bytes:
-        return self._event([self._choice(delta, None)])
+    def text(self, delta: str, positions: list[lp.Decoded] | None = None) -> bytes:
+        return self._event([self._choice(delta, None, logprobs=self._logprobs(positions))])
 
     def finish(self, reason: str) -> bytes:
         return self._event([self._choice(None, reason)])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._event([], usage=usage(prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        return self._event([], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+
+    def _logprobs(self, positions: list[lp.Decoded] | None) -> dict[str, Any] | None:
+        if self.top is None or positions is None:
+            return None
+        if self.chat:
+            return dict(content=lp.chat_content(positions, self.top), refusal=None)
+        shaped = lp.completion(positions, self.top, self._offset)
+        if positions:
+            self._offset = lp.next_offset(shaped)
+        return shaped
 
     @staticmethod
     def error(status: int, message: str, code: str | None = None) -> bytes:
         """A failure mid-stream: an error event (as OpenAI sends one), then the end."""
         return _sse(error_body(status, message, None, code)) + done()
 
-    def _choice(self, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def _choice(self, text: str | None, reason: str | None, first: bool = False,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return dict(index=0, delta=delta, finish_reason=reason, logprobs=None)
-        return dict(index=0, text=text or "", finish_reason=reason, logprobs=None)
+            return dict(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)
+        return dict(index=0, text=text or "", finish_reason=reason, logprobs=logprobs)
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return _sse(dict(self.meta, object=self.object, choices=choices, **extra))

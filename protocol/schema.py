@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.requests import INT64, MAX_STOP, ROLES
+from protocol.requests import INT64, MAX_LOGPROBS, MAX_STOP, ROLES
 from protocol.tiers import SERVICE_TIERS
 
 # A seed is any int64; the schema states a range a little inside it, so that a client whose
@@ -64,11 +64,24 @@ _COMMON: dict[str, Schema] = dict(
                          "properties": {"include_usage": {"type": "boolean"}},
                          "description": "Only with `stream`: true."}),
     service_tier=_opt({"enum": ["auto", *SERVICE_TIERS]}),
-    presence_penalty=_only(0, "Penalties are not supported."),
-    frequency_penalty=_only(0, "Penalties are not supported."),
-    logit_bias=_opt({"type": "object", "maxProperties": 0, "description": "Not supported: empty only."}),
+    presence_penalty=_opt({"type": "number", "minimum": -2, "maximum": 2}),
+    frequency_penalty=_opt({"type": "number", "minimum": -2, "maximum": 2}),
+    logit_bias=_opt({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {
+        "type": "number", "description": "Clamped to [-100, 100], as vLLM does."},
+        "description": "Token id to a bias added to its logit; ids within the model's vocabulary."}),
     user=_opt(_string()),
+    # vLLM's own sampling parameters, as its OpenAI server takes them.
     ignore_eos=_opt({"type": "boolean", "description": "vLLM's extension: generate max_tokens whatever comes."}),
+    top_k=_opt({"type": "integer", "minimum": -1, "description": "vLLM's: 0 or -1 for every token."}),
+    min_p=_opt({"type": "number", "minimum": 0, "maximum": 1}),
+    repetition_penalty=_opt({"type": "number", "exclusiveMinimum": 0}),
+    min_tokens=_opt({"type": "integer", "minimum": 0,
+                     "description": "At most max_tokens (else a 400, min_tokens_exceed_max_tokens)."}),
+    stop_token_ids=_opt({"type": "array", "items": {"type": "integer", "minimum": 0},
+                         "description": "Token ids within the model's vocabulary."}),
+    include_stop_str_in_output=_opt({"type": "boolean"}),
+    skip_special_tokens=_opt({"type": "boolean"}),
+    spaces_between_special_tokens=_opt({"type": "boolean"}),
 )
 
 _CHAT: dict[str, Schema] = dict(
@@ -81,8 +94,10 @@ _CHAT: dict[str, Schema] = dict(
             "name": _TEXT,
         }}},
     max_completion_tokens=_opt({"type": "integer", "minimum": 1}),
-    logprobs=_only(False, "Logprobs are not supported."),
-    top_logprobs=_only(0, "Logprobs are not supported."),
+    logprobs=_opt({"type": "boolean"}),
+    top_logprobs=_opt({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                       "description": "Only with `logprobs`: true (else a 400)."}),
+    chat_template_kwargs=_opt({"type": "object", "description": "vLLM's: variables for the chat template."}),
     store=_only(False, "Stored completions are not supported."),
     metadata=_opt({"type": "object", "maxProperties": 16, "propertyNames": _string(maxLength=64),
                    "additionalProperties": _string(maxLength=512)}),
@@ -111,7 +126,7 @@ _COMPLETIONS: dict[str, Schema] = dict(
     echo=_only(False, "echo is not supported."),
     suffix=_only("", "suffix is not supported."),
     best_of=_only(1, "best_of > 1 is not supported."),
-    logprobs=_only(0, "Logprobs are not supported."),
+    logprobs=_opt({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
 )
 
 _WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrogate, anywhere. "
@@ -121,9 +136,15 @@ _WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrog
 def _request(title: str, properties: dict[str, Schema], required: list[str]) -> Schema:
     return {"title": title, "type": "object", "description": _WHOLE, "required": required,
             "additionalProperties": False, "properties": properties,
-            # stream_options without stream is a 400 (`parse` says so too).
-            "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
-            "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+            "allOf": [
+                # stream_options without stream is a 400 (`parse` says so too).
+                {"if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+                 "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
+                # So is asking for top logprobs without logprobs.
+                {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer",
+                                                                                       "minimum": 1}}},
+                 "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+            ]}
 
 
 def chat_request() -> Schema:

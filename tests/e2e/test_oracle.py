@@ -32,6 +32,7 @@ from tests.e2e.test_batch import read_jsonl, submit, wait_for
 pytestmark = pytest.mark.e2e
 
 MODEL = "ballast-tiny"
+CHAT = "/v1/chat/completions"
 
 
 def chat(cid: str, content: str, max_tokens: int, **extra) -> dict:
@@ -47,6 +48,33 @@ def completion(cid: str, prompt: str | list[int], max_tokens: int, **extra) -> d
 
 # max_tokens picked (from the tiny model's greedy outputs) so that most lines end inside a
 # multi-byte character; "clean" ones end between characters.
+# Sampling parameters beyond temperature and top_p, and logprobs: each as vLLM's OpenAI
+# layer takes it. Greedy, so the penalties and biases decide which token wins.
+SAMPLING_CHAT = [
+    chat("s-logprobs", "Zürich in winter", 12, logprobs=True, top_logprobs=5),
+    chat("s-logprobs-0", "привет, мир", 9, logprobs=True),
+    chat("s-logprobs-eos", "résumé tips", 64, logprobs=True, top_logprobs=2),
+    chat("s-presence", "Tell me a story.", 24, presence_penalty=1.5),
+    chat("s-frequency", "Tell me a story.", 24, frequency_penalty=-1.2, logprobs=True, top_logprobs=1),
+    chat("s-repetition", "the quick brown fox", 24, repetition_penalty=1.8),
+    chat("s-logit-bias", "1 + 1 =", 12, logit_bias={"101": 8.5, "32": -100}),
+    chat("s-top-k", "la mer", 10, top_k=3, min_p=0.2),
+    chat("s-min-tokens", "résumé tips", 24, min_tokens=20),
+    chat("s-stop-ids", "Tell me a story.", 40, stop_token_ids=[110, 1]),  # byte tokens: "n"
+    chat("s-stop-incl", "Tell me a story.", 64, stop=["\u00ef"], include_stop_str_in_output=True),
+    chat("s-specials", "résumé tips", 64, skip_special_tokens=False, spaces_between_special_tokens=False),
+    chat("s-template", "hello", 6, chat_template_kwargs={"unused_variable": 1}),
+    chat("s-bias-oov", "hello", 6, logit_bias={"999999": 1}),
+]
+SAMPLING_COMPLETIONS = [
+    completion("q-logprobs", "Once upon a time", 9, logprobs=3),
+    completion("q-logprobs-0", "日本語テキスト", 11, logprobs=0),
+    completion("q-logprobs-20", "🚀 launch", 6, logprobs=20),
+    completion("q-penalties", "x = 1\n", 20, presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.3),
+    completion("q-min-tokens-stop", "Zürich", 30, min_tokens=12, stop=["M"]),
+    completion("q-stop-ids-logprobs", "Once upon a time", 30, stop_token_ids=[32], logprobs=2),
+]
+
 CHAT_LINES = [
     chat("c-mid-1", "Hello!", 10),
     chat("c-mid-2", "Tell me a story.", 12),
@@ -65,6 +93,7 @@ CHAT_LINES = [
     chat("c-too-long", "fine", 5000),  # beyond the 1024-token context
     chat("c-over-by-one", "z" * 1000, 1024 - 1004 + 1),  # the prompt is 1004 tokens (a known difference)
     dict(chat("c-no-model", "fine", 8), body=dict(chat("x", "fine", 8)["body"], model="gpt-9")),
+    *SAMPLING_CHAT,
 ]
 COMPLETION_LINES = [
     completion("p-mid-1", "Once upon a time", 9),
@@ -79,6 +108,7 @@ COMPLETION_LINES = [
     completion("p-stop", "Zürich", 64, stop=["MMM"]),
     completion("p-too-long", "fine", 5000),
     dict(completion("p-no-model", "fine", 8), body=dict(completion("x", "fine", 8)["body"], model="gpt-9")),
+    *SAMPLING_COMPLETIONS,
 ]
 
 DRIVER = r'''
@@ -201,6 +231,10 @@ KNOWN = {
 }
 
 
+def tokens_of(body: dict) -> int:
+    return body["usage"]["completion_tokens"]
+
+
 def _text(endpoint_body: dict) -> str | None:
     c = endpoint_body["choices"][0]
     return c["message"]["content"] if "message" in c else c["text"]
@@ -222,7 +256,23 @@ def compare(custom_id: str, ours: dict, theirs: dict) -> list[str]:
     ]:
         if x != y:
             diffs.append(f"{custom_id}: {what} {x!r} (Ballast) vs {y!r} (vLLM)")
+    if not close(a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]):
+        diffs.append(f"{custom_id}: logprobs {json.dumps(a['choices'][0]['logprobs'])[:400]} (Ballast) vs "
+                     f"{json.dumps(b['choices'][0]['logprobs'])[:400]} (vLLM)")
     return diffs
+
+
+def close(ours, theirs, tol: float = 1e-4) -> bool:
+    """Equal, numbers within `tol` (two engine runs' float32 logprobs); OpenAI's `refusal`,
+    which vLLM's chat logprobs lack, aside."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        ours = {k: v for k, v in ours.items() if not (k == "refusal" and v is None and k not in theirs)}
+        return ours.keys() == theirs.keys() and all(close(ours[k], theirs[k], tol) for k in ours)
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return len(ours) == len(theirs) and all(close(x, y, tol) for x, y in zip(ours, theirs, strict=True))
+    if isinstance(ours, float) or isinstance(theirs, float):
+        return isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and abs(ours - theirs) <= tol
+    return ours == theirs
 
 
 def _tokens(db_url: str, batch_id: str) -> dict[str, list[int]]:
@@ -286,8 +336,72 @@ async def test_batch_output_equals_vllms_own(vllm_run, stack, client, db_url, ti
     assert len(mid) >= 8, mid
     assert all(ours[c]["response"]["status_code"] == 200 for c in mid)
     assert {c for c in ids if theirs[c]["response"]["status_code"] != 200} == {
-        "c-too-long", "c-no-model", "p-too-long", "p-no-model"}
+        "c-too-long", "c-no-model", "p-too-long", "p-no-model", "s-bias-oov"}
+    # The sampling lines do what they say on vLLM's side (else equal outputs would prove little).
+    body = {c: theirs[c]["response"]["body"] for c in ids if theirs[c]["response"]["status_code"] == 200}
+    assert len(body["s-logprobs"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 5
+    assert len(body["q-logprobs-20"]["choices"][0]["logprobs"]["top_logprobs"][0]) > 10  # by text: some collide
+    assert body["s-min-tokens"]["usage"]["completion_tokens"] >= 20 > tokens_of(body["c-eos"])
+    assert body["s-stop-ids"]["choices"][0]["finish_reason"] == "stop"
+    assert _text(body["s-stop-incl"]).endswith("\u00ef")
+    for plain, varied in (("c-stop", "s-presence"), ("c-stop", "s-repetition"), ("c-clean-1", "s-logit-bias"),
+                          ("c-stop", "s-frequency")):
+        assert _text(body[plain])[:20] != _text(body[varied])[:20], (plain, varied)
     assert theirs["c-stop"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
     assert theirs["p-stop"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
     assert not unexpected, "\n".join(x for d in unexpected.values() for x in d)
     assert equal == len(ids) - len(KNOWN)
+
+
+INTERACTIVE = ["s-logprobs", "s-logprobs-eos", "s-frequency", "s-stop-ids", "s-specials", "q-logprobs",
+               "q-stop-ids-logprobs", "q-penalties"]
+
+
+async def test_interactive_equals_vllms_own(vllm_run, stack, client):
+    """The same bodies through the official client, whole and streamed, against vLLM's
+    answers to the batch lines."""
+    theirs = await asyncio.to_thread(vllm_run.results)
+    lines = {ln["custom_id"]: ln for ln in CHAT_LINES + COMPLETION_LINES}
+    diffs = []
+    for cid in INTERACTIVE:
+        line, want = lines[cid], theirs[cid]
+        create = client.chat.completions.create if line["url"] == CHAT else client.completions.create
+        whole = (await asyncio.to_thread(create, **_sdk(line["body"]))).model_dump(mode="json")
+        diffs += compare(cid, dict(response=dict(status_code=200, body=whole)), want)
+        streamed = await asyncio.to_thread(_streamed, create, line["body"])
+        diffs += compare(f"{cid} (streamed)", dict(response=dict(status_code=200, body=streamed)), want)
+    assert not diffs, "\n".join(diffs)
+
+
+def _sdk(body: dict) -> dict:
+    """The client's arguments: vLLM's own parameters go in `extra_body`, as vLLM's docs say."""
+    known = {"model", "messages", "prompt", "max_tokens", "temperature", "logprobs", "top_logprobs",
+             "presence_penalty", "frequency_penalty", "logit_bias", "stop"}
+    return {k: v for k, v in body.items() if k in known} | {
+        "extra_body": {k: v for k, v in body.items() if k not in known}}
+
+
+def _streamed(create, body: dict) -> dict:
+    """A streamed response put together as a whole one: text, logprobs and usage."""
+    text: list[str] = []
+    content: list = []
+    comp: dict[str, list] = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    reason, usage = None, None
+    chat = "messages" in body
+    for chunk in create(**_sdk(body), stream=True, stream_options={"include_usage": True}):
+        d = chunk.model_dump(mode="json")
+        usage = d.get("usage") or usage
+        for c in d["choices"]:
+            text.append((c["delta"].get("content") if chat else c["text"]) or "")
+            reason = c["finish_reason"] or reason
+            if c.get("logprobs"):
+                if chat:
+                    content += c["logprobs"]["content"]
+                else:
+                    for k in comp:
+                        comp[k] += c["logprobs"][k]
+    logprobs = None if body.get("logprobs") in (None, False) else (
+        dict(content=content, refusal=None) if chat else comp)
+    choice = dict(finish_reason=reason, logprobs=logprobs)
+    choice.update(message=dict(content="".join(text))) if chat else choice.update(text="".join(text))
+    return dict(choices=[choice], usage=usage)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import httpx
@@ -14,17 +13,13 @@ import pytest
 
 from engine.server import create_app
 from engine.slots import EngineSlots
+from engine.vllm_engine import Step
 
 TOKEN = "engine-token-for-tests-0123456789abcdef"
 JOB = dict(request_id="req-1", endpoint="/v1/completions", priority=0, tenant="acme", tier="default", weight=1,
            body=dict(model="ballast-tiny", prompt=[1, 2, 3], max_tokens=2))
 
 
-@dataclass
-class _Step:
-    token_ids: list[int]
-    finish_reason: str | None
-    text: str = ""
 
 
 class FakeEngine:
@@ -38,8 +33,8 @@ class FakeEngine:
 
     async def generate(self, request_id: str, prompt: list[int], sampling, **_):
         self.generated.append(request_id)
-        yield _Step([7], None, "a")
-        yield _Step([8], "length", "b")
+        yield Step([7], None, "a")
+        yield Step([8], "length", "b")
 
 
 def client(engine: FakeEngine, headers: dict[str, str] | None = None, served=None) -> httpx.AsyncClient:

@@ -13,6 +13,11 @@ LINES = [
     ('{"text": "Hel", "tokens": 1}', wire.Delta("Hel", 1)),
     ('{"finish_reason": "stop", "completion_tokens": 17, "engine_ttft_ms": 4.5, "engine_ms": 80.0}',
      wire.Finished("stop", 17, 4.5, 80.0)),
+    # What newer engines add where a request uses it.
+    ('{"text": "a", "tokens": 1, "logprobs": [[["a", -0.5], ["b", -1.25]]]}',
+     wire.Delta("a", 1, [[["a", -0.5], ["b", -1.25]]])),
+    ('{"finish_reason": "stop", "completion_tokens": 2, "engine_ttft_ms": null, "engine_ms": null, '
+     '"cached_tokens": 16}', wire.Finished("stop", 2, cached_tokens=16)),
     ('{"error": {"message": "no", "type": "invalid_request_error", "param": null, "code": "x"}, "status": 400}',
      wire.Failed({"message": "no", "type": "invalid_request_error", "param": None, "code": "x"}, 400)),
 ]

@@ -23,7 +23,15 @@ def test_item_payloads_keep_the_keys_the_journal_holds():
     event has always had (written out here, not read from the classes) stay exactly so."""
     from dataclasses import asdict
 
-    from protocol.events import ItemChunk, ItemCompleted, ItemFailed, ItemPreempted, item_payload, item_result
+    from protocol.events import (
+        ItemChunk,
+        ItemCompleted,
+        ItemFailed,
+        ItemPreempted,
+        chunk_payload,
+        item_payload,
+        item_result,
+    )
 
     held = {
         EventType.ITEM_CHUNK: {"batch_id", "idx", "offset", "token_ids", "runner"},
@@ -38,8 +46,12 @@ def test_item_payloads_keep_the_keys_the_journal_holds():
         EventType.ITEM_FAILED: ItemFailed("b", 1, 400, "{}"),
     }
     for type_, p in made.items():
-        assert set(asdict(p)) == held[type_]
-        assert item_payload(type_, asdict(p)) == p
+        d = chunk_payload(p) if isinstance(p, ItemChunk) else asdict(p)
+        assert set(d) == held[type_]
+        assert item_payload(type_, d) == p
+    with_logprobs = ItemChunk("b", 1, 0, [1], "r", [[[1, -0.5]]])
+    assert set(chunk_payload(with_logprobs)) == held[EventType.ITEM_CHUNK] | {"logprobs"}
+    assert item_payload(EventType.ITEM_CHUNK, chunk_payload(with_logprobs)) == with_logprobs
     assert item_result(EventType.ITEM_FAILED, asdict(made[EventType.ITEM_FAILED])).status_code == 400
     try:
         item_result(EventType.ITEM_CHUNK, asdict(made[EventType.ITEM_CHUNK]))

@@ -57,8 +57,13 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
     ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
     ("messages", [{"role": "user", "content": None}], "messages[0].content"),
     ("messages", [{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
-    ("tools", [{"type": "function"}], "tools"), ("logprobs", True, "logprobs"),
-    ("presence_penalty", 1, "presence_penalty"),
+    ("tools", [{"type": "function"}], "tools"), ("logprobs", 1, "logprobs"),
+    ("top_logprobs", 21, "top_logprobs"), ("top_logprobs", 2, "top_logprobs"),
+    ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
+    ("logit_bias", {"x": 1}, "logit_bias"), ("logit_bias", {"5": "a"}, "logit_bias"),
+    ("repetition_penalty", 0, "repetition_penalty"), ("top_k", -2, "top_k"), ("min_p", 1.5, "min_p"),
+    ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
+    ("chat_template_kwargs", [], "chat_template_kwargs"),
     ("service_tier", "scale", "service_tier"), ("model", None, "model"), ("model", 3, "model"), ("bogus", 1, "bogus"),
     ("response_format", {"type": "json_object"}, "response_format"),
 ])
@@ -74,6 +79,17 @@ def test_unknown_model_is_404_and_nulls_mean_defaults():
     nulls = dict(CHAT_OK, temperature=None, top_p=None, max_tokens=None, stop=None, seed=None, n=None, stream=None,
                  stream_options=None, service_tier=None, tools=None, logprobs=None)
     assert isinstance(parse(CHAT, nulls, LIMITS), GenerationRequest)
+
+
+def test_vllm_extras_and_logprobs():
+    r = parse(CHAT, dict(CHAT_OK, logprobs=True, top_logprobs=3, logit_bias={"7": 150, "3": -1.5}, top_k=5,
+                         presence_penalty=0.5, stop_token_ids=[4, 9], min_tokens=2, max_tokens=8), LIMITS)
+    assert (r.logprobs, r.logit_bias, r.top_k, r.presence_penalty, r.stop_token_ids, r.min_tokens) == (
+        3, ((3, -1.5), (7, 100.0)), 5, 0.5, (4, 9), 2)
+    assert parse(CHAT, dict(CHAT_OK, logprobs=True), LIMITS).logprobs == 0  # the sampled token's only
+    assert parse(CHAT, dict(CHAT_OK, logprobs=False, top_logprobs=0), LIMITS).logprobs is None
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, logprobs=0), LIMITS).logprobs == 0
+    assert parse(CHAT, dict(CHAT_OK, min_tokens=9, max_tokens=8), LIMITS).param == "min_tokens"
 
 
 def test_streaming_options_and_tiers():
