@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -339,6 +340,9 @@ def _metadata(value: Any) -> dict[str, str]:
     return value
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """Token id (as a JSON key) to a bias; vLLM clamps each to [-100, 100], as done here."""
     if not isinstance(value, dict):
@@ -346,7 +350,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     out: dict[int, float] = {}
     for k, bias in value.items():
         token = k.strip()
-        if not (token.isdigit() or (token[:1] == "-" and token[1:].isdigit())):
+        if not _TOKEN_ID.fullmatch(token):  # ASCII digits only: int() would take "١" and refuse "¹"
             raise Invalid(f"has a key that is not a token id: {k!r}.", "invalid_value", "logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
             raise Invalid(f"has a bias that is not a number (token {k}).", "invalid_type", "logit_bias")

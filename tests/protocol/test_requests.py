@@ -61,6 +61,7 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
     ("top_logprobs", 21, "top_logprobs"), ("top_logprobs", 2, "top_logprobs"),
     ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
     ("logit_bias", {"x": 1}, "logit_bias"), ("logit_bias", {"5": "a"}, "logit_bias"),
+    ("logit_bias", {"¹": 0}, "logit_bias"), ("logit_bias", {"١": 0}, "logit_bias"),
     ("repetition_penalty", 0, "repetition_penalty"), ("top_k", -2, "top_k"), ("min_p", 1.5, "min_p"),
     ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("chat_template_kwargs", [], "chat_template_kwargs"),
