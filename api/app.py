@@ -13,6 +13,7 @@ from temporalio.client import Client
 from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models, usage, webhooks
 from api.console import router as console_router
 from api.deps import REQUIRE_KEY, Services
+from api.ratelimit_headers import RateLimitHeaders
 from api.request_ids import RequestId
 from api.services.admission import Admission
 from api.services.auth import Authenticate, KeyCache
@@ -67,6 +68,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
 
     app.add_middleware(LimitBody, upload_limit=settings.max_upload_bytes, request_limit=settings.max_request_bytes,
                        read_timeout_s=settings.request_read_timeout_s)
+    app.add_middleware(RateLimitHeaders)  # x-ratelimit-*: inside Authenticate, whose principal it reads
     app.add_middleware(Authenticate)  # no body is read for a caller without a key
     if settings.admin_port is not None:
         app.add_middleware(AdminListener, port=settings.admin_port)  # before any key is asked

@@ -64,7 +64,7 @@ async def _current(svc: Services, batch_id: str) -> dict[str, Any]:
 async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, Any]:
     done = await batch_store.progress(conn, row["id"])
     out = {k: row[k] for k in (
-        "id", "endpoint", "errors", "input_file_id", "completion_window", "status", "output_file_id",
+        "id", "endpoint", "model", "errors", "input_file_id", "completion_window", "status", "output_file_id",
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
     # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic, the
@@ -79,7 +79,15 @@ async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, An
                    estimated_completion=estimated_completion(row["status"], started, done.completed + done.failed,
                                                              done.total, now),
                    workflow_url=svc.settings.workflow_url(keys.batch(row["id"])))
-    return dict(object="batch", **out, request_counts=done.request_counts(), ballast=ballast)
+    return dict(object="batch", **out, request_counts=done.request_counts(), usage=usage(done), ballast=ballast)
+
+
+def usage(done: batch_store.Progress) -> dict[str, Any]:
+    """OpenAI's batch `usage`: the tokens of the completed items, as their responses state
+    them. The engine reports no reasoning tokens apart from the others, so none are."""
+    return dict(input_tokens=done.input_tokens, input_tokens_details=dict(cached_tokens=done.cached_tokens),
+                output_tokens=done.output_tokens, output_tokens_details=dict(reasoning_tokens=0),
+                total_tokens=done.input_tokens + done.output_tokens)
 
 
 def _links(*operations: str) -> dict:
@@ -116,7 +124,8 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     # that name another), on that model's pool. One no pool serves is checked against the
     # deployment's own, whose validation then says so line by line. Read before the batch
     # exists: nothing is left half made if the store fails.
-    named = base_model(await asyncio.to_thread(first_model, svc.store, f["object_key"]), await svc.models())
+    first = await asyncio.to_thread(first_model, svc.store, f["object_key"])
+    named = base_model(first, await svc.models())
     model = named or s.model_name
     async with svc.db.begin() as conn:
         # Held until the batch is journaled: a DELETE of the file waits for it, then sees the
@@ -124,7 +133,9 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
         if await batch_store.get_file(conn, body.input_file_id, tenant, now=now, lock=True) is None:
             raise not_found("file", body.input_file_id, "input_file_id")
         lifetime = body.output_expires_after.seconds if body.output_expires_after else None
-        await batch_store.create_batch(conn, row, lifetime)
+        # The batch object's `model`: the first line's as written (a fine-tuned model's own
+        # name) where a pool serves it; else the deployment's, which its lines are checked against.
+        await batch_store.create_batch(conn, row, lifetime, model=first if named else model)
         owner = await tenant_store.get_tenant(conn, tenant)
     pool = pool_queue(s.engine_queue, model)
     queues = [pool]

@@ -240,11 +240,15 @@ async def sweep_expired_files(db: AsyncEngine, store: ObjectStore, *, now: float
 # -- batches ------------------------------------------------------------------------
 
 
-async def create_batch(conn: AsyncConnection, row: dict[str, Any], output_expires_after: int | None = None) -> None:
+async def create_batch(conn: AsyncConnection, row: dict[str, Any], output_expires_after: int | None = None,
+                       model: str | None = None) -> None:
     """Journal the batch; `output_expires_after`: seconds its output and error files live
-    once written (None: until deleted)."""
+    once written (None: until deleted); `model`: the model it runs."""
     stream = keys.batch(row["id"])
     new = [NewEvent(stream, EventType.BATCH_CREATED, row, f"{stream}:created", row["tenant"])]
+    if model is not None:
+        new.append(NewEvent(stream, EventType.BATCH_MODEL, dict(batch_id=row["id"], model=model),
+                            f"{stream}:model", row["tenant"]))
     if output_expires_after is not None:
         new.append(NewEvent(stream, EventType.BATCH_OUTPUT_EXPIRY,
                             dict(batch_id=row["id"], seconds=int(output_expires_after)),
@@ -287,7 +291,7 @@ async def request_counts(conn: AsyncConnection, batch_id: str) -> dict[str, int]
 @dataclass(frozen=True)
 class Progress:
     """A batch's items so far, in one read of them: OpenAI's `request_counts`, how often
-    they yielded to interactive work, and the tokens of those completed."""
+    they yielded to interactive work, and the tokens of those completed (OpenAI's `usage`)."""
 
     total: int = 0
     completed: int = 0
@@ -296,6 +300,7 @@ class Progress:
     items_preempted: int = 0
     input_tokens: int = 0  # of the completed items, from their responses' usage
     output_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, served from the prefix cache
 
     def request_counts(self) -> dict[str, int]:
         return dict(total=self.total, completed=self.completed, failed=self.failed)
@@ -305,7 +310,8 @@ async def progress(conn: AsyncConnection, batch_id: str) -> Progress:
     i = batch_items.c
     q = select(func.count(), func.count().filter(i.status == "completed"), func.count().filter(i.status == "failed"),
                func.coalesce(func.sum(i.preemptions), 0), func.count().filter(i.preemptions > 0),
-               func.coalesce(func.sum(i.input_tokens), 0), func.coalesce(func.sum(i.output_tokens), 0))
+               func.coalesce(func.sum(i.input_tokens), 0), func.coalesce(func.sum(i.output_tokens), 0),
+               func.coalesce(func.sum(i.cached_tokens), 0))
     return Progress(*(int(n) for n in (await conn.execute(q.where(i.batch_id == batch_id))).one()))
 
 

@@ -72,6 +72,12 @@ async def _batch_created(conn, evs):
     await conn.execute(insert(batches).on_conflict_do_nothing(), [dict(e.payload, seq=e.position) for e in evs])
 
 
+@projects(EventType.BATCH_MODEL)
+async def _batch_model(conn, evs):
+    stmt = update(batches).where(batches.c.id == bindparam("b_id")).values(model=bindparam("b_model"))
+    await conn.execute(stmt, [dict(b_id=e.payload["batch_id"], b_model=e.payload["model"]) for e in evs])
+
+
 # A status change carries its own timestamp (`at`) so replay reproduces it exactly.
 _STATUS_FIELDS = ("errors", "output_file_id", "error_file_id")
 
@@ -91,27 +97,32 @@ async def _item_created(conn, evs):
     await conn.execute(insert(batch_items).on_conflict_do_nothing(), rows)
 
 
-async def _item_finished(conn, used: Sequence[tuple[Event, ledger.ItemUsage]], status: str):
+async def _item_finished(conn, used: Sequence[tuple[Event, ledger.ItemUsage, int]], status: str):
+    """`used`: each result with its usage and its cached input tokens."""
     stmt = (
         update(batch_items)
         .where(batch_items.c.batch_id == bindparam("b_batch"), batch_items.c.idx == bindparam("b_idx"))
         .values(status=status, result_position=bindparam("b_pos"), input_tokens=bindparam("b_in"),
-                output_tokens=bindparam("b_out"))
+                output_tokens=bindparam("b_out"), cached_tokens=bindparam("b_cached"))
     )
     await conn.execute(stmt, [dict(b_batch=u.batch_id, b_idx=u.idx, b_pos=e.position, b_in=u.input_tokens,
-                                   b_out=u.output_tokens) for e, u in used])
-    await ledger.settle_items(conn, [u for _, u in used])
+                                   b_out=u.output_tokens, b_cached=cached) for e, u, cached in used])
+    await ledger.settle_items(conn, [u for _, u, _ in used])
 
 
 @projects(EventType.ITEM_COMPLETED)
 async def _item_completed(conn, evs):
-    done = [(e, item_result(e.type, e.payload)) for e in evs]
-    await _item_finished(conn, [(e, _used(e, p, _usage(p.body_json))) for e, p in done], "completed")
+    used = []
+    for e in evs:
+        p = item_result(e.type, e.payload)
+        usage = _usage(p.body_json)
+        used.append((e, _used(e, p, usage), _cached(usage)))
+    await _item_finished(conn, used, "completed")
 
 
 @projects(EventType.ITEM_FAILED)
 async def _item_failed(conn, evs):
-    await _item_finished(conn, [(e, _used(e, p, {})) for e, p in _items(evs)], "failed")
+    await _item_finished(conn, [(e, _used(e, p, {}), 0) for e, p in _items(evs)], "failed")
 
 
 def _usage(body_json: str | None) -> dict:
@@ -122,6 +133,13 @@ def _usage(body_json: str | None) -> dict:
         return {}
     usage = body.get("usage") if isinstance(body, dict) else None
     return usage if isinstance(usage, dict) else {}
+
+
+def _cached(usage: dict) -> int:
+    """Of the prompt's tokens, those the prefix cache served (OpenAI's
+    `usage.prompt_tokens_details.cached_tokens`); 0 where the engine did not say."""
+    details = usage.get("prompt_tokens_details")
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
 
 
 def _items(evs: Sequence[Event]) -> list[tuple[Event, ItemPayload]]:

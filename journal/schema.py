@@ -86,6 +86,8 @@ batches = Table(
     Column("expired_at", BigInteger),
     Column("cancelling_at", BigInteger),
     Column("cancelled_at", BigInteger),
+    # The model it runs, from its `batch_model` event (migration 0022; NULL: created before).
+    Column("model", Text),
     # The position of the batch_created event: listing is newest first by it.
     Column("seq", BigInteger, nullable=False),
     Index("batches_tenant_seq", "tenant", text("seq DESC")),
@@ -108,6 +110,8 @@ batch_items = Table(
     # A completed item's usage, from its response (migration 0020): the batch's tokens so far.
     Column("input_tokens", BigInteger),
     Column("output_tokens", BigInteger),
+    # Of its input tokens, those vLLM's prefix cache served (`prompt_tokens_details`; 0022).
+    Column("cached_tokens", BigInteger),
     # The workflow pages through the items still to run: match that query exactly.
     Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
 )

@@ -127,6 +127,8 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         raise Invalid("The request body must be a JSON object.", "invalid_request")
     unstorable(body)
     params = _CHAT if endpoint == CHAT else _COMPLETIONS
+    if endpoint == COMPLETIONS and "prompt" not in body:  # required, though it may be null
+        raise Invalid("`prompt` is required.", "missing_required_parameter", "prompt")
     for name in body:
         if name not in params:
             raise Invalid(f"Unrecognized request argument supplied: {name}", "unknown_parameter", name)
@@ -176,10 +178,11 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         messages=v.get("messages") or (),
         prompt=v.get("prompt") or "",
         max_tokens=max_tokens,
-        temperature=1.0 if v["temperature"] is None else float(v["temperature"]),
-        top_p=1.0 if v["top_p"] is None else float(v["top_p"]),
+        # top_p 0 keeps only the likeliest token, which OpenAI accepts and vLLM does not: greedy.
+        temperature=0.0 if v["top_p"] == 0 else 1.0 if v["temperature"] is None else float(v["temperature"]),
+        top_p=1.0 if v["top_p"] in (None, 0) else float(v["top_p"]),
         seed=v["seed"],
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop=stop or (),
         stream=stream,
         include_usage=bool((v["stream_options"] or {}).get("include_usage")),
         service_tier=tier,
@@ -300,41 +303,52 @@ def _only(default: Any, what: str) -> Check:
     return run
 
 
-def _choice(*allowed: str) -> Check:
-    def run(value: Any) -> str:
-        if not isinstance(value, str) or value not in allowed:
-            raise Invalid(f"must be one of {', '.join(allowed)}.")
-        return value
+def _tier(value: Any) -> str:
+    if value == "auto" or value in SERVICE_TIERS:
+        return str(value)
+    if isinstance(value, str):  # OpenAI's "scale" and the like: capacity products of its own
+        raise Invalid(f"{value!r} is not a tier this deployment offers: use one of auto, "
+                      f"{', '.join(SERVICE_TIERS)}.", "unsupported_value")
+    raise Invalid("must be a string.", "invalid_type")
 
-    return run
+
+def _max_tokens(value: Any) -> int:
+    if _whole(value) == 0:  # OpenAI's completions take 0 (with echo: the prompt alone); vLLM generates >= 1
+        raise Invalid("must be at least 1: a request that generates nothing is not served.", "unsupported_value")
+    n: int = _int(1)(value)
+    return n
 
 
-def _stop(value: Any) -> str | list[str]:
+def _stop(value: Any) -> tuple[str, ...]:
+    """The stop strings; an empty one (which OpenAI accepts and vLLM refuses) stops nothing."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise Invalid("must be a string or a list of strings.", "invalid_type")
-    if len(items) > MAX_STOP or any(not s for s in items):
-        raise Invalid(f"takes up to {MAX_STOP} non-empty strings.")
+    if len(items) > MAX_STOP:
+        raise Invalid(f"takes up to {MAX_STOP} strings.")
     if any(len(s) > MAX_STOP_CHARS for s in items):
         raise Invalid(f"takes strings of at most {MAX_STOP_CHARS} characters.")
-    return value if isinstance(value, str) else items
+    return tuple(s for s in items if s)
 
 
 def _stream_options(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise Invalid("must be an object.", "invalid_type")
     for k, v in value.items():
-        if k != "include_usage":
+        # include_obfuscation: OpenAI pads stream events against length side channels;
+        # Ballast sends none, so either value is served.
+        if k not in ("include_usage", "include_obfuscation"):
             raise Invalid(f"Unrecognized stream option: {k}", "unknown_parameter", f"stream_options.{k}")
-        if not isinstance(v, bool):
-            raise Invalid("`stream_options.include_usage` must be a boolean.", "invalid_type",
-                          "stream_options.include_usage")
+        if not isinstance(v, bool) and v is not None:
+            raise Invalid(f"`stream_options.{k}` must be a boolean.", "invalid_type", f"stream_options.{k}")
     return value
 
 
 def _metadata(value: Any) -> dict[str, str]:
-    if not isinstance(value, dict) or len(value) > 16:
+    if not isinstance(value, dict):
         raise Invalid("must be an object of at most 16 string pairs.", "invalid_type")
+    if len(value) > 16:
+        raise Invalid("must be an object of at most 16 string pairs.")
     if not all(isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()):
         raise Invalid("keys are at most 64 characters and values strings of at most 512.")
     return value
@@ -399,52 +413,94 @@ def _messages(value: Any) -> tuple[Message, ...]:
     return tuple(_message(i, m) for i, m in enumerate(value))
 
 
+# What a message may carry that Ballast does not offer, and why (a 400 naming it).
+_NOT_IN_MESSAGES = {"audio": "no audio answers to refer to", "tool_calls": "no tool calling",
+                    "function_call": "no function calling", "tool_call_id": "no tool calling"}
+_NOT_IN_PARTS = {"image_url": "the served models take text only", "input_audio": "the served models take text only",
+                 "file": "no files in messages"}
+_PART_KEYS = {"text": ("type", "text", "prompt_cache_breakpoint"), "refusal": ("type", "refusal")}
+
+
 def _message(i: int, m: Any) -> Message:
+    """One message as text. Explicit nulls are absent; an assistant's earlier refusal is
+    the text it said; `prompt_cache_breakpoint` is a hint vLLM's automatic prefix cache
+    does not need."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise Invalid(f"`{where}` must be an object with `role` and `content`.", "invalid_type", where)
-    for k in m:
-        if k not in ("role", "content", "name"):
-            raise Invalid(f"`{where}.{k}` is not supported (no tool calls, audio or refusals).",
-                       "unsupported_parameter", f"{where}.{k}")
-    if m.get("role") not in ROLES:
+    for k, v in m.items():
+        if k in _NOT_IN_MESSAGES and v is not None:
+            raise Invalid(f"`{where}.{k}` is not supported ({_NOT_IN_MESSAGES[k]}).", "unsupported_parameter",
+                          f"{where}.{k}")
+        if k not in _NOT_IN_MESSAGES and k not in ("role", "content", "name", "refusal"):
+            raise Invalid(f"Unrecognized message field: {k}", "unknown_parameter", f"{where}.{k}")
+    role = m.get("role")
+    if role in ("tool", "function"):
+        raise Invalid(f"`{where}.role` {role!r} is not supported (no tool or function calling).",
+                      "unsupported_value", f"{where}.role")
+    if role not in ROLES:
         raise Invalid(f"`{where}.role` must be one of {', '.join(ROLES)}.", "invalid_value", f"{where}.role")
-    if "name" in m and not isinstance(m["name"], str):
-        raise Invalid(f"`{where}.name` must be a string.", "invalid_type", f"{where}.name")
+    for k in ("name", "refusal"):
+        if m.get(k) is not None and not isinstance(m[k], str):
+            raise Invalid(f"`{where}.{k}` must be a string.", "invalid_type", f"{where}.{k}")
     c = m.get("content")
+    if c is None and role == "assistant":  # an assistant turn may be a refusal, or (elsewhere) only tool calls
+        return Message(role, m.get("refusal") or "")
     if isinstance(c, str):
-        return Message(m["role"], c)
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   and set(p) == {"type", "text"} for p in c):
-        return Message(m["role"], "".join(p["text"] for p in c))
-    raise Invalid(f"`{where}.content` must be a string or a list of text parts.", "invalid_type", f"{where}.content")
+        return Message(role, c)
+    if not isinstance(c, list):
+        raise Invalid(f"`{where}.content` must be a string or a list of text parts.", "invalid_type",
+                      f"{where}.content")
+    texts = []
+    for j, part in enumerate(c):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _NOT_IN_PARTS:
+            raise Invalid(f"`{at}` is a {kind} part: not supported ({_NOT_IN_PARTS[kind]}).", "unsupported_value",
+                          f"{at}.{kind}")
+        keys = _PART_KEYS.get(kind or "", ())
+        if not keys or not isinstance(part.get(kind), str) or any(k not in keys for k in part) or (
+                kind == "refusal" and role != "assistant"):
+            raise Invalid(f"`{at}` must be a text part (or an assistant's refusal).", "invalid_type", at)
+        texts.append(part[kind])
+    return Message(role, "".join(texts))
+
+
+PROMPT_DEFAULT = "<|endoftext|>"  # OpenAI's, for a null prompt
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:
+    """One prompt: a text, token ids, or a list holding one of those."""
+    if value is None:
+        return PROMPT_DEFAULT
     if isinstance(value, str):
         return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+        if isinstance(value, str):
+            return value
     given = [_whole(t) for t in value] if isinstance(value, list) else []
     ids = [t for t in given if t is not None]
     if ids and len(ids) == len(given):
         if min(ids) < 0:
             raise Invalid("holds a negative token id.")
         return tuple(ids)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
-        raise Invalid("must be one prompt: send one request per prompt.", "unsupported_value")
+    if isinstance(value, list) and len(value) != 1 and all(isinstance(p, (str, list)) for p in value):
+        raise Invalid("must be one prompt: send one request per prompt (or a batch).", "unsupported_value")
     raise Invalid("must be a string or a non-empty list of token ids.", "invalid_type")
 
 
 _COMMON: dict[str, Check] = dict(
     model=_required(_string),
-    max_tokens=_optional(_int(1)),
+    max_tokens=_optional(_max_tokens),
     temperature=_optional(_number(0, 2)),
-    top_p=_optional(_number(0, 1, lo_open=True)),
+    top_p=_optional(_number(0, 1)),
     n=_optional(_only(1, "n > 1 is not supported")),
     seed=_optional(_int(*INT64)),
     stop=_optional(_stop),
     stream=_optional(_bool),
     stream_options=_optional(_stream_options),
-    service_tier=_optional(_choice("auto", *SERVICE_TIERS)),
+    service_tier=_optional(_tier),
     presence_penalty=_optional(_number(-2, 2)),
     frequency_penalty=_optional(_number(-2, 2)),
     logit_bias=_optional(_logit_bias),
@@ -464,7 +520,7 @@ _COMMON: dict[str, Check] = dict(
 _CHAT: dict[str, Check] = dict(
     _COMMON,
     messages=_required(_messages),
-    max_completion_tokens=_optional(_int(1)),
+    max_completion_tokens=_optional(_max_tokens),
     logprobs=_optional(_bool),
     top_logprobs=_optional(_int(0, MAX_LOGPROBS)),
     chat_template_kwargs=_optional(_object),
@@ -479,8 +535,8 @@ _CHAT: dict[str, Check] = dict(
     modalities=_optional(_only((["text"],), "only text output is supported")),
     safety_identifier=_optional(_string),
     prompt_cache_key=_optional(_string),
-    reasoning_effort=_optional(_unsupported),
-    verbosity=_optional(_unsupported),
+    reasoning_effort=_optional(_only("medium", "the served model's reasoning is not set per request")),
+    verbosity=_optional(_only("medium", "the served model's verbosity is not set per request")),
     audio=_optional(_unsupported),
     prediction=_optional(_unsupported),
     web_search_options=_optional(_unsupported),
@@ -491,7 +547,7 @@ _CHAT: dict[str, Check] = dict(
 
 _COMPLETIONS: dict[str, Check] = dict(
     _COMMON,
-    prompt=_required(_prompt),
+    prompt=_prompt,
     echo=_optional(_only(False, "echo is not supported")),
     suffix=_optional(_only("", "suffix is not supported")),
     best_of=_optional(_only(1, "best_of > 1 is not supported")),

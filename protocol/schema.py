@@ -47,21 +47,44 @@ def _string(description: str | None = None, **more: Any) -> Schema:
 
 _NOT_SUPPORTED = {**_NULL, "description": "Not supported by this deployment: absent or null only."}
 _TEXT_PART: Schema = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
-                      "properties": {"type": {"const": "text"}, "text": _TEXT}}
+                      "properties": {"type": {"const": "text"}, "text": _TEXT,
+                                     "prompt_cache_breakpoint": {"type": "object",
+                                                                 "description": "Ignored: vLLM caches prefixes "
+                                                                                "by itself."}}}
+_REFUSAL_PART: Schema = {"type": "object", "required": ["type", "refusal"], "additionalProperties": False,
+                         "properties": {"type": {"const": "refusal"}, "refusal": _TEXT}}
+_USER_CONTENT: Schema = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT_PART}]}
+_MESSAGE: Schema = {
+    "type": "object", "required": ["role"], "additionalProperties": False,
+    "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"anyOf": [_TEXT, {"type": "array", "items": {"anyOf": [_TEXT_PART, _REFUSAL_PART]}}, _NULL]},
+        "name": _opt(_TEXT),
+        "refusal": _opt(_TEXT),
+        **{k: {**_NULL, "description": "No tool calling or audio: null only."}
+           for k in ("audio", "tool_calls", "function_call", "tool_call_id")},
+    },
+    "description": "Only an assistant's message may lack content (its `refusal` is then what it said) or hold "
+                   "refusal parts.",
+    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+    "then": {"required": ["content"], "properties": {"content": _USER_CONTENT}},
+}
 
 _COMMON: dict[str, Schema] = dict(
     model=_string("The served model's name (GET /v1/models); another one is a 404."),
     max_tokens=_opt({"type": "integer", "minimum": 1,
                      "description": "At most the model's context length (else a 400)."}),
     temperature=_opt({"type": "number", "minimum": 0, "maximum": 2}),
-    top_p=_opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    top_p=_opt({"type": "number", "minimum": 0, "maximum": 1, "description": "0: the likeliest token (greedy)."}),
     n=_only(1, "n > 1 is not supported."),
     seed=_opt({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
-    stop=_opt({"anyOf": [_string(minLength=1),
-                         {"type": "array", "maxItems": MAX_STOP, "items": _string(minLength=1)}]}),
+    stop=_opt({"anyOf": [_string(), {"type": "array", "maxItems": MAX_STOP, "items": _string()}],
+               "description": "An empty string stops nothing."}),
     stream=_opt({"type": "boolean"}),
     stream_options=_opt({"type": "object", "additionalProperties": False,
-                         "properties": {"include_usage": {"type": "boolean"}},
+                         "properties": {"include_usage": _opt({"type": "boolean"}),
+                                        "include_obfuscation": _opt({"type": "boolean",
+                                                                     "description": "No padding is sent."})},
                          "description": "Only with `stream`: true."}),
     service_tier=_opt({"enum": ["auto", *SERVICE_TIERS]}),
     presence_penalty=_opt({"type": "number", "minimum": -2, "maximum": 2}),
@@ -86,13 +109,7 @@ _COMMON: dict[str, Schema] = dict(
 
 _CHAT: dict[str, Schema] = dict(
     _COMMON,
-    messages={"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["role", "content"], "additionalProperties": False,
-        "properties": {
-            "role": {"enum": list(ROLES)},
-            "content": {"anyOf": [_TEXT, {"type": "array", "items": _TEXT_PART}]},
-            "name": _TEXT,
-        }}},
+    messages={"type": "array", "minItems": 1, "items": _MESSAGE},
     max_completion_tokens=_opt({"type": "integer", "minimum": 1}),
     logprobs=_opt({"type": "boolean"}),
     top_logprobs=_opt({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
@@ -112,17 +129,22 @@ _CHAT: dict[str, Schema] = dict(
     modalities=_only(["text"], "Text output only."),
     safety_identifier=_opt(_string()),
     prompt_cache_key=_opt(_string()),
+    reasoning_effort=_only("medium", "The served model's reasoning is not set per request."),
+    verbosity=_only("medium", "The served model's verbosity is not set per request."),
     **{name: _NOT_SUPPORTED for name in (
-        "reasoning_effort", "verbosity", "audio", "prediction", "web_search_options", "moderation",
+        "audio", "prediction", "web_search_options", "moderation",
         "prompt_cache_options", "prompt_cache_retention")},
 )
 
+_TOKEN_IDS: Schema = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                      "description": "Token ids, within the model's vocabulary."}
+
 _COMPLETIONS: dict[str, Schema] = dict(
     _COMMON,
-    prompt={"anyOf": [_TEXT,
-                      {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
-                       "description": "Token ids, within the model's vocabulary."}],
-            "description": "One prompt: a text, or token ids."},
+    prompt={"anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": 1,
+                                          "items": {"anyOf": [_TEXT, _TOKEN_IDS]}}, _NULL],
+            "description": "One prompt: a text, or token ids (or a list of one of those); null: "
+                           "\"<|endoftext|>\", OpenAI's default."},
     echo=_only(False, "echo is not supported."),
     suffix=_only("", "suffix is not supported."),
     best_of=_only(1, "best_of > 1 is not supported."),

@@ -31,6 +31,8 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Literal
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -59,6 +61,21 @@ log = logging.getLogger(__name__)
 
 def default_holder() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Decided:
+    """What admission decided about the request under way, for its `x-ratelimit-*` headers
+    (api/ratelimit_headers.py, which sets a fresh one per request in DECIDED)."""
+
+    tenant: str = ""
+    model: str = ""  # the pool it was counted against
+    # Sync mode only: each limit that applied with the usage the deciding transaction read,
+    # this request included where it was admitted (the in-memory view lacks this process's own).
+    seen: tuple[tuple[LimitSet, Usage], ...] | None = None
+
+
+DECIDED: ContextVar[Decided | None] = ContextVar("ballast_admission_decided", default=None)
 
 
 class Ticket:
@@ -182,6 +199,8 @@ class Admission:
         `counted`: `input_tokens` is the prompt's exact size (the API tokenized it as the
         engine will), so its reserve row need not wait for the engine's figure."""
         output_tokens = reserve_output(input_tokens, max_tokens, self.max_model_len)
+        if (note := DECIDED.get()) is not None:
+            note.tenant, note.model = tenant, model
         if self.mode == "sync":
             return await self._reserve_sync(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
                                             fleet_busy)
@@ -237,6 +256,18 @@ class Admission:
                 batch += c.batch_queue_tokens
         return Usage(requests, input_tokens, output_tokens, day_tokens, in_flight, batch)
 
+    def standing(self, tenant: str, model: str | None = None) -> list[tuple[LimitSet, Usage]]:
+        """Each of the tenant's limits (those that apply to `model`; None: all) with what
+        this process sees counting against it now. Memory only."""
+        now = self.clock()
+        minute, day = window_start(now, MINUTE_S), window_start(now, DAY_S)
+        return [(s, self.usage(tenant, s.model, model or s.model, minute, day)) for s in self.limits(tenant)
+                if model is None or s.model in (ANY_MODEL, model)]
+
+    def limits(self, tenant: str) -> tuple[LimitSet, ...]:
+        """The tenant's limits, as last read."""
+        return self._limits.get(tenant, ())
+
     def _counts(self, tenant: str, model: str, minute: float, day: float) -> Counts:
         c = self._own.setdefault(tenant, {}).get(model)
         if c is None:
@@ -289,6 +320,9 @@ class Admission:
                                                 sum(c.in_flight for c in counts))))
                 decision = admit(Demand(tier, input_tokens, output_tokens), scopes, now,
                                  self.headroom, fleet_busy)
+                if (note := DECIDED.get()) is not None:
+                    note.seen = tuple(scopes) if isinstance(decision, Refuse) else tuple(
+                        (s, _plus(u, input_tokens, output_tokens)) for s, u in scopes)
                 if isinstance(decision, Refuse):
                     return decision
             ticket = Ticket(self, keys.request(request_id), tenant, model, tier, input_tokens,
@@ -363,3 +397,9 @@ class Admission:
             for model, n in by_model.items():
                 others.setdefault(tenant, {}).setdefault(model, Counts(minute, day)).day_tokens += n
         self._limits, self._others, self.refreshed_at = limits, others, now
+
+
+def _plus(u: Usage, input_tokens: int, output_tokens: int) -> Usage:
+    """`u` with one more request of these tokens."""
+    return Usage(u.requests + 1, u.input_tokens + input_tokens, u.output_tokens + output_tokens,
+                 u.day_tokens + input_tokens + output_tokens, u.in_flight + 1, u.batch_queue_tokens)

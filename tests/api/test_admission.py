@@ -79,6 +79,8 @@ class FakeEngine:
 
 
 class OneEngine:
+    started = 0  # when the directory started (GET /v1/models's `created`)
+
     def __init__(self, interactive: int = 0, flex: int = 0, flex_floor: int = 0):
         self.interactive, self.flex, self.flex_floor = interactive, flex, flex_floor
 

@@ -123,6 +123,7 @@ async def test_read_models_rebuild_from_events(db, owner_db):
             j.NewEvent("file:file-x", "file_created", dict(id="file-x", tenant="t", purpose="batch", filename="a",
                                                           bytes=3, object_key="k", created_at=1), "rb-file"),
             j.NewEvent("batch:batch_rebuild", "batch_created", batch, "rb-batch"),
+            j.NewEvent("batch:batch_rebuild", "batch_model", dict(batch_id="batch_rebuild", model="m"), "rb-model"),
             j.NewEvent("batch:batch_rebuild", "batch_status",
                        dict(batch_id="batch_rebuild", status="in_progress", at=5), "rb-s1"),
             *[j.NewEvent(f"item:batch_rebuild:{i}", "item_created",
@@ -140,6 +141,7 @@ async def test_read_models_rebuild_from_events(db, owner_db):
             ]
 
     before = await snapshot()
+    assert next(r for r in before[1] if r[0] == "batch_rebuild")[-2] == "m"  # the model, before `seq`
     item = next(r for r in before[2] if r[0] == "batch_rebuild" and r[1] == 1)
     assert item[:6] == ("batch_rebuild", 1, 2, "c1", {}, "completed")
     async with owner_db.begin() as c:  # rebuilding empties the read models: the owner's job

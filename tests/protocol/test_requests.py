@@ -48,9 +48,9 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
 @pytest.mark.parametrize("field,value,param", [
     ("temperature", 2.5, "temperature"), ("temperature", "0.5", "temperature"),
     ("temperature", float("nan"), "temperature"),
-    ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"), ("n", 2, "n"), ("n", True, "n"), ("max_tokens", 0, "max_tokens"),
+    ("top_p", -0.1, "top_p"), ("top_p", 1.5, "top_p"), ("n", 2, "n"), ("n", True, "n"), ("max_tokens", 0, "max_tokens"),
     ("max_tokens", True, "max_tokens"), ("max_tokens", 5000, "max_tokens"), ("seed", 2**63, "seed"),
-    ("stop", 7, "stop"), ("stop", ["a"] * 5, "stop"), ("stop", [""], "stop"), ("stop", ["x" * 257], "stop"),
+    ("stop", 7, "stop"), ("stop", ["a"] * 5, "stop"), ("stop", [1], "stop"), ("stop", ["x" * 257], "stop"),
     ("stop", "x" * 257, "stop"), ("stream", "yes", "stream"),
     ("stream_options", "yes", "stream_options"), ("stream_options", {"include_usage": True}, "stream_options"),
     ("messages", "hi", "messages"), ("messages", [], "messages"),
@@ -80,6 +80,26 @@ def test_unknown_model_is_404_and_nulls_mean_defaults():
     nulls = dict(CHAT_OK, temperature=None, top_p=None, max_tokens=None, stop=None, seed=None, n=None, stream=None,
                  stream_options=None, service_tier=None, tools=None, logprobs=None)
     assert isinstance(parse(CHAT, nulls, LIMITS), GenerationRequest)
+
+
+def test_what_openai_accepts_and_vllm_would_not_is_served_as_meant():
+    greedy = parse(CHAT, dict(CHAT_OK, top_p=0, temperature=0.7), LIMITS)
+    assert (greedy.temperature, greedy.top_p) == (0.0, 1.0)  # only the likeliest token
+    assert parse(CHAT, dict(CHAT_OK, stop=["", "x"]), LIMITS).stop == ("x",)  # "" stops nothing
+    assert parse(CHAT, dict(CHAT_OK, stop=""), LIMITS).stop == ()
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=None), LIMITS).prompt == "<|endoftext|>"
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=["one"]), LIMITS).prompt == "one"
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=[[1, 2]]), LIMITS).prompt == (1, 2)
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, prompt=["a", "b"]), LIMITS).code == "unsupported_value"
+    said = [dict(role="assistant", content=None, refusal="I can't."), dict(role="user", content=[
+        dict(type="text", text="go", prompt_cache_breakpoint={"mode": "explicit"})], name=None, audio=None)]
+    assert [m.content for m in parse(CHAT, dict(CHAT_OK, messages=said), LIMITS).messages] == ["I can't.", "go"]
+    image = [dict(role="user", content=[dict(type="image_url", image_url=dict(url="https://x/y.png"))])]
+    got = parse(CHAT, dict(CHAT_OK, messages=image), LIMITS)
+    assert (got.code, got.param) == ("unsupported_value", "messages[0].content[0].image_url")
+    assert parse(CHAT, dict(CHAT_OK, reasoning_effort="medium", verbosity="medium",
+                            stream=True, stream_options=dict(include_obfuscation=False)), LIMITS).stream
+    assert parse(CHAT, dict(CHAT_OK, service_tier="scale"), LIMITS).code == "unsupported_value"
 
 
 def test_vllm_extras_and_logprobs():
