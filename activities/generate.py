@@ -182,7 +182,7 @@ class GenerationActivities:
             try:
                 with self.checkpointer.track(at):  # its tokens go to the journal every commit
                     async for step in self.engine.generate(
-                        request_id, prompt + tokens, rest,
+                        request_id, prompt + tokens, rest, resumed=len(tokens),
                         priority=BATCH_PRIORITY, item=at.stream, resumed_from=at.saved,  # for engine/gate.py
                     ):
                         if at.cached is None:  # the prompt's, as the first stretch found it

@@ -208,7 +208,7 @@ class OpenRequest:
                 except ValueError as err:
                     raise EngineFailed("The engine worker sent a line this API cannot read.") from err
                 if isinstance(msg, engine_wire.Failed):
-                    raise EngineFailed(msg.message)
+                    raise EngineFailed(msg.message, msg)
                 if isinstance(msg, engine_wire.Finished):
                     yield None, msg
                     return
@@ -252,7 +252,18 @@ class OpenRequest:
 
 
 class EngineFailed(Exception):
-    pass
+    """The engine's failure; `refused`: it refused the request (a 4xx of vLLM's, before any
+    token), which the client gets as that, not as an engine fault."""
+
+    def __init__(self, message: str, refused: engine_wire.Failed | None = None):
+        super().__init__(message)
+        self.refused = refused if refused is not None and 400 <= refused.status < 500 else None
+
+    def api_error(self) -> APIError:
+        if self.refused is not None:
+            e = self.refused.error
+            return APIError(self.refused.status, str(self), param=e.get("param"), code=e.get("code"))
+        return APIError(502, str(self), code="engine_error")
 
 
 def _observe(r: InteractiveInput, outcome: RequestOutcome, seconds: float) -> None:
@@ -369,7 +380,8 @@ async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[byt
         yield responses.done()
     except EngineFailed as err:
         status = "failed"
-        yield chunks.error(502, str(err), "engine_error")
+        e = err.api_error()
+        yield chunks.error(e.status, e.message, e.code)
     finally:
         # Also when the client goes away mid-stream: closing the events aborts the engine side.
         await events.aclose()
@@ -389,7 +401,7 @@ async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
             final = end or final
     except EngineFailed as err:
         run.finished(None, ttft, "failed")
-        raise APIError(502, str(err), code="engine_error") from err
+        raise err.api_error() from err
     except BaseException:  # the client went away (the handler is cancelled)
         run.finished(None, ttft, "cancelled")
         raise

@@ -37,6 +37,9 @@ class Sampling:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    # Structured outputs: vLLM's StructuredOutputsParams keywords (json, json_object, regex,
+    # choice, grammar); None: free text.
+    grammar: dict[str, Any] | None = None
 
     def stop_token(self, engine, token_id: int) -> bool:
         """Whether vLLM ends a request on this token: EOS (unless ignored) or a stop token id."""
@@ -82,7 +85,8 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, top_k=req.top_k, min_p=req.min_p,
         min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=req.logprobs))
+        spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=req.logprobs,
+        grammar=req.grammar))
 
 
 def check_token_ids(engine, req: GenerationRequest) -> ProtocolError | None:

@@ -44,7 +44,7 @@ from engine.adapters import AdapterMissing
 from engine.fair_share import FairShare
 from engine.slots import EngineSlots
 from protocol import engine_wire as wire
-from protocol.errors import ProtocolError, error_body
+from protocol.errors import ProtocolError, error_body, storable
 from protocol.requests import RequestLimits, parse
 from telemetry import exposition, health, tracing
 
@@ -107,6 +107,10 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     yield _failed(404, str(err), "model", "model_not_found")
                     return
                 except Exception as err:  # the client gets an error event, not a cut stream
+                    if isinstance(err, ValueError) and not ids:  # vLLM refused it (a schema xgrammar cannot compile)
+                        yield _failed(400, storable(f"The engine refused the request: {err}"), None,
+                                      "invalid_request")
+                        return
                     log.exception("generation %s (x-request-id %s) failed", job.request_id, job.http_request_id)
                     span.record_exception(err)
                     span.set_status(StatusCode.ERROR)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 from config import CPU_KV_CACHE_GIB
 from engine import prompts
 from engine.adapters import AdapterMissing, Adapters
+from engine.logits import LOGITS_PROCESSORS, resume_params
 from engine.model_spec import ModelSpec
 from engine.sampling import Sampling
 from protocol.logprobs import Alternatives, floor
@@ -98,6 +99,8 @@ def vllm_args(
         args["max_num_batched_tokens"] = max_num_batched_tokens
     if lora:
         args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    # What a resumed generation carries of its grammar and penalties (engine/logits.py).
+    args["logits_processors"] = list(LOGITS_PROCESSORS)
     return args
 
 
@@ -128,6 +131,7 @@ OWNED = dict(
     long_prefill_token_threshold="BALLAST_LONG_PREFILL_TOKENS", kv_cache_memory_bytes="BALLAST_KV_CACHE_GIB",
     enable_lora="BALLAST_SERVE_FINE_TUNED", max_loras="BALLAST_MAX_LORAS", max_lora_rank="BALLAST_MAX_LORA_RANK",
     scheduling_policy="nothing: preemption needs vLLM's priority scheduling",
+    logits_processors="nothing: resumed generations need Ballast's own (engine/logits.py)",
 )
 
 
@@ -235,6 +239,9 @@ class Engine:
     @classmethod
     def _start_blocking(cls, spec: ModelSpec, args: dict[str, Any]) -> Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
+        # engine/logits.py is a processor of vLLM's V1 model runner, which vLLM's GPU default
+        # (V2) does not load.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if args.get("otlp_traces_endpoint"):
             # vLLM's exporters speak OTLP/gRPC unless told otherwise; Ballast's endpoint is OTLP/HTTP's.
             os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
@@ -271,12 +278,17 @@ class Engine:
         detokenize: bool = False,
         item: str | None = None,
         resumed_from: int = 0,
+        resumed: int = 0,
         trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
 
         Cancelling the iteration (or closing it) aborts the request in vLLM, as does
         `abort(request_id)`, after which the last Step has finish_reason "abort".
+
+        `resumed`: how many of the prompt's last tokens an earlier request of the same
+        generation produced (a resumed batch item's): its grammar and penalties go on from
+        them (engine/logits.py).
 
         `item` and `resumed_from` say whose tokens these are (a batch item's stream) and
         how many that item had before this request; vLLM never sees them. They are for
@@ -294,7 +306,7 @@ class Engine:
         from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
+        params = SamplingParams(**resume_params(dict(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -316,7 +328,7 @@ class Engine:
             output_kind=RequestOutputKind.DELTA,
             # Text is only needed to stream it or to match stop strings.
             detokenize=detokenize or bool(sampling.stop),
-        )
+        ), sampling.grammar, prompt_token_ids[len(prompt_token_ids) - resumed:] if resumed else ()))
         # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
         prompt = tokens_input(list(prompt_token_ids))
         lora = None

@@ -341,7 +341,8 @@ async def add_items(conn: AsyncConnection, batch_id: str, tenant: str, items: Se
     """Journal the parsed requests; those invalid on their own fail right away."""
     new = [
         NewEvent(keys.item(batch_id, it.idx), EventType.ITEM_CREATED,
-                 dict(batch_id=batch_id, idx=it.idx, line=it.line, custom_id=it.custom_id, body=it.body),
+                 dict(batch_id=batch_id, idx=it.idx, line=it.line, custom_id=it.custom_id, body=it.body,
+                      **({"body_json": it.body_json} if it.body_json is not None else {})),
                  f"{keys.item(batch_id, it.idx)}:created", tenant)
         for it in items
     ]
@@ -399,6 +400,9 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
         raise LookupError(f"no batch {batch_id}")
     q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx.in_(idxs))
     items = {r.idx: dict(r._mapping, tokens=[], logprobs=[]) for r in (await conn.execute(q)).all()}
+    for it in items.values():
+        if it["body_json"] is not None:  # as written: its keys in the order given
+            it["body"] = json.loads(it["body_json"])
     missing = set(idxs) - set(items)
     if missing:
         raise LookupError(f"batch {batch_id} has no items {sorted(missing)}")

@@ -93,7 +93,7 @@ async def _batch_status(conn, evs):
 
 @projects(EventType.ITEM_CREATED)
 async def _item_created(conn, evs):
-    rows = [dict(e.payload, status="pending") for e in evs]
+    rows = [dict(e.payload, status="pending", body_json=e.payload.get("body_json")) for e in evs]
     await conn.execute(insert(batch_items).on_conflict_do_nothing(), rows)
 
 

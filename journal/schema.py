@@ -112,6 +112,8 @@ batch_items = Table(
     Column("output_tokens", BigInteger),
     # Of its input tokens, those vLLM's prefix cache served (`prompt_tokens_details`; 0022).
     Column("cached_tokens", BigInteger),
+    # The request as its line wrote it, where the order of its keys matters (0023).
+    Column("body_json", Text),
     # The workflow pages through the items still to run: match that query exactly.
     Index("batch_items_pending", "batch_id", "idx", postgresql_where=text("status = 'pending'")),
 )

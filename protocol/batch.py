@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.errors import ProtocolError
-from protocol.requests import Invalid, RequestLimits, parse, unstorable
+from protocol.requests import Invalid, RequestLimits, order_matters, parse, unstorable
 
 MAX_ERRORS = 100  # OpenAI reports a bounded number of line errors, so do we
 MAX_CUSTOM_ID = 512
@@ -39,6 +39,9 @@ class Item:
     custom_id: str
     body: dict[str, Any]  # {} where the body cannot be stored (NUL, lone surrogates): `error` says why
     error: ProtocolError | None = None
+    # The body as the line wrote it, where its keys' order matters (`order_matters`): the
+    # journal's jsonb keeps keys in an order of its own.
+    body_json: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,8 @@ def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
     if isinstance(checked, ProtocolError):
         keep = body if checked.code != "unsupported_character" else {}
         return Item(idx, n, custom_id, keep, checked.at_line(n))
-    return Item(idx, n, custom_id, body)
+    return Item(idx, n, custom_id, body,
+                body_json=json.dumps(body, ensure_ascii=False) if order_matters(checked) else None)
 
 
 def _show(value: Any) -> str:

@@ -13,13 +13,16 @@ request whose prompt holds the tokens it had):
 - Stop strings are applied to the whole text, so one that straddles a resume is still
   honoured; so are `stop_token_ids`, `include_stop_str_in_output` and the detokenizer's
   options, which apply once, to all the tokens, at the end.
-- `logit_bias` is the same at every step; `repetition_penalty` counts prompt and output
-  tokens alike, so it sees the same tokens after a resume. Presence and frequency
-  penalties count output tokens only, and vLLM counts a resumed request's earlier tokens
-  as prompt: after a resume they weigh only the tokens generated since.
+- `logit_bias` is the same at every step. Penalties and structured outputs
+  (`response_format`, vLLM's `structured_outputs`) are state vLLM keeps of a request's
+  output: a resumed request carries them (engine/logits.py), so its penalties count the
+  tokens it had as output and its grammar goes on from where they left it; greedy, the
+  finished output is the uninterrupted run's. `min_tokens` with structured outputs is
+  refused (a resumed grammar's minimum would count anew).
 - `min_tokens` counts the tokens already had.
 - `logprobs`: each token's, with its top alternatives, is journaled with the token, so a
-  resumed item's are whole.
+  resumed item's are whole; but vLLM computes them before logits processors run (and after
+  masking a grammar), so a resumed structured output's are of the unmasked logits.
 
 Everything else a request may say is either only its default (`n` = 1, no tools...) or a
 400 naming the parameter.
@@ -104,6 +107,8 @@ class GenerationRequest:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Structured outputs, as vLLM's StructuredOutputsParams keywords (one of GRAMMARS); None: text.
+    grammar: dict[str, Any] | None = None
 
 
 class Invalid(Exception):
@@ -166,6 +171,15 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
     if max_tokens is not None and min_tokens > max_tokens:
         raise Invalid(f"`min_tokens` is {min_tokens}, more than `max_tokens` ({max_tokens}).", MIN_OVER_MAX,
                       "min_tokens")
+    grammar = v["structured_outputs"]
+    if v.get("response_format") is not None:
+        if grammar is not None:
+            raise Invalid("`response_format` and `structured_outputs` cannot both constrain the output.",
+                          param="structured_outputs")
+        grammar = v["response_format"]
+    if grammar is not None and min_tokens:
+        # A resumed generation's grammar goes on from its tokens; a minimum would count anew.
+        raise Invalid("`min_tokens` with structured outputs is not supported.", "unsupported_value", "min_tokens")
     if endpoint == CHAT:
         if v["top_logprobs"] and not v["logprobs"]:
             raise Invalid("`top_logprobs` needs `logprobs` to be true.", param="top_logprobs")
@@ -200,7 +214,14 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         skip_special_tokens=v["skip_special_tokens"] is not False,
         spaces_between_special_tokens=v["spaces_between_special_tokens"] is not False,
         chat_template_kwargs=v.get("chat_template_kwargs"),
+        grammar=grammar,
     )
+
+
+def order_matters(req: GenerationRequest) -> bool:
+    """Whether the order of the request's keys is part of its meaning: a JSON schema's
+    properties are generated in the order it gives them."""
+    return isinstance((req.grammar or {}).get("json"), dict)
 
 
 # -- what a text may hold -----------------------------------------------------------
@@ -396,11 +417,60 @@ def _empty_list(value: Any) -> None:
         raise Invalid("is not supported by this deployment (no tool calling).", "unsupported_parameter")
 
 
-def _response_format(value: Any) -> None:
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as vLLM's structured outputs (None: text), mapped as vLLM's
+    OpenAI server maps it."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise Invalid("must be an object with a `type`.", "invalid_type")
-    if value != {"type": "text"}:
-        raise Invalid("only {\"type\": \"text\"} is supported (no structured outputs).", "unsupported_value")
+    kind = value["type"]
+    if kind == "text" or kind == "json_object":
+        if set(value) != {"type"}:
+            raise Invalid(f"of type {kind} takes only `type`.", "unknown_parameter")
+        return None if kind == "text" else {"json_object": True}
+    if kind != "json_schema":
+        raise Invalid(f"of type {kind!r} is not supported: use text, json_object or json_schema.",
+                      "unsupported_value")
+    spec = value.get("json_schema")
+    if set(value) != {"type", "json_schema"} or not isinstance(spec, dict):
+        raise Invalid("of type json_schema takes a `json_schema` object.", "invalid_type")
+    for k, v in spec.items():
+        ok = {"name": isinstance(v, str), "description": isinstance(v, str),
+              "schema": isinstance(v, dict), "strict": isinstance(v, bool)}.get(k)
+        if ok is None:
+            raise Invalid(f"Unrecognized argument: json_schema.{k}", "unknown_parameter",
+                          f"response_format.json_schema.{k}")
+        if not ok and v is not None:
+            raise Invalid(f"`response_format.json_schema.{k}` is not valid (a name and a description are strings, "
+                          "a schema an object, strict a boolean).", "invalid_type",
+                          f"response_format.json_schema.{k}")
+    if not isinstance(spec.get("name"), str):
+        raise Invalid("`response_format.json_schema.name` is required.", "missing_required_parameter",
+                      "response_format.json_schema.name")
+    schema = spec.get("schema")
+    return {"json": schema} if schema is not None else {"json_object": True}  # no schema: any JSON object
+
+
+GRAMMARS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured outputs' kinds
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's own `structured_outputs`: one constraint of GRAMMARS."""
+    if not isinstance(value, dict):
+        raise Invalid("must be an object.", "invalid_type")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if unknown := sorted(set(given) - set(GRAMMARS)):
+        raise Invalid(f"takes one of {', '.join(GRAMMARS)}; not {unknown[0]}.", "unsupported_parameter")
+    if len(given) != 1:
+        raise Invalid(f"takes exactly one of {', '.join(GRAMMARS)}.")
+    (kind, v), = given.items()
+    ok = {"json": isinstance(v, (dict, str)), "json_object": v is True, "regex": isinstance(v, str) and bool(v),
+          "grammar": isinstance(v, str) and bool(v),
+          "choice": isinstance(v, list) and bool(v) and all(isinstance(c, str) for c in v)}[kind]
+    if not ok:
+        raise Invalid(f"`structured_outputs.{kind}` is not valid: json a schema, json_object true, regex and "
+                      "grammar non-empty strings, choice a non-empty list of strings.", "invalid_value",
+                      f"structured_outputs.{kind}")
+    return {kind: v}
 
 
 def _unsupported(value: Any) -> None:
@@ -515,6 +585,7 @@ _COMMON: dict[str, Check] = dict(
     include_stop_str_in_output=_optional(_bool),
     skip_special_tokens=_optional(_bool),
     spaces_between_special_tokens=_optional(_bool),
+    structured_outputs=_optional(_structured_outputs),
 )
 
 _CHAT: dict[str, Check] = dict(

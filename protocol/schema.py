@@ -105,6 +105,13 @@ _COMMON: dict[str, Schema] = dict(
     include_stop_str_in_output=_opt({"type": "boolean"}),
     skip_special_tokens=_opt({"type": "boolean"}),
     spaces_between_special_tokens=_opt({"type": "boolean"}),
+    structured_outputs=_opt({"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+                             "properties": {"json": {"anyOf": [{"type": "object"}, _TEXT]},
+                                            "json_object": {"const": True},
+                                            "regex": _string(minLength=1), "grammar": _string(minLength=1),
+                                            "choice": {"type": "array", "minItems": 1, "items": _TEXT}},
+                             "description": "vLLM's: one constraint; not with a response_format that constrains, "
+                                            "nor with min_tokens (else a 400)."}),
 )
 
 _CHAT: dict[str, Schema] = dict(
@@ -118,9 +125,15 @@ _CHAT: dict[str, Schema] = dict(
     store=_only(False, "Stored completions are not supported."),
     metadata=_opt({"type": "object", "maxProperties": 16, "propertyNames": _string(maxLength=64),
                    "additionalProperties": _string(maxLength=512)}),
-    response_format=_opt({"type": "object", "required": ["type"], "additionalProperties": False,
-                          "properties": {"type": {"const": "text"}},
-                          "description": "Text only: no structured outputs."}),
+    response_format=_opt({"anyOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+         "properties": {"type": {"const": "json_schema"}, "json_schema": {
+             "type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                 "name": _TEXT, "description": _opt(_TEXT),
+                 "schema": _opt({"type": "object"}), "strict": _opt({"type": "boolean"})}}}}],
+        "description": "Structured outputs, as vLLM serves them; a schema xgrammar cannot compile is a 400."}),
     tools=_opt({"type": "array", "maxItems": 0, "description": "No tool calling: empty only."}),
     functions=_opt({"type": "array", "maxItems": 0, "description": "No function calling: empty only."}),
     tool_choice=_opt({"enum": ["none", "auto"]}),
@@ -151,7 +164,8 @@ _COMPLETIONS: dict[str, Schema] = dict(
     logprobs=_opt({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
 )
 
-_WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrogate, anywhere. "
+_WHOLE = ("Unknown parameters are a 400; so is text holding NUL or a lone surrogate, anywhere. A body over "
+          "the deployment's size limit (BALLAST_MAX_REQUEST_BYTES) is a 413. "
           "`stream_options` needs `stream`: true.")
 
 

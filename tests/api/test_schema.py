@@ -133,9 +133,10 @@ def no_server_error(ctx, response, case):
 
 
 # What a body valid by the schema may still meet: the conditions the schema states in
-# words (a context length, text Postgres cannot hold, min_tokens over max_tokens). Anything else means the documented
+# words (a context length, text Postgres cannot hold, min_tokens over max_tokens, a body
+# over the deployment's size limit). Anything else means the documented
 # schema and `protocol.requests.parse` disagree.
-_VALID_BUT = {503: {"engine_unavailable"},
+_VALID_BUT = {503: {"engine_unavailable"}, 413: {"request_too_large"},
               400: {"context_length_exceeded", "unsupported_character", rules.MIN_OVER_MAX}}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +51,27 @@ def completion(cid: str, prompt: str | list[int], max_tokens: int, **extra) -> d
 # multi-byte character; "clean" ones end between characters.
 # Sampling parameters beyond temperature and top_p, and logprobs: each as vLLM's OpenAI
 # layer takes it. Greedy, so the penalties and biases decide which token wins.
+# Structured outputs. The tiny model would pad JSON with whitespace up to max_tokens; a bias
+# keeps it brief (a byte's token id is the byte).
+BRIEF = {str(ord(c)): -100 for c in " \t\r\n"}
+PERSON = {"type": "object", "required": ["name", "age", "kind"], "additionalProperties": False, "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,10}$"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "kind": {"enum": ["cat", "dog", "eel"]}}}
+NUMBERS = {"type": "array", "items": {"type": "integer", "maximum": 999}, "minItems": 2, "maxItems": 5}
+SCHEMAS = {"j-person": PERSON, "j-numbers": NUMBERS, "j-person-penalised": PERSON}
+STRUCTURED = [
+    chat("j-person", "Who is it?", 96, logit_bias=BRIEF,
+         response_format=dict(type="json_schema", json_schema=dict(name="person", schema=PERSON, strict=True))),
+    chat("j-numbers", "Some numbers", 64, logit_bias=BRIEF,
+         response_format=dict(type="json_schema", json_schema=dict(name="numbers", schema=NUMBERS))),
+    chat("j-object", "Any object", 64, logit_bias=BRIEF, response_format=dict(type="json_object")),
+    chat("j-person-penalised", "And now?", 96, logit_bias=BRIEF, presence_penalty=0.5, frequency_penalty=0.8,
+         logprobs=True, top_logprobs=2,
+         response_format=dict(type="json_schema", json_schema=dict(name="person", schema=PERSON))),
+    chat("j-regex", "A code", 24, structured_outputs=dict(regex=r"[a-z]{3,8}-\d{2,4}")),
+    chat("j-choice", "Pick one", 12, structured_outputs=dict(choice=["alpha", "beta", "gamma delta"])),
+]
+
 SAMPLING_CHAT = [
     chat("s-logprobs", "Zürich in winter", 12, logprobs=True, top_logprobs=5),
     chat("s-logprobs-0", "привет, мир", 9, logprobs=True),
@@ -65,6 +87,7 @@ SAMPLING_CHAT = [
     chat("s-specials", "résumé tips", 64, skip_special_tokens=False, spaces_between_special_tokens=False),
     chat("s-template", "hello", 6, chat_template_kwargs={"unused_variable": 1}),
     chat("s-bias-oov", "hello", 6, logit_bias={"999999": 1}),
+    *STRUCTURED,
 ]
 SAMPLING_COMPLETIONS = [
     completion("q-logprobs", "Once upon a time", 9, logprobs=3),
@@ -231,6 +254,26 @@ KNOWN = {
 }
 
 
+def valid_structured(bodies: dict[str, dict]) -> None:
+    """Each structured output that ended on its own is what it was asked to be, by a
+    validator that is not the engine's (jsonschema_rs, not xgrammar)."""
+    import jsonschema_rs
+
+    for cid, body in bodies.items():
+        if not cid.startswith("j-") or body["choices"][0]["finish_reason"] != "stop":
+            continue
+        text = _text(body) or ""
+        if cid in SCHEMAS:
+            assert jsonschema_rs.validator_for(SCHEMAS[cid]).is_valid(json.loads(text)), (cid, text)
+        elif cid == "j-object":
+            assert isinstance(json.loads(text), dict), text
+        elif cid == "j-regex":
+            assert re.fullmatch(r"[a-z]{3,8}-\d{2,4}", text), text
+        else:
+            assert text in ("alpha", "beta", "gamma delta"), text
+    assert sum(cid.startswith("j-") and b["choices"][0]["finish_reason"] == "stop" for cid, b in bodies.items()) >= 4
+
+
 def tokens_of(body: dict) -> int:
     return body["usage"]["completion_tokens"]
 
@@ -262,10 +305,21 @@ def compare(custom_id: str, ours: dict, theirs: dict) -> list[str]:
     return diffs
 
 
+FLOOR = -9999.0
+
+
 def close(ours, theirs, tol: float = 1e-4) -> bool:
     """Equal, numbers within `tol` (two engine runs' float32 logprobs); OpenAI's `refusal`,
-    which vLLM's chat logprobs lack, aside."""
+    which vLLM's chat logprobs lack, aside. Alternatives a grammar rules out have logprob
+    -inf (-9999 on the wire): which of them fill the top k is a tie, broken as topk breaks
+    it, so such alternatives are equal whatever token they name."""
     if isinstance(ours, dict) and isinstance(theirs, dict):
+        if ours.get("logprob") == theirs.get("logprob") == FLOOR and "top_logprobs" not in ours:
+            return True  # a ruled-out alternative
+        if ours and all(isinstance(v, float) for v in [*ours.values(), *theirs.values()]):  # completions' top
+            a, b = ({k: v for k, v in d.items() if v != FLOOR} for d in (ours, theirs))
+            return (len(ours) - len(a) == len(theirs) - len(b) and a.keys() == b.keys()
+                    and all(abs(a[k] - b[k]) <= tol for k in a))
         ours = {k: v for k, v in ours.items() if not (k == "refusal" and v is None and k not in theirs)}
         return ours.keys() == theirs.keys() and all(close(ours[k], theirs[k], tol) for k in ours)
     if isinstance(ours, list) and isinstance(theirs, list):
@@ -344,6 +398,7 @@ async def test_batch_output_equals_vllms_own(vllm_run, stack, client, db_url, ti
     assert body["s-min-tokens"]["usage"]["completion_tokens"] >= 20 > tokens_of(body["c-eos"])
     assert body["s-stop-ids"]["choices"][0]["finish_reason"] == "stop"
     assert _text(body["s-stop-incl"]).endswith("\u00ef")
+    valid_structured(body)
     for plain, varied in (("c-stop", "s-presence"), ("c-stop", "s-repetition"), ("c-clean-1", "s-logit-bias"),
                           ("c-stop", "s-frequency")):
         assert _text(body[plain])[:20] != _text(body[varied])[:20], (plain, varied)
@@ -354,7 +409,7 @@ async def test_batch_output_equals_vllms_own(vllm_run, stack, client, db_url, ti
 
 
 INTERACTIVE = ["s-logprobs", "s-logprobs-eos", "s-frequency", "s-stop-ids", "s-specials", "q-logprobs",
-               "q-stop-ids-logprobs", "q-penalties"]
+               "q-stop-ids-logprobs", "q-penalties", "j-person", "j-regex"]
 
 
 async def test_interactive_equals_vllms_own(vllm_run, stack, client):
@@ -376,7 +431,7 @@ async def test_interactive_equals_vllms_own(vllm_run, stack, client):
 def _sdk(body: dict) -> dict:
     """The client's arguments: vLLM's own parameters go in `extra_body`, as vLLM's docs say."""
     known = {"model", "messages", "prompt", "max_tokens", "temperature", "logprobs", "top_logprobs",
-             "presence_penalty", "frequency_penalty", "logit_bias", "stop"}
+             "presence_penalty", "frequency_penalty", "logit_bias", "stop", "response_format"}
     return {k: v for k, v in body.items() if k in known} | {
         "extra_body": {k: v for k, v in body.items() if k not in known}}
 

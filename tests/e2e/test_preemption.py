@@ -16,12 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from protocol import keys
+from tests.e2e import test_oracle as oracle
 from tests.e2e.conftest import WAIT_S, own_stack
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 from tests.e2e.test_interactive import Surges
 
 pytestmark = pytest.mark.e2e
 
+vllm_run = oracle.vllm_run  # vLLM's own answers to the oracle's lines (a session fixture)
 LENGTH = 160  # tokens per item: the gate, not the length, keeps items in flight
 
 
@@ -52,6 +54,16 @@ async def long_batch(stack, tag: str, prompts: list[str], max_tokens: int = LENG
     client = stack.openai()
     lines = [chat_line(f"{tag}-{i}", p, max_tokens, ignore_eos=True) for i, p in enumerate(prompts)]
     return client, await asyncio.to_thread(submit, client, lines)
+
+
+async def preempt_at(stack, db_url: str, batch_id: str, budgets: dict[str, int], total: int) -> None:
+    """Every item named generating (a batch slot held), exactly at its budget at the gate:
+    then a burst of chat, and wait until the journal holds `total` preemptions."""
+    stack.gate.hold(budgets)
+    await asyncio.to_thread(stack.wait_held, budgets)
+    assert await asyncio.to_thread(burst, stack) == [200, 200]
+    await journaled(db_url, "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s",
+                    lambda got: got >= total, "not every item yielded", s=f"item:{batch_id}:%")
 
 
 async def journaled(db_url: str, sql: str, until, what: str, **params) -> int:
@@ -124,21 +136,13 @@ async def test_items_preempted_k_times_at_random_offsets_finish_exactly(quiet, e
     n = 32  # every slot: one burst preempts all of them at once
     prompts = [f"preempt me {k}.{i}" for i in range(n)]
     rng = random.Random(k)
-    preempted = "SELECT count(*) FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s"
     try:
         stack.gate.hold(0)  # nothing of the batch gets ahead of the offsets chosen for it
         client, batch = await long_batch(stack, "p", prompts)
         items = [keys.item(batch.id, i) for i in range(n)]
         chosen = {it: sorted(rng.sample(range(1, LENGTH), k)) for it in items}
         for r in range(k):
-            budgets = {it: offsets[r] for it, offsets in chosen.items()}
-            stack.gate.hold(budgets)
-            # Every item generating (a batch slot held), exactly at its offset: then chat comes.
-            await asyncio.to_thread(stack.wait_held, budgets)
-            assert await asyncio.to_thread(burst, stack) == [200, 200]
-            so_far = n * (r + 1)
-            await journaled(db_url, preempted, lambda got, so_far=so_far: got >= so_far, "not every item yielded",
-                            s=f"item:{batch.id}:%")
+            await preempt_at(stack, db_url, batch.id, {it: offsets[r] for it, offsets in chosen.items()}, n * (r + 1))
         stack.gate.release()
         b = await asyncio.to_thread(wait_for, client, batch.id)
     finally:
@@ -254,3 +258,51 @@ async def test_engine_worker_sigkilled_during_a_preemption(quiet, engine):
 def _yielded(batch) -> dict:
     """The batch object's own account of how it yielded (beside its tokens and pace)."""
     return {k: batch.model_extra["ballast"][k] for k in ("preemptions", "items_preempted", "workflow_url")}
+
+
+async def test_what_a_preempted_item_carries_is_vllms_own(quiet, vllm_run):
+    """Items with logprobs, penalties, biases, stop token ids, vLLM's sampling extras and
+    structured outputs, each preempted half way through its output (by the gate and a
+    burst of chat), finish equal to vLLM's own uninterrupted answers to the same lines:
+    text, finish reason, usage and logprobs; the structured ones valid against their
+    schemas by a validator that is not the engine's."""
+    stack, db_url = quiet
+    theirs = await asyncio.to_thread(vllm_run.results)
+    ok = {cid: t["response"]["body"] for cid, t in theirs.items() if t["response"]["status_code"] == 200}
+    lines = [ln for ln in oracle.CHAT_LINES if ln["custom_id"].startswith(("s-", "j-"))
+             and ln["custom_id"] in ok and oracle.tokens_of(ok[ln["custom_id"]]) >= 4]
+    n = 32  # every slot, so that a burst of chat preempts all of them
+    fill = [chat_line(f"fill-{i}", f"fill {i}", LENGTH, ignore_eos=True) for i in range(n - len(lines))]
+    try:
+        stack.gate.hold(0)
+        client = stack.openai()
+        batch = await asyncio.to_thread(submit, client, lines + fill)
+        budgets = {keys.item(batch.id, i): oracle.tokens_of(ok[ln["custom_id"]]) // 2 for i, ln in enumerate(lines)}
+        budgets |= {keys.item(batch.id, len(lines) + i): 8 for i in range(len(fill))}
+        await preempt_at(stack, db_url, batch.id, budgets, n)
+        stack.gate.release()
+        b = await asyncio.to_thread(wait_for, client, batch.id)
+    finally:
+        stack.gate.release()
+    assert b.status == "completed", b
+    preempted = preempted_offsets(db_url, batch.id)
+    assert all(preempted[item][0] == at for item, at in budgets.items())  # each yielded where the gate held it
+    ours = {o["custom_id"]: o for o in await asyncio.to_thread(read_jsonl, client, b.output_file_id)}
+    (vllm_run.root / "preempted.out.jsonl").write_text(oracle._jsonl(list(ours.values())))  # beside vLLM's, to read
+    # vLLM computes logprobs before its logits processors run, and masks a grammar before
+    # that: a resumed grammar (masked by engine/logits.py, a processor) has the logprobs of
+    # the unmasked logits from the resume on. Its tokens, text and usage are vLLM's.
+    grammar_logprobs = {ln["custom_id"] for ln in lines
+                        if "logprobs" in ln["body"] and ln["custom_id"].startswith("j-")}
+    for cid in grammar_logprobs:
+        cut = budgets[keys.item(batch.id, [ln["custom_id"] for ln in lines].index(cid))]
+        mine, vllms = (x["response"]["body"]["choices"][0]["logprobs"]["content"] for x in (ours[cid], theirs[cid]))
+        assert oracle.close(mine[:cut], vllms[:cut]) and not oracle.close(mine[cut:], vllms[cut:]), cid
+        for x in (ours[cid], theirs[cid]):
+            x["response"]["body"]["choices"][0]["logprobs"] = None
+    diffs = [d for ln in lines for d in oracle.compare(ln["custom_id"], ours[ln["custom_id"]], theirs[ln["custom_id"]])]
+    assert not diffs, "\n".join(diffs)
+    assert grammar_logprobs == {"j-person-penalised"}
+    oracle.valid_structured({cid: o["response"]["body"] for cid, o in ours.items() if cid.startswith("j-")})
+    assert len(lines) >= 14, [ln["custom_id"] for ln in lines]
+    assert_nothing_lost_and_never_two_at_once(db_url, batch.id)

@@ -2,7 +2,8 @@
 role and statement except `ballast_erase_content`, which only the API's role may call, and
 which masks the content of a tenant's ended batches alone: a running batch's items keep
 their requests, another tenant's events are untouched, and nothing but `payload` changes.
-The end-to-end erasure (files, objects, the API) is tests/e2e/test_erasure.py."""
+The request as written (`body_json`, 0023) and the logprobs journaled with tokens go with
+them. The end-to-end erasure (files, objects, the API) is tests/e2e/test_erasure.py."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from tests.conftest import migrated_database, role_url_for
 def _seed(conn: psycopg.Connection, tenant: str, batch: str, status: str) -> None:
     conn.execute("INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, status, created_at, seq)"
                  " VALUES (%s, %s, '/v1/completions', 'file-x', '24h', %s, 0, 0)", (batch, tenant, status))
-    conn.execute("INSERT INTO batch_items (batch_id, idx, line, custom_id, body, status) VALUES (%s, 0, 1, 'c0', %s, "
-                 "'completed')", (batch, json.dumps(dict(prompt=f"secret of {batch}"))))
     request = dict(prompt=f"secret of {batch}")
-    rows = [("item_created", dict(batch_id=batch, idx=0, line=1, custom_id="c0", body=request)),
-            ("item_chunk", dict(batch_id=batch, idx=0, offset=0, token_ids=[5, 6, 7], runner="r")),
+    conn.execute("INSERT INTO batch_items (batch_id, idx, line, custom_id, body, body_json, status) VALUES "
+                 "(%s, 0, 1, 'c0', %s, %s, 'completed')", (batch, json.dumps(request), json.dumps(request)))
+    rows = [("item_created", dict(batch_id=batch, idx=0, line=1, custom_id="c0", body=request,
+                                  body_json=json.dumps(request))),
+            ("item_chunk", dict(batch_id=batch, idx=0, offset=0, token_ids=[5, 6, 7], runner="r",
+                                logprobs=[[[5, -0.5], [9, -1.5]]] * 3)),
             ("item_completed", dict(batch_id=batch, idx=0, body_json=json.dumps(
                 dict(choices=[dict(text="secret \x00answer")], usage=dict(prompt_tokens=4, completion_tokens=3)))))]
     stream = f"item:{batch}:0"
@@ -82,16 +85,19 @@ def test_only_the_erasure_function_masks_and_only_ended_batches(db_url):
             assert api.execute("SELECT current_setting('ballast.erasing', true)").fetchone()[0] in (None, "")
 
         masked = _payloads(owner, ended)
-        assert masked["item_created"]["body"] == {"erased": True}
-        assert masked["item_chunk"]["token_ids"] == [-1, -1, -1]
+        assert masked["item_created"]["body"] == {"erased": True} and "body_json" not in masked["item_created"]
+        assert masked["item_chunk"]["token_ids"] == [-1, -1, -1] and "logprobs" not in masked["item_chunk"]
         assert json.loads(masked["item_completed"]["body_json"]) == dict(
             erased=True, usage=dict(prompt_tokens=4, completion_tokens=3))
         for kind, payload in before[ended].items():  # every other field as it was
-            assert {k: v for k, v in masked[kind].items() if k not in ("body", "token_ids", "body_json")} == \
-                {k: v for k, v in payload.items() if k not in ("body", "token_ids", "body_json")}
+            content = ("body", "token_ids", "body_json", "logprobs")
+            assert {k: v for k, v in masked[kind].items() if k not in content} == \
+                {k: v for k, v in payload.items() if k not in content}
         assert _payloads(owner, running) == before[running] and _payloads(owner, theirs) == before[theirs]
-        bodies = dict(owner.execute("SELECT batch_id, body FROM batch_items WHERE batch_id IN (%s, %s, %s)",
-                                    (ended, running, theirs)).fetchall())
-        assert bodies == {ended: {"erased": True}, running: dict(prompt=f"secret of {running}"),
-                          theirs: dict(prompt=f"secret of {theirs}")}
+        bodies = {b: (body, text) for b, body, text in owner.execute(
+            "SELECT batch_id, body, body_json FROM batch_items WHERE batch_id IN (%s, %s, %s)",
+            (ended, running, theirs)).fetchall()}
+        kept = {b: (dict(prompt=f"secret of {b}"), json.dumps(dict(prompt=f"secret of {b}")))
+                for b in (running, theirs)}
+        assert bodies == {ended: ({"erased": True}, None), **kept}
         assert SERVICE_ROLES["api"] == "ballast_api"  # the role 0019 grants the function to

@@ -50,7 +50,7 @@ def test_empty_and_oversize_files():
 
 def test_request_level_errors_stay_with_their_request():
     items, errors = parse([line("a", max_tokens=5000), line("b", model="gpt-9"), line("c", messages=[]),
-                           line("d", temperature=None), line("e", top_p=0), line("f", stop=7)])
+                           line("d", temperature=None), line("e", top_p=-1), line("f", stop=7)])
     assert errors == []
     codes = [(i.error.status_code, i.error.code, i.error.param) if i.error else None for i in items]
     assert codes == [(400, "context_length_exceeded", "max_tokens"), (404, "model_not_found", "model"),

@@ -98,7 +98,7 @@ DELIBERATE_REFUSALS: dict[str, str] = {
     "prompt": "One prompt per request (or a list holding one): several are a batch, for /v1/batches.",
     "echo": "Not yet: the prompt's text and logprobs in the answer.",
     "n": "Not yet: n > 1, each choice journaled and resumed on its own.",
-    "response_format": "Not yet: structured outputs (json_object, json_schema) that resume with their grammar state.",
+    "response_format": "Types other than text, json_object and json_schema (which are served).",
     "best_of": "vLLM's V1 engine has no best_of (1, the default, is served).",
     "suffix": "vLLM has no insertion (suffix); null, the default, is served.",
 }

@@ -66,7 +66,11 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
     ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("chat_template_kwargs", [], "chat_template_kwargs"),
     ("service_tier", "scale", "service_tier"), ("model", None, "model"), ("model", 3, "model"), ("bogus", 1, "bogus"),
-    ("response_format", {"type": "json_object"}, "response_format"),
+    ("response_format", {"type": "structural_tag"}, "response_format"),
+    ("response_format", {"type": "json_schema"}, "response_format"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
+    ("structured_outputs", {"choice": []}, "structured_outputs.choice"),
 ])
 def test_refusals_name_their_parameter(field, value, param):
     got = parse(CHAT, dict(CHAT_OK, **{field: value}), LIMITS)
@@ -100,6 +104,21 @@ def test_what_openai_accepts_and_vllm_would_not_is_served_as_meant():
     assert parse(CHAT, dict(CHAT_OK, reasoning_effort="medium", verbosity="medium",
                             stream=True, stream_options=dict(include_obfuscation=False)), LIMITS).stream
     assert parse(CHAT, dict(CHAT_OK, service_tier="scale"), LIMITS).code == "unsupported_value"
+
+
+def test_structured_outputs_as_vllm_takes_them():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    as_schema = dict(type="json_schema", json_schema=dict(name="x", schema=schema, strict=True))
+    assert parse(CHAT, dict(CHAT_OK, response_format=as_schema), LIMITS).grammar == {"json": schema}
+    assert parse(CHAT, dict(CHAT_OK, response_format={"type": "json_object"}), LIMITS).grammar == {"json_object": True}
+    assert parse(CHAT, dict(CHAT_OK, response_format={"type": "text"}), LIMITS).grammar is None
+    assert parse(COMPLETIONS, dict(COMPLETION_OK, structured_outputs={"choice": ["yes", "no"], "regex": None}),
+                 LIMITS).grammar == {"choice": ["yes", "no"]}
+    both = parse(CHAT, dict(CHAT_OK, response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}),
+                 LIMITS)
+    assert both.param == "structured_outputs"
+    assert parse(CHAT, dict(CHAT_OK, response_format={"type": "json_object"}, min_tokens=2), LIMITS).param == \
+        "min_tokens"
 
 
 def test_vllm_extras_and_logprobs():
