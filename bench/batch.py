@@ -117,6 +117,8 @@ def run_batch_argv(args: dict[str, Any]) -> list[str]:
                 argv.append(negative[0])
             elif action.default is not False:  # a store_true flag: absent is False only where that's its default
                 raise ValueError(f"vLLM's CLI cannot say {key}=False")
+        elif isinstance(value, (list, tuple)):  # nargs="+" (logits_processors)
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv
@@ -228,7 +230,9 @@ def _run_batch(work: Path, lines: bytes, n: int, argv: list[str], nice: int) -> 
     infile, outfile, logfile = work / "in.jsonl", work / "out.jsonl", work / "run-batch.log"
     infile.write_bytes(lines)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(infile), "-o", str(outfile), *argv]
-    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+    # The V1 model runner, which loads the engine's logits processor, as engine workers run it.
+    env = dict(os.environ, VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1",
+               VLLM_USE_V2_MODEL_RUNNER=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))
     t_spawn = time.time()
     # Its own session: stop() ends its group (it and the engine processes it forks), nothing else.
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
