@@ -159,8 +159,8 @@ def test_bad_lines_mixed_with_good_ones_sink_nothing(client):
     good = [chat_line(f"good-{i}", f"question {i}", 8) for i in range(20)]
     good.append(dict(chat_line("null-temperature", "q", 8),
                      body=dict(chat_line("x", "q", 8)["body"], temperature=None)))
-    bad = {"top-p-0": ("top_p", 0), "stop-7": ("stop", 7), "hot": ("temperature", "hot"),
-           "msgs-str": ("messages", "hi"), "n-2": ("n", 2), "logprobs": ("logprobs", True)}
+    bad = {"top-p-2": ("top_p", 2), "stop-7": ("stop", 7), "hot": ("temperature", "hot"),
+           "msgs-str": ("messages", "hi"), "n-2": ("n", 2), "top-logprobs": ("top_logprobs", 2)}
     lines = list(good)
     for cid, (param, value) in bad.items():
         lines.insert(3 * len(lines) // 4,
