@@ -94,9 +94,10 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                             if cached is None:
                                 cached = step.cached_tokens
                             positions = None
-                            if step.logprobs is not None:  # decoded in the context of all the tokens so far
-                                positions = text.decode_alternatives(engine.tokenizer, ids + step.token_ids,
-                                                                     step.logprobs, len(ids))
+                            if step.logprobs is not None:  # decoded in the context of the tokens before
+                                context = ids[-text.CONTEXT:]  # all it reads: not a copy of every token per step
+                                positions = text.decode_alternatives(engine.tokenizer, context + step.token_ids,
+                                                                     step.logprobs, len(context))
                             ids += step.token_ids
                             turn.produced(len(step.token_ids))
                             reason = step.finish_reason

@@ -113,6 +113,9 @@ def detokenize(
     return Detokenized(text, len(tokens))
 
 
+CONTEXT = 4  # preceding sampled tokens vLLM rebuilds a split character from (enough for any UTF-8 one)
+
+
 def decode_alternatives(tokenizer: Any, token_ids: Sequence[int], alternatives: Sequence[Sequence[Sequence[Any]]],
                         start: int = 0) -> list[list[Any]]:
     """Each logprob alternative's text (protocol/logprobs.py), as vLLM's LogprobsProcessor
@@ -129,7 +132,7 @@ def decode_alternatives(tokenizer: Any, token_ids: Sequence[int], alternatives: 
     for i, alts in enumerate(alternatives, start):
         ids = [int(a[0]) for a in alts]
         texts = vllm._verify_tokens(decoded_tokens_list=convert_ids_list_to_tokens(tokenizer, ids), tokens=ids,
-                                    context_token_ids=list(token_ids[max(0, i - 4):i]))
+                                    context_token_ids=list(token_ids[max(0, i - CONTEXT):i]))
         out.append([(t, float(a[1])) for t, a in zip(texts, alts, strict=True)])
     return out
 

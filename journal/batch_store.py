@@ -417,10 +417,6 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
     return batch, items
 
 
-def journaled_tokens(chunks: Sequence[dict[str, Any]]) -> list[int]:
-    return journaled(chunks)[0]
-
-
 def journaled(chunks: Sequence[dict[str, Any]]) -> tuple[list[int], list[Any]]:
     """The contiguous run of checkpointed tokens from offset 0, and their logprobs (one
     entry per token where the chunks carry them)."""
