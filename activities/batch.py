@@ -27,17 +27,18 @@ from temporalio.exceptions import ApplicationError
 
 from journal import batch_store, engine_registry, finetune_store, ledger
 from journal.leases import acquire
-from policy.admission import Refuse, admit_batch, describe_batch, estimate
+from policy.admission import Refuse, admit_batch, describe_batch, estimate, estimate_embedding
 from policy.grouping import assign, own_queue
 from policy.lifecycle import finalize_plan
 from policy.placement import region_queue
 from protocol import batch as batch_file
 from protocol import keys
+from protocol.embeddings import EmbeddingRequest
 from protocol.engine_wire import EngineStats
 from protocol.errors import ProtocolError, storable
 from protocol.events import ItemFailed, item_result
 from protocol.limits import ANY_MODEL
-from protocol.requests import RequestLimits, parse
+from protocol.requests import RequestLimits
 from protocol.temporal import (
     FailBatchInput,
     FailItemInput,
@@ -139,8 +140,12 @@ class BatchActivities:
         """(input, output) tokens the item may take; 0 for one that will not run."""
         if item.error is not None:
             return 0, 0
-        req = parse(endpoint, item.body, limits, batch=True)
-        return (0, 0) if isinstance(req, ProtocolError) else estimate(req, limits.max_model_len)
+        req = batch_file.parse_line(endpoint, item.body, limits)
+        if isinstance(req, ProtocolError):
+            return 0, 0
+        if isinstance(req, EmbeddingRequest):
+            return estimate_embedding(req, limits.max_model_len), 0
+        return estimate(req, limits.max_model_len)
 
     async def _enqueue(self, conn, batch_id: str, tenant: str, model: str, input_tokens: int,
                        output_tokens: int) -> None:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -32,17 +32,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from engine import sampling
+from engine import embedding, sampling
 from engine.slots import EngineSlots
 from engine.trace import OFF, Trace
 from journal import batch_store
 from journal.checkpointer import Checkpointer
 from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
-from protocol import keys, responses
+from protocol import embeddings, keys, responses
 from protocol.errors import ProtocolError, storable
-from protocol.events import EventType, ItemChunk, ItemPreempted, chunk_payload
-from protocol.requests import RequestLimits, parse
+from protocol.events import EventType, ItemChunk, ItemPreempted, choice_key, chunk_payload, preempted_payload
+from protocol.requests import EMBEDDINGS, RequestLimits, parse
 from protocol.temporal import GenerateInput, GenerateResult
 from protocol.tiers import RANK, Tier
 from telemetry import families
@@ -84,7 +84,7 @@ class GenerationActivities:
             raise ApplicationError(f"batch {group.batch_id} runs {foreign!r}, which this engine worker "
                                    f"({self.engine.spec.name!r}) does not serve", type="ForeignModel")
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
-        progress = {idx: 0 for idx in group.idxs}
+        progress: dict[str, int] = {}
         beat = asyncio.create_task(self._heartbeat(progress))
         try:
             async with asyncio.TaskGroup() as tg:  # on cancel: every item flushes, then we return
@@ -132,6 +132,13 @@ class GenerationActivities:
         item, idx, endpoint = at.item, at.idx, at.batch["endpoint"]
         if item["status"] != "pending":
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
+        spec = self.engine.spec
+        if (wrong := embeddings.wrong_task(spec.name, spec.embeds, endpoint)) is not None:
+            await self.checkpointer.submit([at.failed(wrong.at_line(item["line"]))])
+            self._count(at, "failed")
+            return GenerateResult("failed", idx=idx)
+        if endpoint == EMBEDDINGS:
+            return await self._embed(at)
         req = parse(endpoint, item["body"], RequestLimits(self.engine.spec.name, self.engine.spec.max_model_len,
                                                    any_adapter=True), batch=True)
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(self.engine, req)
@@ -140,26 +147,79 @@ class GenerationActivities:
             self._count(at, "failed")
             return GenerateResult("failed", idx=idx)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
-        prompt, params = ready.prompt, ready.sampling
-        at.resume(item["tokens"], item["logprobs"])  # what is journaled: this run continues from there
-        resumed_from, reason = at.saved, None
-        while not self._already_finished(prompt, at.tokens, params):
-            got = await self._on_engine(at, prompt, params)
+        prompt, params, calls = ready.prompt, ready.sampling, ready.calls
+        # An echo's prompt logprobs come from one request over the prompt alone, at the end:
+        # each run of the item would otherwise compute them over its prompt and tokens anew.
+        echo_logprobs, params = params.prompt_logprobs, replace(params, prompt_logprobs=None)
+        # Each choice is a generation of its own, resumed from what it journaled.
+        runs = [at] + [at.choice(c) for c in range(1, req.n)]
+        for run in runs:
+            run.resume(*item["choices"].get(run.index, ([], [])))
+        resumed_from = sum(run.saved for run in runs)
+        reasons = await _all([self._choice(run, prompt, sampling.choice(params, run.index)) for run in runs])
+        echoed = None
+        if req.echo and echo_logprobs is not None:  # the same prompt for every choice
+            echoed = await self._prompt_logprobs(at, prompt, replace(params, prompt_logprobs=echo_logprobs))
+        choices, used = [], 0
+        for run, reason in zip(runs, reasons, strict=True):
+            text, reason, count = sampling.finish(self.engine, prompt, run.tokens, params, reason)
+            content: str | None = text
+            tool_calls = None
+            if calls is not None:  # read from all its tokens' text, however many runs made them
+                message = calls.whole(text, reason)
+                content, tool_calls, reason = message.content, message.tool_calls, message.finish_reason
+            if req.echo:  # completions only: no tool calls
+                content = sampling.echo_text(self.engine, req, prompt) + (text if req.max_tokens != 0 else "")
+            choices.append(responses.Choice(content, reason, sampling.logprobs(
+                self.engine, req, run.tokens[:count], run.logprobs[:count], echoed), tool_calls))
+            used += count
+        kind = "chatcmpl" if req.endpoint == sampling.CHAT else "cmpl"
+        meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
+        body = responses.completion(endpoint, meta, choices, len(prompt), used, cached_tokens=at.cached)
+        await self.checkpointer.submit([*(e for run in runs for e in run.due()), at.completed(body)])
+        tokens = sum(len(run.tokens) for run in runs)
+        self._count(at, "completed", tokens - resumed_from)
+        return GenerateResult("completed", tokens=tokens, resumed_from=resumed_from, idx=idx)
+
+    async def _embed(self, at: Attempt) -> GenerateResult:
+        """An item of embeddings: one pass, whole. A surge does not cut it short (there is
+        nothing to keep of half a pass); it holds a batch slot, so the items after it wait
+        for one, and a retried attempt embeds it anew."""
+        req = embeddings.parse(at.item["body"], RequestLimits(self.engine.spec.name, self.engine.spec.max_model_len))
+        ids = req if isinstance(req, ProtocolError) else embedding.inputs(self.engine, req)
+        if isinstance(ids, ProtocolError):
+            await self.checkpointer.submit([at.failed(ids.at_line(at.item["line"]))])
+            self._count(at, "failed")
+            return GenerateResult("failed", idx=at.idx)
+        assert not isinstance(req, ProtocolError)  # else `ids` is that error
+
+        async def whole() -> None:  # a preemption's abort: the pass ends on its own within a step
+            pass
+
+        async with self.slots.batch(at.key, BATCH_PRIORITY, whole):
+            vectors = await self.engine.embed(f"{at.key}:{at.fence}:{at.tries}", ids, dimensions=req.dimensions,
+                                              priority=BATCH_PRIORITY)
+        await self.checkpointer.submit([at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
+                                                                         req.base64))])
+        self._count(at, "completed")
+        return GenerateResult("completed", idx=at.idx)
+
+    async def _choice(self, run: Attempt, prompt: list[int], params: sampling.Sampling) -> str | None:
+        """One choice to its end: its finish reason (None: it had finished before)."""
+        while not self._already_finished(prompt, run.tokens, params):
+            got = await self._on_engine(run, prompt, params)
             if got != PREEMPTED:
-                reason = got
-                break
+                return got
             # Yielded, its tokens journaled with the preemption: it waits here for a slot
             # (the cap lifts after the cool-down) and goes on from them, with no round trip
             # through the workflow and no reload, while the engine serves the chat.
-        tokens = at.tokens
-        text, reason, used = sampling.finish(self.engine, prompt, tokens, params, reason)
-        kind = "chatcmpl" if req.endpoint == sampling.CHAT else "cmpl"
-        meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
-        body = responses.completion(endpoint, meta, text, reason, len(prompt), used, cached_tokens=at.cached,
-                                    logprobs=sampling.logprobs(self.engine, req, tokens[:used], at.logprobs[:used]))
-        await self.checkpointer.submit([*at.due(), at.completed(body)])
-        self._count(at, "completed", len(tokens) - resumed_from)
-        return GenerateResult("completed", tokens=len(tokens), resumed_from=resumed_from, idx=idx)
+        return None
+
+    async def _prompt_logprobs(self, at: Attempt, prompt: list[int], params: sampling.Sampling) -> list[Any]:
+        """An echo's prompt logprobs, under a batch slot like any run of the item."""
+        request_id = f"{at.stream}:{at.fence}:{at.tries}:echo"
+        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)):
+            return await sampling.prompt_logprobs(self.engine, request_id, prompt, params)
 
     def _count(self, at: Attempt, outcome: str, tokens: int = 0) -> None:
         """The item's outcome here, journaled, in this worker's metrics (telemetry/families.py)."""
@@ -175,15 +235,15 @@ class GenerationActivities:
         if tokens or at.runs:  # a resumption: its prompt and tokens are prefilled again
             families.REPREFILLED.labels(self.engine.spec.name).inc(len(prompt) + len(tokens))
         at.runs += 1  # a preemption before any new token resumes at the same offset: ids stay unique
-        request_id = f"{at.stream}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
+        request_id = f"{at.key}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
         rest = sampling.resumed(params, tokens)
-        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
-            self.trace("submit", item=at.stream)
+        async with self.slots.batch(at.key, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
+            self.trace("submit", item=at.key)
             try:
                 with self.checkpointer.track(at):  # its tokens go to the journal every commit
                     async for step in self.engine.generate(
                         request_id, prompt + tokens, rest, resumed=len(tokens),
-                        priority=BATCH_PRIORITY, item=at.stream, resumed_from=at.saved,  # for engine/gate.py
+                        priority=BATCH_PRIORITY, item=at.key, resumed_from=at.saved,  # for engine/gate.py
                     ):
                         if at.cached is None:  # the prompt's, as the first stretch found it
                             at.cached = min(step.cached_tokens, len(prompt))
@@ -198,7 +258,7 @@ class GenerationActivities:
                             # Preempted before vLLM had the request, so that abort missed it.
                             await self.engine.abort(request_id)
                         at.raise_if_refused()  # a newer attempt took over: stop now, not at the end
-                self.trace("finish", item=at.stream, tokens=len(tokens))
+                self.trace("finish", item=at.key, tokens=len(tokens))
             except asyncio.CancelledError:
                 # Cancelled (batch cancelled, worker stopping): keep every token we have.
                 await self.engine.abort(request_id)
@@ -223,7 +283,7 @@ class GenerationActivities:
             return True
         return sampling.stopped(self.engine, prompt, tokens, params)
 
-    async def _heartbeat(self, progress: dict[int, int]) -> None:
+    async def _heartbeat(self, progress: dict[str, int]) -> None:
         # Beats even while items wait for a slot or in the engine's queue; three beats per
         # timeout is enough and keeps hundreds of generations cheap.
         timeout = activity.info().heartbeat_timeout
@@ -234,29 +294,51 @@ class GenerationActivities:
                 await asyncio.sleep(every)
 
 
+async def _all(runs: list[Any]) -> list[Any]:
+    """Each coroutine's result; the first to fail cancels the rest (each flushes what it
+    has) and its error is raised as itself, not in a group."""
+    if len(runs) == 1:
+        return [await runs[0]]
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(run) for run in runs]
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 class Attempt:
-    """One item under this attempt's lease: every event it writes carries the fence."""
+    """One item (one of its choices) under this attempt's lease: every event it writes
+    carries the fence."""
 
     def __init__(self, batch: dict[str, Any], item: dict[str, Any], runner: str, fence: int,
-                 progress: dict[int, int] | None = None):
+                 progress: dict[str, int] | None = None, index: int = 0):
         self.batch, self.item, self.runner, self.fence = batch, item, runner, fence
         self.idx: int = item["idx"]
+        self.index = index  # the choice
         self.stream = keys.item(batch["id"], self.idx)
+        self.key = self.stream if index == 0 else f"{self.stream}#{index}"  # its requests and slot holds
         self.tries = 1
         self.runs = 0  # stretches on the engine (one more after each preemption)
         self.tokens: list[int] = []  # every token the item has, journaled or not
         self.logprobs: list[Any] = []  # each token's alternatives, where the request asked for them
         self.saved = 0  # tokens[:saved] are journaled, or in a commit on its way
         self.cached: int | None = None  # prompt tokens the engine had cached (usage.prompt_tokens_details)
-        self.progress = progress if progress is not None else {}  # heartbeat details, by idx
+        self.progress = progress if progress is not None else {}  # heartbeat details, by key
         self._refused: BaseException | None = None
+
+    def choice(self, index: int) -> Attempt:
+        """Another of the item's choices, under the same lease."""
+        other = Attempt(self.batch, self.item, self.runner, self.fence, self.progress, index)
+        other.tries = self.tries
+        return other
 
     def resume(self, journaled: list[int], logprobs: list[Any] | None = None) -> None:
         self.tokens, self.saved = list(journaled), len(journaled)
         self.logprobs = list(logprobs or [])
         if self.logprobs and len(self.logprobs) != self.saved:
-            raise AssertionError(f"{self.stream}: {self.saved} tokens journaled with {len(self.logprobs)} logprobs")
-        self.progress[self.idx] = self.saved
+            raise AssertionError(f"{self.key}: {self.saved} tokens journaled with {len(self.logprobs)} logprobs")
+        self.progress[self.key] = self.saved
 
     def due(self) -> list[NewEvent]:
         """The tokens since the last checkpoint, as one chunk event (the checkpointer's
@@ -264,11 +346,11 @@ class Attempt:
         offset, self.saved = self.saved, len(self.tokens)
         if self.saved == offset:
             return []
-        self.progress[self.idx] = self.saved
+        self.progress[self.key] = self.saved
         chunk = ItemChunk(self.batch["id"], self.idx, offset, self.tokens[offset:], self.runner,
-                          self.logprobs[offset:self.saved] if self.logprobs else None)
-        return [NewEvent(self.stream, EventType.ITEM_CHUNK, chunk_payload(chunk), f"{self.stream}:chunk:{offset}",
-                         self.batch["tenant"], fence=self.fence)]
+                          self.logprobs[offset:self.saved] if self.logprobs else None, self.index)
+        return [NewEvent(self.stream, EventType.ITEM_CHUNK, chunk_payload(chunk),
+                         choice_key(self.stream, "chunk", self.index, offset), self.batch["tenant"], fence=self.fence)]
 
     def committed(self, commit: asyncio.Future) -> None:
         """A checkpoint nobody awaits: remember if the journal refused it."""
@@ -284,9 +366,10 @@ class Attempt:
             raise self._refused
 
     def preempted(self, offset: int) -> NewEvent:
-        yielded = ItemPreempted(self.batch["id"], self.idx, offset)
-        return NewEvent(self.stream, EventType.ITEM_PREEMPTED, asdict(yielded),
-                        f"{self.stream}:preempted:{offset}", self.batch["tenant"], fence=self.fence)
+        yielded = ItemPreempted(self.batch["id"], self.idx, offset, self.index)
+        return NewEvent(self.stream, EventType.ITEM_PREEMPTED, preempted_payload(yielded),
+                        choice_key(self.stream, "preempted", self.index, offset), self.batch["tenant"],
+                        fence=self.fence)
 
     def completed(self, body: dict[str, Any]) -> NewEvent:
         return batch_store.item_completed_event(self.batch["id"], self.idx, self.batch["tenant"], body,

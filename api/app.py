@@ -10,7 +10,20 @@ import httpx
 from fastapi import FastAPI
 from temporalio.client import Client
 
-from api import admin, batches, errors, files, fine_tuning, health, interactive, metrics, models, usage, webhooks
+from api import (
+    admin,
+    batches,
+    embeddings,
+    errors,
+    files,
+    fine_tuning,
+    health,
+    interactive,
+    metrics,
+    models,
+    usage,
+    webhooks,
+)
 from api.console import router as console_router
 from api.deps import REQUIRE_KEY, Services
 from api.ratelimit_headers import RateLimitHeaders
@@ -74,7 +87,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         app.add_middleware(AdminListener, port=settings.admin_port)  # before any key is asked
     app.add_middleware(RequestId)  # outermost: every response carries its id, refusals included
     # Every /v1 route needs a tenant's key; /healthz (and the docs, where served) stay open.
-    for v1 in (files, batches, fine_tuning, interactive, models, webhooks):
+    for v1 in (files, batches, fine_tuning, interactive, embeddings, models, webhooks):
         app.include_router(v1.router, dependencies=[REQUIRE_KEY], responses=schema.errors(401))
     app.include_router(usage.router)  # a tenant's key or an admin key
     app.include_router(admin.router)

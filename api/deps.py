@@ -19,7 +19,7 @@ from api.services.engine_directory import EngineDirectory
 from api.services.placer import Placer
 from config import Settings
 from journal.tenant_store import Principal
-from policy.pools import served_models
+from policy.pools import embedding_models, served_models
 from protocol import search
 from storage.objects import ObjectStore
 
@@ -48,6 +48,10 @@ class Services:
     async def models(self) -> dict[str, int]:
         """Model → context length, for every model callable here (policy/pools.py)."""
         return served_models(await self.engines.live(), self.settings.model_name, self.settings.max_model_len)
+
+    async def embedding_models(self) -> frozenset[str]:
+        """The models that serve embeddings and nothing else (policy/pools.py)."""
+        return embedding_models(await self.engines.live(), self.settings.model_name, self.settings.model_task)
 
 
 # Dependencies are coroutines: FastAPI runs a plain `def` dependency in a worker thread,

@@ -12,7 +12,7 @@ from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException
 
 from journal.db import unreachable
-from protocol.errors import bad_char, error_type, storable
+from protocol.errors import ProtocolError, bad_char, error_type, storable
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,11 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    @classmethod
+    def of(cls, e: ProtocolError) -> APIError:
+        """A request's refusal as `protocol` states it (parse, a model's task), as the API answers it."""
+        return cls(e.status_code, e.message, param=e.param, code=e.code)
 
 
 def not_found(kind: str, id: str, param: str | None = None) -> APIError:

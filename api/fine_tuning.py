@@ -178,8 +178,9 @@ def _hyperparameters(h: Hyperparameters | None, max_lora_rank: int, where: str =
 async def create(body: CreateJob, svc: ServicesDep, tenant: TenantDep):
     s = svc.settings
     models = await svc.models()  # a base model any pool serves: its engines train it, and serve the result
-    if body.model not in models:
-        served = ", ".join(repr(m) for m in models)
+    embedding = await svc.embedding_models()  # their engines serve no adapters (vLLM's pooling runner)
+    if body.model not in models or body.model in embedding:
+        served = ", ".join(repr(m) for m in models if m not in embedding)
         raise APIError(400, f"Model {check_text(body.model, 'model')!r} is not available for fine-tuning; "
                             f"this deployment fine-tunes {served}.", param="model", code="model_not_available")
     if body.suffix is not None and not _SUFFIX.fullmatch(body.suffix):

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
 from policy.pools import base_model
 from protocol import engine_wire, keys, responses, schema
+from protocol.embeddings import EmbeddingRequest, wrong_task
 from protocol.errors import ProtocolError
 from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, parse
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
@@ -81,15 +82,17 @@ async def completions(request: Request, svc: ServicesDep, who: PrincipalDep):
 async def _serve(request: Request, svc: Services, who: Principal, endpoint: str):
     tenant = who.tenant
     t0 = time.perf_counter()
-    body = await _body(request)
+    body = await read_body(request)
     # The model's pool: its own limits, quotas and engines. A model no pool serves is
     # checked against the deployment's own, which names it in its 404.
     models = await svc.models()
     pool = base_model(body.get("model"), models) or svc.settings.model_name
+    if pool == body.get("model") and (wrong := wrong_task(pool, pool in await svc.embedding_models(), endpoint)):
+        raise APIError.of(wrong)
     req = parse(endpoint, body, RequestLimits(pool, models[pool], adapters=await _fine_tuned(svc, tenant, body, pool),
                                               others=tuple(m for m in models if m != pool)))
     if isinstance(req, ProtocolError):
-        raise APIError(req.status_code, req.message, param=req.param, code=req.code)
+        raise APIError.of(req)
     if req.service_tier in GRANTED and req.service_tier not in who.tiers:
         # Not granted: it runs as everyone's does, and its response's service_tier says so
         # (as OpenAI's do for a tier the project lacks).
@@ -100,9 +103,11 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
     # other requests this process is serving.
     prompt = (await asyncio.to_thread(svc.placer.prompt, req, pool) if _chars(req) > INLINE_PROMPT_CHARS
               else svc.placer.prompt(req, pool))
-    ticket = await _admit(svc, tenant, req, pool, models[pool], rid, prompt.tokens)
+    input_tokens, _ = estimate(req, models[pool], prompt.tokens)
+    ticket = await admit(svc, tenant, req, pool, rid, input_tokens, counted=prompt.tokens is not None,
+                         max_tokens=req.max_tokens, choices=req.n)
     try:
-        run = await _open(svc, tenant, req, pool, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
+        run = await open_stream(svc, tenant, req, pool, body, t0, rid, ticket, weight=who.weight, regions=who.regions,
                           prompt=prompt, http_id=request_id(request))
     except BaseException:
         if ticket is not None:
@@ -131,7 +136,7 @@ async def _fine_tuned(svc: Services, tenant: str, body: dict[str, Any], pool: st
 # -- 1. the body --------------------------------------------------------------------
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def read_body(request: Request) -> dict[str, Any]:
     raw = await request.body()  # bounded by the body-size middleware
     try:
         body = json.loads(raw)
@@ -147,17 +152,16 @@ async def _body(request: Request) -> dict[str, Any]:
 # -- 2. admission ----------------------------------------------------------------------
 
 
-async def _admit(svc: Services, tenant: str, req: GenerationRequest, pool: str, max_model_len: int, rid: str,
-                 counted: int | None) -> Ticket | None:
+async def admit(svc: Services, tenant: str, req: GenerationRequest | EmbeddingRequest, pool: str, rid: str,
+                input_tokens: int, *, counted: bool, max_tokens: int | None, choices: int) -> Ticket | None:
     """Reserve the request's tokens against the tenant's limits, or refuse it with a 429
-    naming the limit. The prompt's size is `counted` (tokenized here as the engine will),
-    else estimated and corrected once the engine reports it."""
+    naming the limit. `input_tokens` are the prompt's size, `counted` where tokenized here
+    as the engine will (else an estimate, corrected once the engine reports it)."""
     if svc.admission is None:
         return None
-    input_tokens, _ = estimate(req, max_model_len, counted)
     busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc, pool)
-    got = await svc.admission.reserve(rid, tenant, pool, req.service_tier, input_tokens, req.max_tokens,
-                                      fleet_busy=busy, counted=counted is not None)
+    got = await svc.admission.reserve(rid, tenant, pool, req.service_tier, input_tokens, max_tokens,
+                                      fleet_busy=busy, counted=counted, choices=choices)
     if isinstance(got, Refuse):
         families.ADMISSION.labels(families.tenant(tenant), req.service_tier, pool, "refused", got.limit).inc()
         raise APIError(429, describe(got, tenant, pool, req.service_tier),
@@ -191,6 +195,7 @@ class OpenRequest:
     upstream: httpx.Response
     t0: float
     ticket: Ticket | None = None
+    seqs: int = 1  # vLLM sequences it runs (its `n`), as placement counts load
     tokens: int = 0  # completion tokens streamed so far
     done: bool = False  # finished: its outcome is on its way to the journal
 
@@ -221,6 +226,27 @@ class OpenRequest:
         finally:
             await self.upstream.aclose()
 
+    async def whole(self, seen: Callable[[engine_wire.Delta], None] = lambda _: None,
+                    ) -> tuple[engine_wire.Finished, float | None]:
+        """The stream to its end, each delta `seen`: its final line and TTFT. Ended any other
+        way, the request is finished here: a failure raised as its APIError, a client gone
+        (the handler cancelled) as cancelled."""
+        final, ttft = None, None
+        try:
+            async for delta, end in self.events():
+                if delta is not None:
+                    ttft = ttft or self.ttft()
+                    seen(delta)
+                final = end or final
+        except EngineFailed as err:
+            self.finished(None, ttft, "failed")
+            raise err.api_error() from err
+        except BaseException:
+            self.finished(None, ttft, "cancelled")
+            raise
+        assert final is not None  # events() ends with it or raises
+        return final, ttft
+
     def finished(self, final: engine_wire.Finished | None, ttft: float | None,
                  status: RequestStatus | None = None) -> None:
         """Once, however the request ended: release its reservation now, journal the outcome
@@ -228,7 +254,7 @@ class OpenRequest:
         if self.done:
             return
         self.done = True
-        self.svc.placer.done(self.record.engine_id)
+        self.svc.placer.done(self.record.engine_id, self.seqs)
         if final is None:
             outcome = RequestOutcome(status or "cancelled", self.tokens, ttft_ms=ttft)
         else:
@@ -280,10 +306,10 @@ def _observe(r: InteractiveInput, outcome: RequestOutcome, seconds: float) -> No
             families.TPOT.labels(r.tier, r.model).observe(max(0.0, seconds - ttft) / (outcome.completion_tokens - 1))
 
 
-async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, body: dict[str, Any], t0: float,
-                rid: str,
-                ticket: Ticket | None = None, weight: int = 1, regions: frozenset[str] | None = None,
-                prompt: Prompt | None = None, http_id: str | None = None) -> OpenRequest:
+async def open_stream(svc: Services, tenant: str, req: GenerationRequest | EmbeddingRequest, pool: str,
+                      body: dict[str, Any], t0: float, rid: str, ticket: Ticket | None = None, weight: int = 1,
+                      regions: frozenset[str] | None = None, prompt: Prompt | None = None,
+                      http_id: str | None = None) -> OpenRequest:
     # tenant/tier/weight: the engine worker orders requests by tenant fair share within a tier
     # (engine/fair_share.py); `priority` stays for engine workers that predate it. The weight
     # is the tenant's as of its key's lookup (cached for BALLAST_KEY_CACHE_S).
@@ -296,7 +322,7 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, b
     except (httpx.HTTPError, StopAsyncIteration, ValueError):  # JSONDecodeError is a ValueError
         first = None
     if not isinstance(first, engine_wire.Accepted):
-        svc.placer.done(engine.id)
+        svc.placer.done(engine.id, req.n)
         await upstream.aclose()
         if upstream.status_code == 401:  # a deployment error, not the client's: say so where operators look
             log.error("engine %s refused the engine token (401): BALLAST_ENGINE_TOKEN differs between the API "
@@ -312,10 +338,10 @@ async def _open(svc: Services, tenant: str, req: GenerationRequest, pool: str, b
         record = dataclasses.replace(record, reserved_input=ticket.input_tokens, reserved_output=ticket.output_tokens,
                                      holder=ticket.holder, admitted_at=ticket.at)
     meta = dict(id=rid, created=int(time.time()), model=req.model, service_tier=req.service_tier)
-    return OpenRequest(svc, record, meta, lines, upstream, t0, ticket)
+    return OpenRequest(svc, record, meta, lines, upstream, t0, ticket, seqs=req.n)
 
 
-async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest, pool: str,
+async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationRequest | EmbeddingRequest, pool: str,
                    regions: frozenset[str] | None = None,
                    prompt: Prompt | None = None) -> tuple[EngineView, httpx.Response]:
     """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions; one
@@ -330,7 +356,7 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job.to_json(), headers=headers)
             upstream = await svc.http.send(request, stream=True)
-            svc.placer.sent(engine, blocks)
+            svc.placer.sent(engine, blocks, req.n)
             return engine, upstream
         except httpx.TransportError as e:
             log.warning("engine %s unreachable (%s); trying the next", engine.id, type(e).__name__)
@@ -360,23 +386,29 @@ class _Streamed(StreamingResponse):
 
 
 async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[bytes, None]:
-    chunks = responses.Chunks(req.endpoint, run.meta, req.logprobs)
+    each = [responses.Chunks(req.endpoint, run.meta, req.logprobs, index=i) for i in range(req.n)]  # by choice
     events = run.events()
     final, ttft = None, None
     status: RequestStatus | None = None
     try:
-        if opening := chunks.start():
-            yield opening
+        for chunks in each:
+            if opening := chunks.start():
+                yield opening
         async for delta, end in events:
             if delta is not None:
                 ttft = ttft or run.ttft()
-                yield chunks.text(delta.text, delta.logprobs)
+                chunks = each[delta.choice]
+                if delta.message is None:
+                    yield chunks.text(delta.text, delta.logprobs)
+                elif shown := chunks.message(delta.message, delta.logprobs):
+                    yield shown
             else:
                 final = end
         assert final is not None
-        yield chunks.finish(final.finish_reason)
+        for chunks, ending in zip(each, final.endings(), strict=True):
+            yield chunks.finish(ending.finish_reason)
         if req.include_usage:
-            yield chunks.usage(run.prompt_tokens, final.completion_tokens, final.cached_tokens)
+            yield each[0].usage(run.prompt_tokens, final.completion_tokens, final.cached_tokens)
         yield responses.done()
     except EngineFailed as err:
         status = "failed"
@@ -389,29 +421,23 @@ async def _relay(run: OpenRequest, req: GenerationRequest) -> AsyncGenerator[byt
 
 
 async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
-    text: list[str] = []
-    positions: list[Any] = []
-    final, ttft = None, None
-    try:
-        async for delta, end in run.events():
-            if delta is not None:
-                ttft = ttft or run.ttft()
-                text.append(delta.text)
-                positions += delta.logprobs or []
-            final = end or final
-    except EngineFailed as err:
-        run.finished(None, ttft, "failed")
-        raise err.api_error() from err
-    except BaseException:  # the client went away (the handler is cancelled)
-        run.finished(None, ttft, "cancelled")
-        raise
-    assert final is not None
+    text: list[list[str]] = [[] for _ in range(req.n)]  # by choice
+    positions: list[list[Any]] = [[] for _ in range(req.n)]
+
+    def seen(delta: engine_wire.Delta) -> None:
+        text[delta.choice].append(delta.text)
+        positions[delta.choice] += delta.logprobs or []
+
+    final, ttft = await run.whole(seen)
     run.finished(final, ttft)
-    return JSONResponse(responses.completion(
-        req.endpoint, run.meta, "".join(text), final.finish_reason, run.prompt_tokens, final.completion_tokens,
-        cached_tokens=final.cached_tokens,
-        logprobs=responses.shaped_logprobs(req.endpoint, positions if req.logprobs is not None else None,
-                                           req.logprobs)))
+    choices = []
+    for i, ending in enumerate(final.endings()):
+        parsed = ending.message or {}  # where its tool calls were read: what the parser made of the text
+        choices.append(responses.Choice(parsed.get("content", "".join(text[i])), ending.finish_reason,
+                                        responses.shaped_logprobs(req.endpoint, positions[i] if req.logprobs is not None
+                                                                  else None, req.logprobs), parsed.get("tool_calls")))
+    return JSONResponse(responses.completion(req.endpoint, run.meta, choices, run.prompt_tokens,
+                                             final.completion_tokens, cached_tokens=final.cached_tokens))
 
 
 async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutcome,

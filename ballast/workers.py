@@ -232,7 +232,7 @@ async def engine_worker(settings: Settings) -> None:
     log.info("starting vLLM with %s (%s)", spec.name, spec.path)
     # Fine-tuned models (LoRA adapters from the object store) beside the base model.
     adapters = (Adapters(ObjectStore(settings.object_store_url), settings.data_dir / "adapters")
-                if settings.serve_fine_tuned else None)
+                if settings.serve_fine_tuned and not spec.embeds else None)
     # The settings' vLLM arguments, from the one mapping every benchmark's raw arm uses too.
     engine: Engine | GatedEngine = await Engine.from_args(spec, engine_args(spec, settings),
                                                           nice=settings.engine_nice, adapters=adapters)
@@ -365,7 +365,7 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                     EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
-                                max_model_len=spec.max_model_len, model_source=spec.path,
+                                max_model_len=spec.max_model_len, model_source=spec.path, task=spec.task,
                                 batch_tokens=int(families.total(families.BATCH_TOKENS))).to_json())
             await slots.direct(cap)
             draining.set(drained)

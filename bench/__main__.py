@@ -34,6 +34,12 @@ def _overhead(s: Settings, a: argparse.Namespace) -> int:
     return main(s, requests=a.requests)
 
 
+def _rate(s: Settings, a: argparse.Namespace) -> int:
+    from bench.rate import main
+
+    return main(s, requests=a.requests, rounds=a.rounds, concurrency=a.concurrency)
+
+
 def _admission(s: Settings, a: argparse.Namespace) -> int:
     from bench.admission import main
 
@@ -103,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--arms", default=None, help="comma-separated (all: alone,ballast,priority,partition)")
     b = bench("overhead", _overhead, "what Ballast adds to a streamed chat's first token, against vLLM direct")
     b.add_argument("--requests", type=int, default=500, help="streamed chats per pacing and arm")
+    b = bench("rate", _rate, "small chats per second through Ballast, against vllm serve on the same engine")
+    b.add_argument("--requests", type=int, default=400, help="chats per arm and round")
+    b.add_argument("--rounds", type=int, default=3, help="rounds, the arms' order alternating")
+    b.add_argument("--concurrency", type=int, default=8, help="chats in flight at once")
     bench("admission", _admission, "quota overshoot across real API processes, judged from the ledger")
     b = bench("fairness", _fairness, "two tenants' service at the client, VTC against FCFS")
     b.add_argument("--seconds", type=float, default=20.0, help="seconds of backlog per arm")

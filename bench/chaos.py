@@ -509,8 +509,10 @@ class Chaos:
                 killed.append(self._kill("api", "ballast.cli api", "SIGKILL mid-stream"))
 
         with self._client() as api:
-            # ignore_eos: a long answer, so that the kill lands while it streams.
-            chat = self._chat(api, max_tokens=400, on_chunk=kill_at, ignore_eos=True)
+            # ignore_eos: a long answer (most of a 1,024-token context), so that the kill lands
+            # while it streams: one that fits in the sockets' buffers can reach a client that
+            # is slow to read (a busy machine) before the kill, and complete.
+            chat = self._chat(api, max_tokens=960, on_chunk=kill_at, ignore_eos=True)
         if not killed:
             raise RuntimeError("the chat to kill the API under never streamed 3 chunks")
         killed[0].note = f"the chat streaming: {chat.ending if chat else 'no stream'}"

@@ -422,7 +422,10 @@ def run(fleet: Fleet, *, items: int, chats: int, max_tokens: int = 160, say=prin
     # 3. A batch through api1, one engine host cut mid-batch, read back through api2.
     sent = {f"item-{i}": f"tell me about {i} " * 4 for i in range(items)}
     body = "\n".join(json.dumps(dict(custom_id=cid, method="POST", url="/v1/chat/completions", body=dict(
-        model=model, max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": text}])))
+        # ignore_eos: every item generates its whole max_tokens (an early EOS could end the
+        # batch before any engine host had announced holding a generation to cut).
+        model=model, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+        messages=[{"role": "user", "content": text}])))
         for cid, text in sent.items())
     upload = clients["api1"].files.create(file=("batch.jsonl", body.encode()), purpose="batch")
     batch = clients["api1"].batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",

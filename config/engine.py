@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
@@ -19,7 +20,15 @@ class EngineSettings(Section):
     model: str | None = None
     served_model_name: str | None = None
     max_model_len: int = 2048
+    # The vLLM tool parser that reads the model's tool calls (vLLM's --tool-call-parser:
+    # hermes, llama3_json, mistral, …; its docs list which fits which model). Unset: the
+    # model takes no `tools` but "none" (the tiny model: hermes).
+    tool_call_parser: str | None = None
     max_num_seqs: int = 256
+    # What the model serves: "generate" (chat and completions) or "embed" (/v1/embeddings,
+    # from vLLM's pooling runner: an embedding model, or a generative one turned into one
+    # by vLLM's --convert embed, as the tiny model is). Its pool then serves nothing else.
+    model_task: Literal["generate", "embed"] = "generate"
 
     # KV-cache memory. Unset: CPU_KV_CACHE_GIB on CPU, where vLLM's gpu_memory_utilization
     # would mean a share of all host memory; on a GPU, what vLLM sizes from

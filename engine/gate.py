@@ -12,7 +12,7 @@ the engine runs. In the spirit of etcd's gofail.
 
 The control file, replaced atomically (write a temporary file, then `os.replace`):
 
-    {"budget": {"default": 300, "item:<batch>:<idx>": 340}}   per item, else "default"
+    {"budget": {"default": 300, "item:<batch>:<idx>": 340}}   per item (its choice c > 0: "…#c"), else "default"
     {"budget": 300}                                            every batch item
     {"budget": null}   or no file at all                       unlimited: nothing held
 
@@ -50,7 +50,7 @@ _REMEMBERED_ABORTS = 4096  # aborts of requests not yet started (see `abort`)
 class _Gated:
     """One batch request passing through the gate."""
 
-    item: str  # whose budget applies: the batch item's stream, "item:<batch>:<idx>"
+    item: str  # whose budget applies: the batch item's stream, "item:<batch>:<idx>" ("…#<c>": its choice c > 0)
     tokens: int  # the item's total: what it had when this request began + what was yielded since
     held: bool = False  # waiting at its budget now
     aborted: bool = False

@@ -12,15 +12,24 @@ class ModelSpec:
     path: str  # local directory (or hub id where the network allows)
     name: str  # the name clients ask for
     max_model_len: int
+    tool_call_parser: str | None = None  # vLLM's name for the parser of its tool calls
+    task: str = "generate"  # "embed": vLLM's pooling runner, embeddings only
+
+    @property
+    def embeds(self) -> bool:
+        return self.task == "embed"
 
 
 def resolve_model(settings: Settings) -> ModelSpec:
     if settings.model:
-        return ModelSpec(settings.model, settings.model_name, settings.max_model_len)
-    from engine.tiny import build_tiny_model  # imports torch; only needed here
+        return ModelSpec(settings.model, settings.model_name, settings.max_model_len,
+                         settings.tool_call_parser or None, settings.model_task)
+    from engine.tiny import TOOL_CALL_PARSER, build_tiny_model  # imports torch; only needed here
 
     path = build_tiny_model(settings.models_dir, settings.max_model_len)
-    return ModelSpec(str(path), settings.model_name, settings.max_model_len)
+    embeds = settings.model_task == "embed"
+    return ModelSpec(str(path), settings.model_name, settings.max_model_len,
+                     None if embeds else settings.tool_call_parser or TOOL_CALL_PARSER, settings.model_task)
 
 
 def tokenizer_path(settings: Settings) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine import tools
 from engine.text import decode_alternatives, detokenize
 from protocol import responses
 from protocol.errors import ProtocolError, storable
@@ -40,6 +41,7 @@ class Sampling:
     # Structured outputs: vLLM's StructuredOutputsParams keywords (json, json_object, regex,
     # choice, grammar); None: free text.
     grammar: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # alternatives per prompt token (an echo's; None: none)
 
     def stop_token(self, engine, token_id: int) -> bool:
         """Whether vLLM ends a request on this token: EOS (unless ignored) or a stop token id."""
@@ -50,6 +52,7 @@ class Sampling:
 class Prepared:
     prompt: list[int]
     sampling: Sampling
+    calls: tools.Calls | None = None  # where its output is read for tool calls
 
 
 def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
@@ -57,8 +60,8 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
     checks that need the model."""
     if req.endpoint == CHAT:
         try:
-            prompt = engine.render_chat([dict(role=m.role, content=m.content) for m in req.messages],
-                                        req.chat_template_kwargs)
+            messages, tool_dicts = req.chat_inputs()
+            prompt = engine.render_chat(messages, req.chat_template_kwargs, tool_dicts)
         except Exception as err:  # a template that cannot take what the request gave it
             if not req.chat_template_kwargs:
                 raise
@@ -75,18 +78,38 @@ def prepare(engine, req: GenerationRequest) -> Prepared | ProtocolError:
         return room
     if bad := check_token_ids(engine, req):
         return bad
+    if req.echo and req.logprobs is not None and getattr(engine, "adapters", None) is not None:
+        # vLLM 0.32 computes prompt logprobs through its LoRA logits layer, which fails (on
+        # CPU, with max_loras set) and takes the engine core down with it: every request on it.
+        return ProtocolError(400, "unsupported_value", "`echo` with `logprobs` is not served by engines that serve "
+                             "fine-tuned models (vLLM's prompt logprobs fail with LoRA enabled); `echo` alone is.",
+                             "echo")
+    if req.max_tokens == 0:  # an echo of the prompt alone: vLLM generates (and counts) one token, unshown
+        room = 1
     if req.min_tokens > room:  # as vLLM refuses it, against the room the context leaves
         return ProtocolError(400, MIN_OVER_MAX, f"`min_tokens` is {req.min_tokens}, more than the "
                              f"{room} tokens the completion may take.", "min_tokens")
+    if no := tools.refusal(engine, req):
+        return no
+    try:
+        calls = tools.Calls(engine, req) if tools.parsing(req) else None
+    except ValueError as err:  # tools vLLM's parser cannot take (a pydantic error is one)
+        return ProtocolError(400, "invalid_value", storable(f"The tools were refused: {err}"), "tools")
     adapter = req.model if req.model != engine.spec.name else None
-    return Prepared(prompt, Sampling(
+    s = Sampling(
         room, req.temperature, req.top_p, req.seed, req.stop, req.ignore_eos, adapter,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias, top_k=req.top_k, min_p=req.min_p,
         min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens, logprobs=req.logprobs,
-        grammar=req.grammar))
+        grammar=req.grammar, prompt_logprobs=req.logprobs if req.echo else None)
+    if calls is not None:
+        s = calls.constrain(s)
+        if s.grammar and s.min_tokens:  # as with structured outputs (protocol/requests.py)
+            return ProtocolError(400, "unsupported_value", "`min_tokens` with tools that constrain the output (a "
+                                 "forced call, or a strict tool) is not supported.", "min_tokens")
+    return Prepared(prompt, s, calls)
 
 
 def check_token_ids(engine, req: GenerationRequest) -> ProtocolError | None:
@@ -126,6 +149,13 @@ def stopped(engine, prompt: list[int], token_ids: list[int], s: Sampling) -> boo
         spaces_between_special_tokens=s.spaces_between_special_tokens).stop is not None
 
 
+def choice(s: Sampling, index: int) -> Sampling:
+    """The sampling of a request's choice `index`: vLLM's parallel sampling gives child i
+    the parent's seed + i (vllm/v1/engine/parallel_sampling.py), so seeded choices differ
+    and each is vLLM's own."""
+    return s if s.seed is None or index == 0 else replace(s, seed=s.seed + index)
+
+
 def resumed(s: Sampling, tokens: list[int]) -> Sampling:
     """The sampling of a generation that goes on after `tokens` (now in its prompt)."""
     if not tokens:
@@ -133,9 +163,25 @@ def resumed(s: Sampling, tokens: list[int]) -> Sampling:
     return replace(s, max_tokens=s.max_tokens - len(tokens), min_tokens=max(0, s.min_tokens - len(tokens)))
 
 
-def logprobs(engine, req: GenerationRequest, tokens: list[int], alternatives: list[Any]) -> dict[str, Any] | None:
-    """A whole choice's logprobs from every token's journaled alternatives."""
+def logprobs(engine, req: GenerationRequest, tokens: list[int], alternatives: list[Any],
+             echoed: list[Any] | None = None) -> dict[str, Any] | None:
+    """A whole choice's logprobs from every token's journaled alternatives; `echoed`: the
+    prompt's (decoded, protocol/logprobs.py), before them."""
     if req.logprobs is None:
         return None
-    return responses.shaped_logprobs(req.endpoint, decode_alternatives(engine.tokenizer, tokens, alternatives),
-                                     req.logprobs)
+    shown = decode_alternatives(engine.tokenizer, tokens, alternatives) if req.max_tokens != 0 else []
+    return responses.shaped_logprobs(req.endpoint, (echoed or []) + shown, req.logprobs)
+
+
+def echo_text(engine, req: GenerationRequest, prompt: list[int]) -> str:
+    """The prompt as an echo shows it: as given, or token ids decoded (as vLLM decodes them)."""
+    return req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(prompt)
+
+
+async def prompt_logprobs(engine, request_id: str, prompt: list[int], s: Sampling) -> list[Any]:
+    """An echo's prompt logprobs on their own (a batch item's, which may have run in several
+    requests): one more request over the prompt, as vLLM computes them in the first."""
+    async for step in engine.generate(request_id, prompt, replace(s, max_tokens=1, min_tokens=0, grammar=None)):
+        if step.prompt_logprobs is not None:
+            return step.prompt_logprobs
+    raise RuntimeError("vLLM gave no prompt logprobs")

@@ -71,16 +71,17 @@ class EngineSlots:
         self._changed = asyncio.Condition()
 
     @asynccontextmanager
-    async def interactive_request(self, source: str = "") -> AsyncIterator[None]:
-        self.interactive += 1
+    async def interactive_request(self, source: str = "", seqs: int = 1) -> AsyncIterator[None]:
+        """An interactive request for the block: `seqs` sequences of vLLM's (its `n`)."""
+        self.interactive += seqs
         self.interactive_peak = max(self.interactive_peak, self.interactive)
-        self.by_source[source] += 1
+        self.by_source[source] += seqs
         await self._rebalance()
         try:
             yield
         finally:
-            self.interactive -= 1
-            self.by_source[source] -= 1
+            self.interactive -= seqs
+            self.by_source[source] -= seqs
             if not self.by_source[source]:
                 del self.by_source[source]
             await self._rebalance()

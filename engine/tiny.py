@@ -25,19 +25,28 @@ SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
 
 # Role markers are special tokens; any other role falls back to bytes ("<|tool|>").
-# List-valued content (OpenAI content parts) is flattened to its text parts.
+# List-valued content (OpenAI content parts) is flattened to its text parts. Tools and
+# tool calls are written as Hermes models write them, so vLLM's `hermes` tool parser
+# reads what the model says (engine/model_spec.py).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>' }}<tools>"
+    "{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}"
     "{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+TOOL_CALL_PARSER = "hermes"  # what reads the tool calls the template above writes
 
 SPEC: dict[str, Any] = {
     "build_version": BUILD_VERSION,

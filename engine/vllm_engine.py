@@ -24,7 +24,7 @@ from engine.adapters import AdapterMissing, Adapters
 from engine.logits import LOGITS_PROCESSORS, resume_params
 from engine.model_spec import ModelSpec
 from engine.sampling import Sampling
-from protocol.logprobs import Alternatives, floor
+from protocol.logprobs import Alternatives, Decoded, floor
 from telemetry import tracing
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ class Step:
     # (the sampled token first, then by rank) as [token id, logprob] (protocol/logprobs.py).
     logprobs: list[Alternatives] | None = None
     cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
+    # With sampling.prompt_logprobs, on the first Step: each prompt token's alternatives as
+    # vLLM decoded them (protocol/logprobs.py `Decoded`; the first token's has no logprob).
+    prompt_logprobs: list[Decoded] | None = None
 
 
 @dataclass
@@ -97,6 +100,11 @@ def vllm_args(
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * GiB)
     if max_num_batched_tokens:
         args["max_num_batched_tokens"] = max_num_batched_tokens
+    if spec.embeds:
+        # vLLM's pooling runner (its --convert auto turns a generative model into an
+        # embedding one): it samples nothing, so it takes no logits processors and no LoRA.
+        args["runner"] = "pooling"
+        return args
     if lora:
         args.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
     # What a resumed generation carries of its grammar and penalties (engine/logits.py).
@@ -131,6 +139,7 @@ OWNED = dict(
     long_prefill_token_threshold="BALLAST_LONG_PREFILL_TOKENS", kv_cache_memory_bytes="BALLAST_KV_CACHE_GIB",
     enable_lora="BALLAST_SERVE_FINE_TUNED", max_loras="BALLAST_MAX_LORAS", max_lora_rank="BALLAST_MAX_LORA_RANK",
     scheduling_policy="nothing: preemption needs vLLM's priority scheduling",
+    runner="BALLAST_MODEL_TASK",
     logits_processors="nothing: resumed generations need Ballast's own (engine/logits.py)",
 )
 
@@ -179,6 +188,18 @@ class Engine:
         # vLLM's own bound (renderers/base.py): a prompt id past the tokenizer's and the
         # model's vocabulary is refused.
         self.max_token_id = max(self.tokenizer.max_token_id, llm.model_config.get_vocab_size() - 1)
+        # The model's tool parser, vLLM's class for it: a name vLLM does not know fails the
+        # worker's start, not each request with tools.
+        self.tool_parser: type | None = None
+        if spec.tool_call_parser:
+            from vllm.parser import ParserManager
+
+            try:
+                self.tool_parser = ParserManager.get_parser(tool_parser_name=spec.tool_call_parser,
+                                                            enable_auto_tools=True, model_name=spec.name)
+            except TypeError as err:
+                raise ValueError(f"BALLAST_TOOL_CALL_PARSER={spec.tool_call_parser!r} is not one of vLLM's tool "
+                                 f"parsers (see vLLM's --tool-call-parser): {err}") from None
 
     @classmethod
     async def start(
@@ -251,7 +272,12 @@ class Engine:
         load = Load()
         return cls(spec, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_load_gauge(load)]), load)
 
-    def render_chat(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    @property
+    def model_config(self) -> Any:
+        return self._llm.model_config
+
+    def render_chat(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """`template_kwargs`: a request's chat_template_kwargs, of which the template gets
         those it (or apply_chat_template) takes, as vLLM's OpenAI server passes them; a
         ValueError for the ones vLLM refuses."""
@@ -260,7 +286,7 @@ class Engine:
 
             template_kwargs = resolve_chat_template_kwargs(self.tokenizer, self.tokenizer.chat_template,
                                                            template_kwargs)
-        return prompts.render_chat(self.tokenizer, messages, template_kwargs)
+        return prompts.render_chat(self.tokenizer, messages, template_kwargs, tools)
 
     def render_text(self, prompt: str) -> list[int]:
         return prompts.render_text(self.tokenizer, prompt)
@@ -323,11 +349,12 @@ class Engine:
             repetition_penalty=sampling.repetition_penalty,
             logit_bias=dict(sampling.logit_bias) or None,
             logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
             skip_special_tokens=sampling.skip_special_tokens,
             spaces_between_special_tokens=sampling.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
             # Text is only needed to stream it or to match stop strings.
-            detokenize=detokenize or bool(sampling.stop),
+            detokenize=detokenize or bool(sampling.stop) or sampling.prompt_logprobs is not None,
         ), sampling.grammar, prompt_token_ids[len(prompt_token_ids) - resumed:] if resumed else ()))
         # An already-rendered input: vLLM neither re-tokenizes nor adds specials.
         prompt = tokens_input(list(prompt_token_ids))
@@ -340,7 +367,56 @@ class Engine:
                                             trace_headers=trace_headers or tracing.headers() or None):
             c = out.outputs[0]
             reason = str(c.finish_reason) if c.finish_reason is not None else None
-            yield Step(list(c.token_ids), reason, c.text or "", _alternatives(c.logprobs), out.num_cached_tokens or 0)
+            prompt_positions = None
+            if out.prompt_logprobs and sampling.prompt_logprobs is not None:  # the first output's alone
+                prompt_positions = self._prompt_positions(prompt_token_ids, out.prompt_logprobs)
+            yield Step(list(c.token_ids), reason, c.text or "", _alternatives(c.logprobs), out.num_cached_tokens or 0,
+                       prompt_positions)
+
+    def _prompt_positions(self, prompt: list[int], positions: Any) -> list[Decoded]:
+        """vLLM's prompt logprobs as its completions server reads them: the first token,
+        which nothing precedes, decoded alone and without a logprob."""
+        out: list[Decoded] = []
+        for token, alts in zip(prompt, positions, strict=True):
+            if alts is None:
+                out.append([[self.tokenizer.decode(token), None]])
+            else:
+                out.append([[lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode(t),
+                             floor(lp.logprob)] for t, lp in alts.items()])
+        return out
+
+    async def embed(self, request_id: str, inputs: list[list[int]], *, dimensions: int | None = None,
+                    priority: int = 0, trace_headers: Mapping[str, str] | None = None) -> list[list[float]]:
+        """One embedding per input (token ids, rendered already), each its own vLLM request
+        (`request_id`-i), all at once. Raises ValueError for what vLLM refuses (`dimensions`
+        on a model without Matryoshka embeddings)."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+
+        params = PoolingParams(task="embed", dimensions=dimensions)
+        try:
+            params.verify(self._llm.model_config)  # as vLLM's server does: its defaults, its refusals
+        except VLLMClientError as err:
+            raise ValueError(str(err)) from None
+        headers = trace_headers or tracing.headers() or None
+
+        async def one(i: int, ids: list[int]) -> list[float]:
+            last = None
+            async for out in self._llm.encode(tokens_input(ids), params, f"{request_id}-{i}", priority=priority,
+                                              trace_headers=headers):
+                last = out  # one output, once finished
+            assert last is not None and last.finished, f"{request_id}-{i}: vLLM ended without its embedding"
+            return last.outputs.data.tolist()
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(inputs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:  # a cancelled encode aborts its request in vLLM
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def check_health(self) -> None:
         """Raises where vLLM's engine has died (its engine core process gone)."""

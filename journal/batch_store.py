@@ -393,13 +393,14 @@ async def get_item(conn: AsyncConnection, batch_id: str, idx: int) -> dict[str, 
 
 async def load_for_generation(conn: AsyncConnection, batch_id: str,
                               idxs: Sequence[int]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """The batch, and each item with `tokens`: what its earlier attempts journaled (and
-    `logprobs`, each token's alternatives, where the request asked for them)."""
+    """The batch, and each item with `choices`: for each of its choices that earlier
+    attempts journaled tokens of, those tokens and their `logprobs` (each token's
+    alternatives, where the request asked for them)."""
     batch = await get_batch(conn, batch_id)
     if batch is None:
         raise LookupError(f"no batch {batch_id}")
     q = select(batch_items).where(batch_items.c.batch_id == batch_id, batch_items.c.idx.in_(idxs))
-    items = {r.idx: dict(r._mapping, tokens=[], logprobs=[]) for r in (await conn.execute(q)).all()}
+    items: dict[int, dict[str, Any]] = {r.idx: dict(r._mapping, choices={}) for r in (await conn.execute(q)).all()}
     for it in items.values():
         if it["body_json"] is not None:  # as written: its keys in the order given
             it["body"] = json.loads(it["body_json"])
@@ -409,17 +410,17 @@ async def load_for_generation(conn: AsyncConnection, batch_id: str,
     streams = [keys.item(batch_id, i) for i, it in items.items() if it["status"] == "pending"]
     if streams:
         q = select(events.c.payload).where(events.c.stream.in_(streams), events.c.type == EventType.ITEM_CHUNK)
-        chunks: dict[int, list[dict]] = {}
+        chunks: dict[tuple[int, int], list[dict]] = {}
         for (p,) in (await conn.execute(q)).all():
-            chunks.setdefault(p["idx"], []).append(p)
-        for i, cs in chunks.items():
-            items[i]["tokens"], items[i]["logprobs"] = journaled(cs)
+            chunks.setdefault((p["idx"], p.get("choice", 0)), []).append(p)
+        for (i, choice), cs in chunks.items():
+            items[i]["choices"][choice] = journaled(cs)
     return batch, items
 
 
 def journaled(chunks: Sequence[dict[str, Any]]) -> tuple[list[int], list[Any]]:
-    """The contiguous run of checkpointed tokens from offset 0, and their logprobs (one
-    entry per token where the chunks carry them)."""
+    """One choice's contiguous run of checkpointed tokens from offset 0, and their
+    logprobs (one entry per token where the chunks carry them)."""
     tokens: list[int] = []
     logprobs: list[Any] = []
     for c in sorted(chunks, key=lambda c: c["offset"]):

@@ -85,13 +85,14 @@ CHECKS = (
                                          WHEN 'item_failed' THEN 'failed' ELSE 'pending' END
           """,
           "SELECT count(*) FROM batch_items", "items"),
-    Check("chunks_contiguous", "each item's journaled chunks start at offset 0 and follow one another, no gap, "
-                               "no overlap",
+    Check("chunks_contiguous", "each item's journaled chunks (of each of its choices) start at offset 0 and follow "
+                               "one another, no gap, no overlap",
           """
-          SELECT stream, off, expected FROM (
-            SELECT stream, (payload->>'offset')::int AS off,
+          SELECT stream, choice, off, expected FROM (
+            SELECT stream, coalesce((payload->>'choice')::int, 0) AS choice, (payload->>'offset')::int AS off,
                    coalesce(lag((payload->>'offset')::int + jsonb_array_length(payload->'token_ids'))
-                              OVER (PARTITION BY stream ORDER BY (payload->>'offset')::int), 0) AS expected
+                              OVER (PARTITION BY stream, coalesce((payload->>'choice')::int, 0)
+                                    ORDER BY (payload->>'offset')::int), 0) AS expected
               FROM events WHERE type = 'item_chunk') c
            WHERE off <> expected
           """,
@@ -313,7 +314,17 @@ def _retokenized(conn: psycopg.Connection, tokenizer: str, model: str | None, ex
 def _prompt_tokens(tok: Any, endpoint: str, body: dict[str, Any]) -> int | None:
     """The request's prompt tokens, as OpenAI's API defines the prompt and the model's own
     tokenizer encodes it: chat messages through its chat template (text parts joined),
-    a completion's prompt with the tokenizer's special tokens, or the ids it gave."""
+    a completion's prompt with the tokenizer's special tokens, or the ids it gave; an
+    embedding's inputs, each so."""
+    if endpoint.endswith("/embeddings"):
+        inputs = body.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(t, int) for t in inputs)):
+            inputs = [inputs]
+        if not isinstance(inputs, list):
+            return None
+        special = body.get("add_special_tokens") is not False
+        return sum(len(one) if isinstance(one, list) else len(tok(one, add_special_tokens=special)["input_ids"])
+                   for one in inputs)
     if endpoint.endswith("/chat/completions"):
         messages = []
         for m in body.get("messages") or []:

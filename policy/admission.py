@@ -47,6 +47,7 @@ trip per request.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from protocol.limits import ANY_MODEL, LABELS, LimitSet
 from protocol.tiers import Tier
 
 if TYPE_CHECKING:
+    from protocol.embeddings import EmbeddingRequest
     from protocol.requests import GenerationRequest
 
 MINUTE_S = 60
@@ -254,11 +256,12 @@ def estimate_input(texts: Sequence[str], messages: int, token_ids: int = 0) -> i
     return text + 2  # completions: BOS, perhaps EOS-less end
 
 
-def reserve_output(input_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The output a request reserves: its max_tokens, else the rest of the context."""
+def reserve_output(input_tokens: int, max_tokens: int | None, max_model_len: int, choices: int = 1) -> int:
+    """The output a request reserves: its max_tokens, else the rest of the context, for
+    each of its `choices` (`n`)."""
     if max_tokens is not None:
-        return max_tokens
-    return max(1, max_model_len - input_tokens)
+        return choices * max(1, max_tokens)  # 0, an echo of the prompt alone, still generates one token
+    return choices * max(1, max_model_len - input_tokens)
 
 
 def estimate(req: GenerationRequest, max_model_len: int, counted: int | None = None) -> tuple[int, int]:
@@ -268,14 +271,26 @@ def estimate(req: GenerationRequest, max_model_len: int, counted: int | None = N
     if counted is not None:
         raw = counted
     elif req.messages:
-        texts = [f"{m.role}{m.content}" for m in req.messages]
+        # Tools and earlier calls are written into the prompt too.
+        texts = [f"{m.role}{m.content}{json.dumps(m.tool_calls) if m.tool_calls else ''}" for m in req.messages]
+        texts += [json.dumps(t) for t in req.tools]
         raw = estimate_input(texts, len(req.messages))
     elif isinstance(req.prompt, str):
         raw = estimate_input([req.prompt], 0)
     else:
         raw = estimate_input([], 0, token_ids=len(req.prompt))
     input_tokens = min(raw, max_model_len)
-    return input_tokens, reserve_output(input_tokens, req.max_tokens, max_model_len)
+    return input_tokens, reserve_output(input_tokens, req.max_tokens, max_model_len, req.n)
+
+
+def estimate_embedding(req: EmbeddingRequest, max_model_len: int, counted: int | None = None) -> int:
+    """The input tokens an embeddings request reserves (it generates nothing): `counted`
+    where its inputs were tokenized as the engine will, else estimated, each input capped at
+    the context."""
+    if counted is not None:
+        return counted
+    return sum(min(estimate_input([one], 0) if isinstance(one, str) else len(one), max_model_len)
+               for one in req.inputs)
 
 
 # -- the declared bound -------------------------------------------------------------

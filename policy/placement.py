@@ -44,6 +44,7 @@ class EngineView:
     others: int | None = None  # interactive in flight there from other API processes, as last reported
     max_model_len: int = 0  # its model's context length (0: an engine too old to say)
     source: str = ""  # where its model's files are (a hub id or a path on its host): the tokenizer's
+    task: str = "generate"  # what its model serves: "generate" or "embed" (protocol/embeddings.py)
 
 
 @dataclass(frozen=True)

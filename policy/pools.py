@@ -30,6 +30,13 @@ def served_models(engines: Iterable[EngineView], own: str, own_len: int) -> dict
     return {own: own_len, **dict(sorted(others.items()))}
 
 
+def embedding_models(engines: Iterable[EngineView], own: str, own_task: str) -> frozenset[str]:
+    """The models that serve embeddings, not generation: the deployment's own by its
+    settings, another by what its serving engines announce."""
+    found = {e.model for e in engines if not e.draining and e.model != own and e.task == "embed"}
+    return frozenset(found | ({own} if own_task == "embed" else set()))
+
+
 def base_model(name: object, models: Mapping[str, int]) -> str | None:
     """The pool that serves `name`: itself, or a fine-tuned model's base; None for neither."""
     if not isinstance(name, str):

@@ -14,8 +14,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from protocol import embeddings
+from protocol.embeddings import EmbeddingRequest
 from protocol.errors import ProtocolError
-from protocol.requests import Invalid, RequestLimits, order_matters, parse, unstorable
+from protocol.requests import EMBEDDINGS, GenerationRequest, Invalid, RequestLimits, order_matters, parse, unstorable
 
 MAX_ERRORS = 100  # OpenAI reports a bounded number of line errors, so do we
 MAX_CUSTOM_ID = 512
@@ -122,12 +124,19 @@ def _line(n: int, raw: bytes, idx: int, limits: FileLimits) -> Item | LineError:
     body = obj.get("body")
     if not isinstance(body, dict):
         return LineError(n, "missing_required_parameter", "Each request needs a JSON object body.", "body")
-    checked = parse(limits.endpoint, body, limits.request, batch=True)
+    checked = parse_line(limits.endpoint, body, limits.request)
     if isinstance(checked, ProtocolError):
         keep = body if checked.code != "unsupported_character" else {}
         return Item(idx, n, custom_id, keep, checked.at_line(n))
-    return Item(idx, n, custom_id, body,
-                body_json=json.dumps(body, ensure_ascii=False) if order_matters(checked) else None)
+    ordered = isinstance(checked, GenerationRequest) and order_matters(checked)
+    return Item(idx, n, custom_id, body, body_json=json.dumps(body, ensure_ascii=False) if ordered else None)
+
+
+def parse_line(endpoint: str, body: Any, limits: RequestLimits) -> GenerationRequest | EmbeddingRequest | ProtocolError:
+    """A batch line's request, by the batch's endpoint."""
+    if endpoint == EMBEDDINGS:
+        return embeddings.parse(body, limits)
+    return parse(endpoint, body, limits, batch=True)
 
 
 def _show(value: Any) -> str:

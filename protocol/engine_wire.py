@@ -64,15 +64,37 @@ class Delta:
     # Each new token's logprob alternatives, decoded (protocol/logprobs.py `Decoded`), where
     # the request asked for logprobs.
     logprobs: list[Decoded] | None = None
+    # Where the output is read for tool calls, what the stream shows of this delta, as the
+    # model's tool parser made it: {content?, tool_calls?} ({}: held back for now).
+    message: dict[str, Any] | None = None
+    choice: int = 0  # which of the request's `n` choices (left out when 0)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How one of several choices ended."""
+
+    finish_reason: str
+    completion_tokens: int
+    message: dict[str, Any] | None = None  # as Finished's
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str
-    completion_tokens: int
+    finish_reason: str  # the first choice's
+    completion_tokens: int  # every choice's
     engine_ttft_ms: float | None = None
     engine_ms: float | None = None
     cached_tokens: int | None = None  # prompt tokens found in vLLM's prefix cache
+    # Where the output is read for tool calls (and not streamed): the choice's message,
+    # {content, tool_calls}, as the model's tool parser made it of the whole text.
+    message: dict[str, Any] | None = None
+    choices: list[Ending] | None = None  # with `n` > 1: how each ended, in order
+    # An embeddings request's answer (protocol/embeddings.py): a vector per input, in order.
+    embeddings: list[list[float]] | None = None
+
+    def endings(self) -> list[Ending]:
+        return self.choices or [Ending(self.finish_reason, self.completion_tokens, self.message)]
 
 
 @dataclass(frozen=True)
@@ -90,15 +112,17 @@ Line = Accepted | Delta | Finished | Failed
 
 # Fields added since the first version, left out while they hold nothing: a line that
 # uses no new feature is the JSON it always was.
-_LATER = ("logprobs", "cached_tokens")
+_LATER = ("logprobs", "cached_tokens", "message", "choices", "embeddings")
 
 
 def encode(line: Line) -> bytes:
     # Once per token delta on the engine's stream: the fields as they are (asdict copies
     # them recursively).
     d = vars(line)
-    if any(d.get(k, 0) is None for k in _LATER):
-        d = {k: v for k, v in d.items() if not (k in _LATER and v is None)}
+    if any(d.get(k, 0) is None for k in _LATER) or d.get("choice") == 0 or d.get("choices"):
+        d = {k: v for k, v in d.items() if not (k in _LATER and v is None or k == "choice" and v == 0)}
+        if d.get("choices"):
+            d["choices"] = [vars(e) for e in d["choices"]]
     return (json.dumps(d, ensure_ascii=False) + "\n").encode()
 
 
@@ -110,7 +134,10 @@ def decode(raw: str | bytes) -> Line:
     if "error" in d:
         return Failed(d["error"], int(d.get("status", 500)))
     if "finish_reason" in d:
-        return Finished(**_known(Finished, d))
+        got = _known(Finished, d)
+        if got.get("choices") is not None:
+            got["choices"] = [Ending(**_known(Ending, e)) for e in got["choices"]]
+        return Finished(**got)
     if "prompt_tokens" in d:
         return Accepted(int(d["prompt_tokens"]))
     if "text" in d:
@@ -145,6 +172,7 @@ class EngineStats:
     # requests are checked against, and where its files are, for the API's tokenizer.
     max_model_len: int = 0
     model_source: str = ""
+    task: str = "generate"  # what its model serves: "generate" (chat, completions) or "embed" (embeddings)
     batch_tokens: int = 0  # batch tokens generated and journaled here since it started (its pace, read twice)
     extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
 

@@ -69,6 +69,7 @@ class ItemChunk:
     # Each token's logprob alternatives (protocol/logprobs.py), where the request asked for
     # them; left out of the payload otherwise.
     logprobs: list[Any] | None = None
+    choice: int = 0  # which of the request's `n` choices (left out of the payload when 0)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class ItemPreempted:
     batch_id: str
     idx: int
     offset: int  # tokens journaled when it yielded
+    choice: int = 0  # as ItemChunk's
+
+
+def choice_key(stream: str, what: str, choice: int, offset: int) -> str:
+    """An item event's idempotency key: choice 0's is the key items had before `n`."""
+    return f"{stream}:{what}:{offset}" if choice == 0 else f"{stream}:{what}:{choice}:{offset}"
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,16 @@ def chunk_payload(chunk: ItemChunk) -> dict[str, Any]:
     d = asdict(chunk)
     if chunk.logprobs is None:
         del d["logprobs"]
+    if chunk.choice == 0:
+        del d["choice"]
+    return d
+
+
+def preempted_payload(yielded: ItemPreempted) -> dict[str, Any]:
+    """As chunk_payload: `choice` only where it is not 0."""
+    d = asdict(yielded)
+    if yielded.choice == 0:
+        del d["choice"]
     return d
 
 

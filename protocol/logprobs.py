@@ -18,7 +18,9 @@ from typing import Any
 FLOOR = -9999.0  # what OpenAI (and vLLM) send for -inf
 
 Alternatives = list[list[Any]]  # one position: [[token id, logprob], ...], the sampled token first
-Decoded = list[Any]  # one position: [text, logprob] pairs, the sampled token first
+# One position: [text, logprob] pairs, the sampled token first. An echoed prompt's first
+# token, which nothing precedes, is [[text, None]]: no logprob, no alternatives.
+Decoded = list[Any]
 
 
 def floor(logprob: float) -> float:
@@ -48,8 +50,9 @@ def completion(positions: list[Decoded], top: int, offset: int = 0) -> dict[str,
         text_offset.append(offset)
         offset += len(alts[0][0])
     return dict(tokens=[alts[0][0] for alts in positions],
-                token_logprobs=[floor(alts[0][1]) for alts in positions],
-                top_logprobs=[{t: floor(lp) for t, lp in alts[:top + 1]} for alts in positions],
+                token_logprobs=[None if alts[0][1] is None else floor(alts[0][1]) for alts in positions],
+                top_logprobs=[None if alts[0][1] is None else {t: floor(lp) for t, lp in alts[:top + 1]}
+                              for alts in positions],
                 text_offset=text_offset)
 
 

@@ -20,12 +20,25 @@ request whose prompt holds the tokens it had):
   finished output is the uninterrupted run's. `min_tokens` with structured outputs is
   refused (a resumed grammar's minimum would count anew).
 - `min_tokens` counts the tokens already had.
+- `echo` (completions): the prompt's text, and with `logprobs` its tokens' logprobs (vLLM's
+  prompt logprobs, computed over the prompt alone), before the completion's; `max_tokens`
+  0 with it is the prompt alone (vLLM still generates, and counts, one token).
 - `logprobs`: each token's, with its top alternatives, is journaled with the token, so a
   resumed item's are whole; but vLLM computes them before logits processors run (and after
   masking a grammar), so a resumed structured output's are of the unmasked logits.
 
-Everything else a request may say is either only its default (`n` = 1, no tools...) or a
-400 naming the parameter.
+- Tools (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool`
+  messages): rendered by the model's chat template as vLLM renders them, and the output
+  parsed by the vLLM tool parser configured for the model (engine/tools.py); `required`
+  and a named function constrain the output with a JSON schema, a grammar that resumes
+  like any other. A model with no tool parser refuses tools it would have to parse.
+- `n`: each choice is a generation of its own, journaled and resumed on its own (a batch
+  item's choices may be preempted at different offsets); choice i samples with `seed` + i,
+  as vLLM's parallel sampling does. Greedy (temperature 0) with `n` > 1 is refused, as vLLM
+  refuses it: n copies of one text.
+
+Everything else a request may say is either only its default (`best_of` = 1...) or a 400
+naming the parameter.
 """
 
 from __future__ import annotations
@@ -43,9 +56,11 @@ from protocol.tiers import SERVICE_TIERS, ServiceTier
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"  # protocol/embeddings.py
+GENERATION = (CHAT, COMPLETIONS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)  # what a batch may run
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_STOP = 4
 # Each stop string is searched for in the whole text at every delta (and across a resume):
@@ -53,6 +68,10 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 256
 INT64 = (-(2**63), 2**63 - 1)
 MIN_OVER_MAX = "min_tokens_exceed_max_tokens"  # a 400 no JSON schema can state (it compares two values)
+# Tools that contradict each other or the rest (a named function not among them, two of
+# one name, a forced call with structured outputs): a 400 no JSON schema can state.
+TOOLS_CONFLICT = "invalid_tools"
+MAX_CHOICES = 128  # `n`: OpenAI's maximum
 MAX_LOGPROBS = 20  # alternatives per token: OpenAI's chat maximum, and vLLM's default max_logprobs
 
 
@@ -74,6 +93,28 @@ class RequestLimits:
 class Message:
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant's: {id, type, function: {name, arguments}}
+    tool_call_id: str | None = None  # a tool's: the call it answers
+
+    def templated(self) -> dict[str, Any]:
+        """The message as vLLM hands it to the chat template: each call's `arguments` an
+        object, not the JSON text the client sent (one that is not a JSON object: {})."""
+        out: dict[str, Any] = dict(role=self.role, content=self.content)
+        if self.tool_calls:
+            out["tool_calls"] = [dict(call, function=dict(call["function"], arguments=_arguments(call["function"])))
+                                 for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(function: dict[str, Any]) -> dict[str, Any]:
+    given = function.get("arguments")
+    try:
+        parsed = json.loads(given) if isinstance(given, str) and given else given
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -109,6 +150,26 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     # Structured outputs, as vLLM's StructuredOutputsParams keywords (one of GRAMMARS); None: text.
     grammar: dict[str, Any] | None = None
+    # Tools, as vLLM renders them ({type, function: {name, description, parameters}}), and
+    # the choice among them: "none", "auto", "required" or {"type": "function", "function":
+    # {"name": …}}; no tools: () and None.
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # False: one call at most
+    # Completions: the prompt's text (and, with logprobs, its tokens' logprobs) before the
+    # completion's; `max_tokens` 0 then asks for the prompt alone.
+    echo: bool = False
+    # Choices: each its own generation (vLLM's parallel sampling: choice i samples with
+    # `seed` + i); a batch item's are journaled and resumed each on its own.
+    n: int = 1
+
+    def chat_inputs(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools the chat template gets, as vLLM gives them to it."""
+        return [m.templated() for m in self.messages], [dict(t) for t in self.tools] or None
+
+    def forced_tool(self) -> bool:
+        """Whether the output must be tool calls: `required`, or one tool named."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
 
 
 class Invalid(Exception):
@@ -126,8 +187,8 @@ def parse(endpoint: str, body: Any, limits: RequestLimits, *, batch: bool = Fals
 
 
 def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> GenerationRequest:
-    if endpoint not in ENDPOINTS:
-        raise Invalid(f"Unsupported endpoint {endpoint!r}; use one of {', '.join(ENDPOINTS)}.", param="url")
+    if endpoint not in GENERATION:
+        raise Invalid(f"Unsupported endpoint {endpoint!r}; use one of {', '.join(GENERATION)}.", param="url")
     if not isinstance(body, dict):
         raise Invalid("The request body must be a JSON object.", "invalid_request")
     unstorable(body)
@@ -153,6 +214,10 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         served = ", ".join(repr(m) for m in sorted((limits.model, *limits.others)))
         raise Invalid(f"The model {v['model']!r} does not exist; this deployment serves {served}"
                       + (" and your fine-tuned models." if limits.adapters else "."), "model_not_found", "model", 404)
+    for name in ("max_completion_tokens", "max_tokens"):
+        if v.get(name) == 0 and not (endpoint == COMPLETIONS and v.get("echo")):
+            raise Invalid(f"`{name}` must be at least 1: a request that generates nothing is served only as a "
+                          "completion with `echo` (the prompt alone).", "unsupported_value", name)
     max_tokens = v.get("max_completion_tokens") or v["max_tokens"]
     if max_tokens is None and endpoint == COMPLETIONS:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -177,9 +242,28 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
             raise Invalid("`response_format` and `structured_outputs` cannot both constrain the output.",
                           param="structured_outputs")
         grammar = v["response_format"]
+    tools, tool_choice = v.get("tools") or (), v.get("tool_choice")
+    if tool_choice not in (None, "none", "auto") and not tools:
+        raise Invalid("`tool_choice` needs `tools`.", TOOLS_CONFLICT, "tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice["function"]["name"] not in [t["function"]["name"] for t in tools]:
+        raise Invalid(f"`tool_choice` names the function {tool_choice['function']['name']!r}, which is not in `tools`.",
+                      TOOLS_CONFLICT, "tool_choice")
+    if not tools:
+        tool_choice = None
+    elif tool_choice is None:
+        tool_choice = "auto"  # OpenAI's default where tools are given
+    if grammar is not None and tool_choice not in (None, "none", "auto"):
+        raise Invalid("Structured outputs and a forced tool call cannot both constrain the output (vLLM's parser "
+                      "constrains a forced call itself).", TOOLS_CONFLICT, "tool_choice")
     if grammar is not None and min_tokens:
         # A resumed generation's grammar goes on from its tokens; a minimum would count anew.
         raise Invalid("`min_tokens` with structured outputs is not supported.", "unsupported_value", "min_tokens")
+    temperature = 0.0 if v["top_p"] == 0 else 1.0 if v["temperature"] is None else float(v["temperature"])
+    n = v["n"] or 1
+    if n > 1 and temperature == 0:
+        raise Invalid(f"`n` is {n} with greedy sampling (temperature 0), which gives one text {n} times: vLLM "
+                      "refuses it, and so does Ballast. Sample (temperature > 0; top_k 1 is greedy's text).",
+                      "unsupported_value", "n")
     if endpoint == CHAT:
         if v["top_logprobs"] and not v["logprobs"]:
             raise Invalid("`top_logprobs` needs `logprobs` to be true.", param="top_logprobs")
@@ -193,7 +277,7 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         prompt=v.get("prompt") or "",
         max_tokens=max_tokens,
         # top_p 0 keeps only the likeliest token, which OpenAI accepts and vLLM does not: greedy.
-        temperature=0.0 if v["top_p"] == 0 else 1.0 if v["temperature"] is None else float(v["temperature"]),
+        temperature=temperature,
         top_p=1.0 if v["top_p"] in (None, 0) else float(v["top_p"]),
         seed=v["seed"],
         stop=stop or (),
@@ -215,13 +299,19 @@ def _parse(endpoint: str, body: Any, limits: RequestLimits, batch: bool) -> Gene
         spaces_between_special_tokens=v["spaces_between_special_tokens"] is not False,
         chat_template_kwargs=v.get("chat_template_kwargs"),
         grammar=grammar,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=v.get("parallel_tool_calls") is not False,
+        echo=bool(v.get("echo")),
+        n=n,
     )
 
 
 def order_matters(req: GenerationRequest) -> bool:
     """Whether the order of the request's keys is part of its meaning: a JSON schema's
-    properties are generated in the order it gives them."""
-    return isinstance((req.grammar or {}).get("json"), dict)
+    properties are generated in the order it gives them, and tools are written into the
+    prompt as given."""
+    return isinstance((req.grammar or {}).get("json"), dict) or bool(req.tools)
 
 
 # -- what a text may hold -----------------------------------------------------------
@@ -334,8 +424,8 @@ def _tier(value: Any) -> str:
 
 
 def _max_tokens(value: Any) -> int:
-    if _whole(value) == 0:  # OpenAI's completions take 0 (with echo: the prompt alone); vLLM generates >= 1
-        raise Invalid("must be at least 1: a request that generates nothing is not served.", "unsupported_value")
+    if _whole(value) == 0:  # OpenAI's completions take 0 with echo: the prompt alone (_parse judges it)
+        return 0
     n: int = _int(1)(value)
     return n
 
@@ -414,7 +504,7 @@ def _empty_list(value: Any) -> None:
     if not isinstance(value, list):
         raise Invalid("must be a list.", "invalid_type")
     if value:
-        raise Invalid("is not supported by this deployment (no tool calling).", "unsupported_parameter")
+        raise Invalid("is not supported (deprecated function calling: use `tools`).", "unsupported_parameter")
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -484,8 +574,8 @@ def _messages(value: Any) -> tuple[Message, ...]:
 
 
 # What a message may carry that Ballast does not offer, and why (a 400 naming it).
-_NOT_IN_MESSAGES = {"audio": "no audio answers to refer to", "tool_calls": "no tool calling",
-                    "function_call": "no function calling", "tool_call_id": "no tool calling"}
+_NOT_IN_MESSAGES = {"audio": "no audio answers to refer to",
+                    "function_call": "no function calling (its successor, tools, is served)"}
 _NOT_IN_PARTS = {"image_url": "the served models take text only", "input_audio": "the served models take text only",
                  "file": "no files in messages"}
 _PART_KEYS = {"text": ("type", "text", "prompt_cache_breakpoint"), "refusal": ("type", "refusal")}
@@ -498,26 +588,30 @@ def _message(i: int, m: Any) -> Message:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise Invalid(f"`{where}` must be an object with `role` and `content`.", "invalid_type", where)
+    role = m.get("role")
     for k, v in m.items():
         if k in _NOT_IN_MESSAGES and v is not None:
             raise Invalid(f"`{where}.{k}` is not supported ({_NOT_IN_MESSAGES[k]}).", "unsupported_parameter",
                           f"{where}.{k}")
-        if k not in _NOT_IN_MESSAGES and k not in ("role", "content", "name", "refusal"):
+        if k not in _NOT_IN_MESSAGES and k not in _MESSAGE_KEYS.get(str(role), ("role", "content", "name")) and not (
+                v is None and k in _MESSAGE_KEYS["assistant"] + _MESSAGE_KEYS["tool"]):  # another role's, null
             raise Invalid(f"Unrecognized message field: {k}", "unknown_parameter", f"{where}.{k}")
-    role = m.get("role")
-    if role in ("tool", "function"):
-        raise Invalid(f"`{where}.role` {role!r} is not supported (no tool or function calling).",
+    if role == "function":
+        raise Invalid(f"`{where}.role` 'function' is not supported (function calling's successor, tools, is).",
                       "unsupported_value", f"{where}.role")
     if role not in ROLES:
         raise Invalid(f"`{where}.role` must be one of {', '.join(ROLES)}.", "invalid_value", f"{where}.role")
-    for k in ("name", "refusal"):
+    for k in ("name", "refusal", "tool_call_id"):
         if m.get(k) is not None and not isinstance(m[k], str):
             raise Invalid(f"`{where}.{k}` must be a string.", "invalid_type", f"{where}.{k}")
+    if role == "tool" and m.get("tool_call_id") is None:
+        raise Invalid(f"`{where}.tool_call_id` is required.", "missing_required_parameter", f"{where}.tool_call_id")
+    calls = _tool_calls(f"{where}.tool_calls", m.get("tool_calls"))
     c = m.get("content")
-    if c is None and role == "assistant":  # an assistant turn may be a refusal, or (elsewhere) only tool calls
-        return Message(role, m.get("refusal") or "")
+    if c is None and role == "assistant":  # an assistant turn may be a refusal, or only tool calls
+        return Message(role, m.get("refusal") or "", calls)
     if isinstance(c, str):
-        return Message(role, c)
+        return Message(role, c, calls, m.get("tool_call_id"))
     if not isinstance(c, list):
         raise Invalid(f"`{where}.content` must be a string or a list of text parts.", "invalid_type",
                       f"{where}.content")
@@ -533,7 +627,87 @@ def _message(i: int, m: Any) -> Message:
                 kind == "refusal" and role != "assistant"):
             raise Invalid(f"`{at}` must be a text part (or an assistant's refusal).", "invalid_type", at)
         texts.append(part[kind])
-    return Message(role, "".join(texts))
+    # A tool's parts are one text a line apart, as vLLM gives them to the template.
+    return Message(role, ("\n" if role == "tool" else "").join(texts), calls, m.get("tool_call_id"))
+
+
+_MESSAGE_KEYS = {"assistant": ("role", "content", "name", "refusal", "tool_calls"),
+                 "tool": ("role", "content", "tool_call_id")}
+
+
+def _tool_calls(where: str, value: Any) -> tuple[dict[str, Any], ...]:
+    """An assistant's earlier tool calls, as OpenAI has them: {id, type: function,
+    function: {name, arguments}} (arguments the JSON text the model wrote)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise Invalid(f"`{where}` must be a list of tool calls.", "invalid_type", where)
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(call, dict) and call.get("type") == "custom":
+            raise Invalid(f"`{at}` is a custom tool call: not supported (function tools only).", "unsupported_value",
+                          f"{at}.type")
+        if (not isinstance(call, dict) or call.get("type") != "function" or not isinstance(call.get("id"), str)
+                or set(call) - {"id", "type", "function"} or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str)
+                or set(fn) - {"name", "arguments"}):
+            raise Invalid(f"`{at}` must be {{id, type: \"function\", function: {{name, arguments}}}}, arguments "
+                          "a string.", "invalid_type", at)
+        calls.append(dict(id=call["id"], type="function", function=dict(name=fn["name"], arguments=fn["arguments"])))
+    return tuple(calls)
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+    """Function tools, as vLLM renders them for the chat template."""
+    if not isinstance(value, list):
+        raise Invalid("must be a list of tools.", "invalid_type")
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(value):
+        at = f"tools[{i}]"
+        if isinstance(tool, dict) and tool.get("type") == "custom":
+            raise Invalid(f"`{at}` is a custom tool: not supported (function tools only).", "unsupported_value",
+                          f"{at}.type")
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"} \
+                or not isinstance(fn, dict):
+            raise Invalid(f"`{at}` must be {{type: \"function\", function: {{name, description, parameters}}}}.",
+                          "invalid_type", at)
+        if unknown := sorted(set(fn) - {"name", "description", "parameters", "strict"}):
+            raise Invalid(f"Unrecognized argument: {at}.function.{unknown[0]}", "unknown_parameter",
+                          f"{at}.function.{unknown[0]}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise Invalid(f"`{at}.function.name` must be 1 to 64 letters, digits, underscores or dashes.",
+                          "invalid_value", f"{at}.function.name")
+        for k, kind, ok in (("description", "a string", str), ("parameters", "an object", dict),
+                            ("strict", "a boolean", bool)):
+            if fn.get(k) is not None and not isinstance(fn[k], ok):
+                raise Invalid(f"`{at}.function.{k}` must be {kind}.", "invalid_type", f"{at}.function.{k}")
+        function: dict[str, Any] = dict(name=name, description=fn.get("description"), parameters=fn.get("parameters"))
+        if fn.get("strict"):  # rendered where true; false is its absence (vLLM would render it)
+            function["strict"] = True
+        tools.append(dict(type="function", function=function))
+    if len({fn["name"] for fn in (t["function"] for t in tools)}) < len(tools):
+        raise Invalid("names one function twice.", TOOLS_CONFLICT)
+    return tuple(tools)
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any]:
+    if value in ("none", "auto", "required"):
+        return str(value)
+    if isinstance(value, dict) and value.get("type") in ("allowed_tools", "custom"):
+        raise Invalid(f"of type {value['type']!r} is not supported (none, auto, required or one function).",
+                      "unsupported_value")
+    fn = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(fn, dict) or value.get("type") != "function" or set(value) - {"type", "function"} \
+            or not isinstance(fn.get("name"), str) or set(fn) != {"name"}:
+        raise Invalid('must be "none", "auto", "required" or {"type": "function", "function": {"name": …}}.')
+    return dict(type="function", function=dict(name=fn["name"]))
 
 
 PROMPT_DEFAULT = "<|endoftext|>"  # OpenAI's, for a null prompt
@@ -565,7 +739,7 @@ _COMMON: dict[str, Check] = dict(
     max_tokens=_optional(_max_tokens),
     temperature=_optional(_number(0, 2)),
     top_p=_optional(_number(0, 1)),
-    n=_optional(_only(1, "n > 1 is not supported")),
+    n=_optional(_int(1, MAX_CHOICES)),
     seed=_optional(_int(*INT64)),
     stop=_optional(_stop),
     stream=_optional(_bool),
@@ -598,10 +772,10 @@ _CHAT: dict[str, Check] = dict(
     store=_optional(_only(False, "store is not supported")),
     metadata=_optional(_metadata),
     response_format=_optional(_response_format),
-    tools=_optional(_empty_list),
+    tools=_optional(_tools),
     functions=_optional(_empty_list),
-    tool_choice=_optional(_only(("none", "auto"), "tool calling is not supported")),
-    function_call=_optional(_only(("none", "auto"), "function calling is not supported")),
+    tool_choice=_optional(_tool_choice),
+    function_call=_optional(_only(("none", "auto"), "deprecated function calling: use `tools`")),
     parallel_tool_calls=_optional(_bool),
     modalities=_optional(_only((["text"],), "only text output is supported")),
     safety_identifier=_optional(_string),
@@ -619,7 +793,7 @@ _CHAT: dict[str, Check] = dict(
 _COMPLETIONS: dict[str, Check] = dict(
     _COMMON,
     prompt=_prompt,
-    echo=_optional(_only(False, "echo is not supported")),
+    echo=_optional(_bool),
     suffix=_optional(_only("", "suffix is not supported")),
     best_of=_optional(_only(1, "best_of > 1 is not supported")),
     logprobs=_optional(_int(0, MAX_LOGPROBS)),

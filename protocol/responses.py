@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from protocol import logprobs as lp
@@ -19,19 +20,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def completion(endpoint: str, meta: dict[str, Any], text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, *, cached_tokens: int | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A whole response; `meta` holds id, created, model (and service_tier where served).
-    `logprobs`: the choice's, shaped (protocol/logprobs.py)."""
-    if endpoint == CHAT:
-        choice = dict(index=0, message=dict(role="assistant", content=text), finish_reason=finish_reason,
-                      logprobs=logprobs)
-        obj = "chat.completion"
-    else:
-        choice = dict(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)
-        obj = "text_completion"
-    return dict(meta, object=obj, choices=[choice], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+@dataclass(frozen=True)
+class Choice:
+    """One of a whole response's choices. `logprobs`: shaped (protocol/logprobs.py).
+    `tool_calls`: what the model's tool parser read in its output (`text` is then what
+    else it said, if anything)."""
+
+    text: str | None
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+def completion(endpoint: str, meta: dict[str, Any], choices: list[Choice], prompt_tokens: int,
+               completion_tokens: int, *, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A whole response; `meta` holds id, created, model (and service_tier where served);
+    `completion_tokens` counts every choice's."""
+    shaped = []
+    for index, c in enumerate(choices):
+        if endpoint == CHAT:
+            message: dict[str, Any] = dict(role="assistant", content=c.text)
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            shaped.append(dict(index=index, message=message, finish_reason=c.finish_reason, logprobs=c.logprobs))
+        else:
+            shaped.append(dict(index=index, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs))
+    obj = "chat.completion" if endpoint == CHAT else "text_completion"
+    return dict(meta, object=obj, choices=shaped, usage=usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
 def shaped_logprobs(endpoint: str, positions: list[lp.Decoded] | None, top: int | None) -> dict[str, Any] | None:
@@ -42,10 +57,11 @@ def shaped_logprobs(endpoint: str, positions: list[lp.Decoded] | None, top: int 
 
 
 class Chunks:
-    """Server-sent events of one streamed response, in OpenAI's shape. `top`: the
-    alternatives per token the request asked for (None: no logprobs)."""
+    """Server-sent events of one streamed response (of its choice `index`), in OpenAI's
+    shape. `top`: the alternatives per token the request asked for (None: no logprobs)."""
 
-    def __init__(self, endpoint: str, meta: dict[str, Any], top: int | None = None):
+    def __init__(self, endpoint: str, meta: dict[str, Any], top: int | None = None, index: int = 0):
+        self.index = index  # the choice these chunks are of
         self.chat = endpoint == CHAT
         self.meta = meta
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -58,6 +74,14 @@ class Chunks:
 
     def text(self, delta: str, positions: list[lp.Decoded] | None = None) -> bytes:
         return self._event([self._choice(delta, None, logprobs=self._logprobs(positions))])
+
+    def message(self, delta: dict[str, Any], positions: list[lp.Decoded] | None = None) -> bytes | None:
+        """A chat delta as a tool parser made it ({content?, tool_calls?}); None where it
+        holds everything back and there are no logprobs to send."""
+        logprobs = self._logprobs(positions)
+        if not delta and logprobs is None:
+            return None
+        return self._event([dict(index=self.index, delta=delta, finish_reason=None, logprobs=logprobs)])
 
     def finish(self, reason: str) -> bytes:
         return self._event([self._choice(None, reason)])
@@ -84,8 +108,8 @@ class Chunks:
                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return dict(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)
-        return dict(index=0, text=text or "", finish_reason=reason, logprobs=logprobs)
+            return dict(index=self.index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        return dict(index=self.index, text=text or "", finish_reason=reason, logprobs=logprobs)
 
     def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return _sse(dict(self.meta, object=self.object, choices=choices, **extra))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.requests import INT64, MAX_LOGPROBS, MAX_STOP, ROLES
+from protocol.requests import INT64, MAX_CHOICES, MAX_LOGPROBS, MAX_STOP, ROLES
 from protocol.tiers import SERVICE_TIERS
 
 # A seed is any int64; the schema states a range a little inside it, so that a client whose
@@ -54,6 +54,11 @@ _TEXT_PART: Schema = {"type": "object", "required": ["type", "text"], "additiona
 _REFUSAL_PART: Schema = {"type": "object", "required": ["type", "refusal"], "additionalProperties": False,
                          "properties": {"type": {"const": "refusal"}, "refusal": _TEXT}}
 _USER_CONTENT: Schema = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT_PART}]}
+_TOOL_CALL: Schema = {
+    "type": "object", "required": ["id", "type", "function"], "additionalProperties": False,
+    "properties": {"id": _TEXT, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+        "properties": {"name": _TEXT, "arguments": _TEXT}}}}
 _MESSAGE: Schema = {
     "type": "object", "required": ["role"], "additionalProperties": False,
     "properties": {
@@ -61,14 +66,35 @@ _MESSAGE: Schema = {
         "content": {"anyOf": [_TEXT, {"type": "array", "items": {"anyOf": [_TEXT_PART, _REFUSAL_PART]}}, _NULL]},
         "name": _opt(_TEXT),
         "refusal": _opt(_TEXT),
-        **{k: {**_NULL, "description": "No tool calling or audio: null only."}
-           for k in ("audio", "tool_calls", "function_call", "tool_call_id")},
+        "tool_calls": _opt({"type": "array", "items": _TOOL_CALL, "description": "An assistant's earlier calls."}),
+        "tool_call_id": _opt(_TEXT | {"description": "A tool's message: the call it answers."}),
+        **{k: {**_NULL, "description": "No audio or (deprecated) function calls: null only."}
+           for k in ("audio", "function_call")},
     },
-    "description": "Only an assistant's message may lack content (its `refusal` is then what it said) or hold "
-                   "refusal parts.",
-    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-    "then": {"required": ["content"], "properties": {"content": _USER_CONTENT}},
+    "description": "Only an assistant's message may lack content (its `refusal` is then what it said, or it made "
+                   "only tool calls), hold refusal parts or tool calls; only a tool's answers a call, which it "
+                   "must name.",
+    "allOf": [
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"required": ["content"], "properties": {"content": _USER_CONTENT, "tool_calls": _NULL,
+                                                          "refusal": _NULL}}},
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"name": _NULL, "tool_call_id": _TEXT}},
+         "else": {"properties": {"tool_call_id": _NULL}}},
+    ],
 }
+_TOOL: Schema = {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _opt(_TEXT),
+                       "parameters": _opt({"type": "object", "description": "A JSON schema of the arguments."}),
+                       "strict": _opt({"type": "boolean", "description": "Arguments constrained to the schema "
+                                                                         "(where the model's parser does so)."})}}}}
+_NAMED_TOOL: Schema = {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {"type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name"], "additionalProperties": False, "properties": {"name": _TEXT}}}}
 
 _COMMON: dict[str, Schema] = dict(
     model=_string("The served model's name (GET /v1/models); another one is a 404."),
@@ -76,7 +102,9 @@ _COMMON: dict[str, Schema] = dict(
                      "description": "At most the model's context length (else a 400)."}),
     temperature=_opt({"type": "number", "minimum": 0, "maximum": 2}),
     top_p=_opt({"type": "number", "minimum": 0, "maximum": 1, "description": "0: the likeliest token (greedy)."}),
-    n=_only(1, "n > 1 is not supported."),
+    n=_opt({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+            "description": "Choices, each its own generation (choice i samples with seed + i); above 1 only when "
+                           "sampling (temperature and top_p above 0)."}),
     seed=_opt({"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]}),
     stop=_opt({"anyOf": [_string(), {"type": "array", "maxItems": MAX_STOP, "items": _string()}],
                "description": "An empty string stops nothing."}),
@@ -134,10 +162,15 @@ _CHAT: dict[str, Schema] = dict(
                  "name": _TEXT, "description": _opt(_TEXT),
                  "schema": _opt({"type": "object"}), "strict": _opt({"type": "boolean"})}}}}],
         "description": "Structured outputs, as vLLM serves them; a schema xgrammar cannot compile is a 400."}),
-    tools=_opt({"type": "array", "maxItems": 0, "description": "No tool calling: empty only."}),
-    functions=_opt({"type": "array", "maxItems": 0, "description": "No function calling: empty only."}),
-    tool_choice=_opt({"enum": ["none", "auto"]}),
-    function_call=_opt({"enum": ["none", "auto"]}),
+    tools=_opt({"type": "array", "items": _TOOL,
+                "description": "Function tools, of distinct names: rendered by the model's chat template and read "
+                               "from its output by the vLLM tool parser configured for the model (a model with none "
+                               "takes them only with `tool_choice` none)."}),
+    functions=_opt({"type": "array", "maxItems": 0, "description": "Deprecated function calling: use `tools`."}),
+    tool_choice=_opt({"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED_TOOL],
+                      "description": "`required` or a named function (which must be among `tools`) need tools and "
+                                     "take no structured outputs besides: the parser constrains the calls."}),
+    function_call=_opt({"enum": ["none", "auto"], "description": "Deprecated function calling: use `tools`."}),
     parallel_tool_calls=_opt({"type": "boolean"}),
     modalities=_only(["text"], "Text output only."),
     safety_identifier=_opt(_string()),
@@ -158,7 +191,8 @@ _COMPLETIONS: dict[str, Schema] = dict(
                                           "items": {"anyOf": [_TEXT, _TOKEN_IDS]}}, _NULL],
             "description": "One prompt: a text, or token ids (or a list of one of those); null: "
                            "\"<|endoftext|>\", OpenAI's default."},
-    echo=_only(False, "echo is not supported."),
+    echo=_opt({"type": "boolean", "description": "The prompt's text (and, with `logprobs`, its tokens' logprobs) "
+                                                 "before the completion's; `max_tokens` 0 then: the prompt alone."}),
     suffix=_only("", "suffix is not supported."),
     best_of=_only(1, "best_of > 1 is not supported."),
     logprobs=_opt({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
@@ -180,6 +214,9 @@ def _request(title: str, properties: dict[str, Schema], required: list[str]) -> 
                 {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer",
                                                                                        "minimum": 1}}},
                  "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+                # And several choices of greedy sampling (one text n times; vLLM refuses it too).
+                {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}},
+                 "then": {"properties": {"temperature": {"not": {"const": 0}}, "top_p": {"not": {"const": 0}}}}},
             ]}
 
 
@@ -188,7 +225,30 @@ def chat_request() -> Schema:
 
 
 def completions_request() -> Schema:
-    return _request("CreateCompletionRequest", _COMPLETIONS, ["model", "prompt"])
+    schema = _request("CreateCompletionRequest", _COMPLETIONS | dict(max_tokens=_opt({
+        "type": "integer", "minimum": 0, "description": "0 only with `echo`: the prompt alone."})), ["model", "prompt"])
+    schema["allOf"].append({"if": {"not": {"required": ["echo"], "properties": {"echo": {"const": True}}}},
+                            "then": {"properties": {"max_tokens": _opt({"type": "integer", "minimum": 1})}}})
+    return schema
+
+
+def embeddings_request() -> Schema:
+    from protocol.embeddings import MAX_INPUTS
+
+    text = _string(minLength=1)
+    inputs = {"anyOf": [text, _TOKEN_IDS, {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": text},
+                        {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": _TOKEN_IDS}],
+              "description": "A text, token ids, or a list of either (one kind), each within the model's context."}
+    return {"title": "CreateEmbeddingRequest", "type": "object", "required": ["model", "input"],
+            "additionalProperties": False, "description": _WHOLE.split(" `stream_options`")[0],
+            "properties": dict(
+                model=_string(), input=inputs,
+                encoding_format=_opt({"enum": ["float", "base64"],
+                                      "description": "base64: little-endian float32, as OpenAI's client reads it."}),
+                dimensions=_opt({"type": "integer", "minimum": 1,
+                                 "description": "Only where the model has Matryoshka embeddings (else a 400)."}),
+                user=_opt(_string()),
+                add_special_tokens=_opt({"type": "boolean", "description": "vLLM's (default true)."}))}
 
 
 def request_body(schema: Schema) -> dict[str, Any]:
@@ -221,6 +281,13 @@ def errors(*statuses: int) -> dict[int | str, Any]:
     out: dict[int | str, Any] = {s: {"description": _WHY[s], "content": content} for s in statuses}
     out["4XX"] = {"description": "The request was refused; the error says why.", "content": content}
     return out
+
+
+def embeddings_responses() -> dict[int | str, Any]:
+    """For the embeddings route's `responses=`."""
+    ok = {"description": "One embedding per input, in order (CreateEmbeddingResponse).",
+          "content": {"application/json": {"schema": {"type": "object"}}}}
+    return {200: ok, **errors(400, 404, 413, 502, 503)}
 
 
 def generation_responses() -> dict[int | str, Any]:

@@ -132,10 +132,10 @@ async def owner_db(db_url):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     from engine.model_spec import ModelSpec
-    from engine.tiny import build_tiny_model
+    from engine.tiny import TOOL_CALL_PARSER, build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("models"), max_model_len=1024)
-    return ModelSpec(str(path), "ballast-tiny", 1024)
+    return ModelSpec(str(path), "ballast-tiny", 1024, TOOL_CALL_PARSER)
 
 
 @pytest.fixture(scope="session")

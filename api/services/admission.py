@@ -82,7 +82,7 @@ class Ticket:
     """One admitted request's reservation, from admission until the request ends."""
 
     __slots__ = ("_adm", "subject", "tenant", "model", "tier", "input_tokens", "output_tokens", "max_tokens", "at",
-                 "minute", "day", "counted", "corrected", "ended", "waited", "flushed", "refund")
+                 "minute", "day", "counted", "corrected", "ended", "waited", "flushed", "refund", "choices")
 
     def __init__(self, adm: Admission, subject: str, tenant: str, model: str, tier: str, input_tokens: int,
                  output_tokens: int, max_tokens: int | None, at: float):
@@ -91,6 +91,7 @@ class Ticket:
         self.input_tokens, self.output_tokens, self.max_tokens, self.at = input_tokens, output_tokens, max_tokens, at
         self.minute, self.day = window_start(at, MINUTE_S), window_start(at, DAY_S)
         self.counted = self.corrected = self.ended = self.waited = self.flushed = self.refund = False
+        self.choices = 1  # `n`: max_tokens is reserved for each
 
     @property
     def holder(self) -> str:
@@ -105,7 +106,7 @@ class Ticket:
         """The engine has tokenized the prompt: reserve what it really holds."""
         if self.ended or self.corrected:
             return
-        out = reserve_output(prompt_tokens, self.max_tokens, self._adm.max_model_len)
+        out = reserve_output(prompt_tokens, self.max_tokens, self._adm.max_model_len, self.choices)
         self._adm._adjust(self, prompt_tokens - self.input_tokens, out - self.output_tokens)
         self.input_tokens, self.output_tokens, self.corrected = prompt_tokens, out, True
 
@@ -194,19 +195,25 @@ class Admission:
     # -- deciding -------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, tenant: str, model: str, tier: str, input_tokens: int,
-                      max_tokens: int | None, *, fleet_busy: bool = False, counted: bool = False) -> Ticket | Refuse:
+                      max_tokens: int | None, *, fleet_busy: bool = False, counted: bool = False,
+                      choices: int = 1) -> Ticket | Refuse:
         """Admit a request (a Ticket to carry to its end) or say which limit refuses it.
         `counted`: `input_tokens` is the prompt's exact size (the API tokenized it as the
-        engine will), so its reserve row need not wait for the engine's figure."""
-        output_tokens = reserve_output(input_tokens, max_tokens, self.max_model_len)
+        engine will), so its reserve row need not wait for the engine's figure. `choices`:
+        its `n`, each of which may take `max_tokens` (0: it generates nothing, as embeddings)."""
+        output_tokens = reserve_output(input_tokens, max_tokens, self.max_model_len, choices)
         if (note := DECIDED.get()) is not None:
             note.tenant, note.model = tenant, model
         if self.mode == "sync":
-            return await self._reserve_sync(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
-                                            fleet_busy)
-        got = self.reserve_local(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens, fleet_busy)
+            got = await self._reserve_sync(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
+                                           fleet_busy)
+        else:
+            got = self.reserve_local(request_id, tenant, model, tier, input_tokens, output_tokens, max_tokens,
+                                     fleet_busy)
+            if isinstance(got, Ticket):
+                got.counted = counted  # ready to write; the engine's figure still corrects it if it differs
         if isinstance(got, Ticket):
-            got.counted = counted  # ready to write; the engine's figure still corrects it if it differs
+            got.choices = choices
         return got
 
     def reserve_local(self, request_id: str, tenant: str, model: str, tier: str, input_tokens: int,

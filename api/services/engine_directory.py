@@ -42,7 +42,7 @@ class EngineDirectory:
             s = EngineStats.from_json(r["stats"])
             self._views.append(EngineView(r["id"], r["url"], r["model"], s.interactive, s.batch, s.max_seqs, s.flex,
                                           s.flex_floor, s.region, r["draining"], s.block_size, self._others(s),
-                                          s.max_model_len, s.model_source))
+                                          s.max_model_len, s.model_source, s.task))
         self._at = time.monotonic()
         if self.on_refresh is not None:
             self.on_refresh(self._views)

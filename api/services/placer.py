@@ -24,9 +24,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from config import Settings
-from engine import prompts
+from engine import embedding, prompts
 from policy.placement import EngineView, Request, Weights, rank
 from policy.prefix import MAX_BLOCKS, PrefixIndex, block_hashes, root
+from protocol.embeddings import EmbeddingRequest
 from protocol.requests import CHAT, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,18 @@ class Placer:
                 log.warning("no tokenizer for %s's prefix affinity at %s (%s): placing by load only", model, path, err)
         return self._tokenizers.get(model)
 
-    def prompt(self, req: GenerationRequest, pool: str | None = None) -> Prompt:
+    def prompt(self, req: GenerationRequest | EmbeddingRequest, pool: str | None = None) -> Prompt:
         """The prompt's token ids as the engine of `pool` (the model or its base; the
         deployment's own by default) will feed vLLM; none until its tokenizer is loaded."""
         tok = self.tokenizer(pool)
         if tok is None:
             return Prompt()
         try:
-            if req.endpoint == CHAT:
-                ids = prompts.render_chat(tok, [dict(role=m.role, content=m.content) for m in req.messages])
+            if isinstance(req, EmbeddingRequest):  # its first input leads, as a prefix would
+                ids = embedding.token_ids(tok, replace(req, inputs=req.inputs[:1]))[0]
+            elif req.endpoint == CHAT:
+                messages, tools = req.chat_inputs()
+                ids = prompts.render_chat(tok, messages, tools=tools)
             elif isinstance(req.prompt, tuple):
                 ids = list(req.prompt)
             else:
@@ -119,7 +123,7 @@ class Placer:
             return Prompt()
         return Prompt(tuple(ids), whole=True)
 
-    def seed(self, req: GenerationRequest, pool: str | None = None) -> int:
+    def seed(self, req: GenerationRequest | EmbeddingRequest, pool: str | None = None) -> int:
         """The blocks' chain seed: the base model's, or a fine-tuned model's own."""
         return root(None if req.model == (pool or self.own) else req.model)
 
@@ -127,8 +131,9 @@ class Placer:
         """The prompt's leading blocks, as the engine's prefix cache keys them."""
         return block_hashes(self.prompt(req, pool).ids, block_size, seed=self.seed(req, pool))
 
-    def rank(self, req: GenerationRequest, engines: list[EngineView], regions: frozenset[str] | None = None,
-             prompt: Prompt | None = None, pool: str | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
+    def rank(self, req: GenerationRequest | EmbeddingRequest, engines: list[EngineView],
+             regions: frozenset[str] | None = None, prompt: Prompt | None = None,
+             pool: str | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
         """The engines of `pool` (the deployment's own model by default) to try, best first,
         and the request's blocks (for `sent`); `prompt` where the caller has it already."""
         pool = pool or self.own
@@ -163,15 +168,16 @@ class Placer:
         for model in sorted({e.model for e in engines}):
             self.tokenizer(model)
 
-    def sent(self, engine: EngineView, blocks: tuple[int, ...]) -> None:
-        """The request went to `engine`: it holds the blocks now, and one more stream."""
+    def sent(self, engine: EngineView, blocks: tuple[int, ...], seqs: int = 1) -> None:
+        """The request went to `engine`: it holds the blocks now, and one more stream of
+        `seqs` sequences (its `n`), as the engine counts its interactive load."""
         self.index.record(engine.id, blocks)
-        self.inflight[engine.id] += 1
+        self.inflight[engine.id] += seqs
 
-    def done(self, engine_id: str) -> None:
+    def done(self, engine_id: str, seqs: int = 1) -> None:
         """A stream `sent` there has ended, however."""
-        if self.inflight[engine_id] > 1:
-            self.inflight[engine_id] -= 1
+        if self.inflight[engine_id] > seqs:
+            self.inflight[engine_id] -= seqs
         else:
             del self.inflight[engine_id]
 

@@ -228,6 +228,13 @@ async def test_a_counted_reservation_is_written_at_the_next_flush(harness, db):
     assert await ledger_rows(db, estimated.subject) == [("reserve", "default", 6, 5)]
 
 
+async def test_several_choices_reserve_max_tokens_each_in_the_ledger(harness, db):
+    three = await harness.admission.reserve(uuid.uuid4().hex, harness.tenant, MODEL, "default", 7, 5, choices=3)
+    three.correct(8)  # the engine's count keeps the choices
+    await harness.admission.flush()
+    assert await ledger_rows(db, three.subject) == [("reserve", "default", 8, 15)]
+
+
 async def test_an_engine_refusal_refunds_the_whole_reservation(harness, db):
     refusal = {"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
                          "code": "context_length_exceeded"}, "status": 400}

@@ -67,7 +67,7 @@ async def test_an_input_file_id_that_cannot_exist_is_404(api, input_file_id):
     (dict(completion_window="1h"), "completion_window"),
     (dict(completion_window=24), "completion_window"),
     (dict(endpoint=3), "endpoint"),
-    (dict(endpoint="/v1/embeddings"), "endpoint"),
+    (dict(endpoint="/v1/responses"), "endpoint"),
     (dict(input_file_id=["file-x"]), "input_file_id"),
     (dict(input_file_id=None), "input_file_id"),
     (dict(metadata={str(i): "v" for i in range(17)}), "metadata"),
@@ -130,3 +130,8 @@ async def test_client_text_quoted_in_an_error_stays_valid_utf8(api):
     assert_openai_error(r, 404, "input_file_id")
     r.content.decode("utf-8")  # strict: the lone surrogate is not smuggled out as bytes that are not UTF-8
     assert "file-\\ud800" in json.loads(r.content)["error"]["message"]
+
+
+async def test_several_greedy_choices_are_400_naming_n(api):
+    body = dict(model="ballast-tiny", messages=[dict(role="user", content="hi")], n=2, temperature=0)
+    assert_openai_error(await api.post("/v1/chat/completions", json=body), 400, "n", "unsupported_value")

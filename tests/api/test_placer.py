@@ -135,3 +135,12 @@ def test_load_is_this_processs_streams_now_plus_the_others_as_reported(tiny_mode
     assert p.in_flight(shared) == 3
     old = EngineView("d", "http://d", "ballast-tiny", 5, 0, 8)  # a worker that does not count by API
     assert p.in_flight(old) == 5
+
+
+def test_a_request_of_several_choices_is_that_many_sequences_of_load(tiny_model):
+    p = Placer(Settings(model=tiny_model.path, served_model_name=tiny_model.name, placement="least_loaded"))
+    a = EngineView("a", "http://a", "ballast-tiny", 0, 0, 8, others=0)
+    p.sent(a, (), seqs=4)
+    assert p.in_flight(a) == 4
+    p.done("a", seqs=4)
+    assert p.in_flight(a) == 0 and "a" not in p.inflight

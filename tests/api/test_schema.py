@@ -137,7 +137,7 @@ def no_server_error(ctx, response, case):
 # over the deployment's size limit). Anything else means the documented
 # schema and `protocol.requests.parse` disagree.
 _VALID_BUT = {503: {"engine_unavailable"}, 413: {"request_too_large"},
-              400: {"context_length_exceeded", "unsupported_character", rules.MIN_OVER_MAX}}
+              400: {"context_length_exceeded", "unsupported_character", rules.MIN_OVER_MAX, rules.TOOLS_CONFLICT}}
 
 
 def schema_agrees_with_parse(ctx, response, case):

@@ -206,6 +206,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_MODEL=tiny_model.path,
         BALLAST_SERVED_MODEL_NAME=tiny_model.name,
         BALLAST_MAX_MODEL_LEN=str(tiny_model.max_model_len),
+        BALLAST_TOOL_CALL_PARSER=tiny_model.tool_call_parser or "",
         BALLAST_KV_CACHE_GIB="0.5",
         BALLAST_API_PORT=str(procs.free_port()),
         BALLAST_MAX_UPLOAD_BYTES=str(UPLOAD_LIMIT),

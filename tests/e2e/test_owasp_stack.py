@@ -21,6 +21,7 @@ import pytest
 
 from api.app import create_app
 from config import Settings
+from protocol.finetune import MIN_EXAMPLES
 from tests.api.conftest import assert_openai_error
 from tests.api.test_owasp import UNKNOWN, fill, id_routes
 from tests.e2e.conftest import make_key, start_batch
@@ -42,7 +43,8 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
                      headers={"Authorization": f"Bearer {make_key(db_url, 'owasp-b-' + uuid.uuid4().hex[:8])}"})
     file_id, batch_id = start_batch(a, tiny_model.name, "hello", 4)
     chat = dict(messages=[dict(role="user", content="hi"), dict(role="assistant", content="hello")])
-    train_id = a.post("/v1/files", files={"file": ("train.jsonl", json.dumps(chat) + "\n")},
+    # Enough examples to pass validation: a job that failed it could no longer be cancelled.
+    train_id = a.post("/v1/files", files={"file": ("train.jsonl", (json.dumps(chat) + "\n") * MIN_EXAMPLES)},
                       data={"purpose": "fine-tune"}).json()["id"]
     job = a.post("/v1/fine_tuning/jobs", json=dict(model=tiny_model.name, training_file=train_id))
     assert job.status_code == 200, job.text
@@ -51,6 +53,7 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
     batch = _wait(a, f"/v1/batches/{batch_id}", {"completed", "failed", "expired", "cancelled"})
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 1, batch
     job_before = _wait(a, f"/v1/fine_tuning/jobs/{job_id}", {"cancelled", "failed", "succeeded"})
+    assert job_before["status"] == "cancelled", job_before
     # A webhook of A's, deleted at the end: none of A's work ends while it exists.
     hook = a.post("/v1/webhooks", json=dict(url="https://example.com/a"))
     assert hook.status_code == 200, hook.text

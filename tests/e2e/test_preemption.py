@@ -94,19 +94,21 @@ def polling(db_url: str):
 
 def assert_nothing_lost_and_never_two_at_once(db_url: str, batch_id: str) -> None:
     like = f"item:{batch_id}:%"
-    # Nothing lost: at each preemption the chunks journaled so far cover every produced token.
-    for stream, offset in _sql(db_url, "SELECT stream, (payload->>'offset')::int FROM events "
-                                       "WHERE type = 'item_preempted' AND stream LIKE %(s)s", s=like):
+    # Nothing lost: at each preemption the chunks journaled so far cover every produced
+    # token (of the choice that yielded: each of an item's choices has its own offsets).
+    for stream, choice, offset in _sql(db_url, """SELECT stream, coalesce(payload->>'choice', '0'),
+            (payload->>'offset')::int FROM events WHERE type = 'item_preempted' AND stream LIKE %(s)s""", s=like):
         covered = _sql(db_url, """SELECT coalesce(sum(jsonb_array_length(payload->'token_ids')), 0) FROM events
-                                  WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s""",
-                       s=stream, o=offset)[0][0]
-        assert covered == offset, (stream, offset, covered)
+                                  WHERE stream = %(s)s AND type = 'item_chunk' AND (payload->>'offset')::int < %(o)s
+                                    AND coalesce(payload->>'choice', '0') = %(c)s""",
+                       s=stream, o=offset, c=choice)[0][0]
+        assert covered == offset, (stream, choice, offset, covered)
     # Contiguous, and written by one runner after another: two at once would interleave.
-    chunks: dict[str, list[tuple[int, int, str]]] = {}
-    for stream, offset, n, runner in _sql(db_url, """SELECT stream, (payload->>'offset')::int,
-            jsonb_array_length(payload->'token_ids'), payload->>'runner' FROM events
+    chunks: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    for stream, choice, offset, n, runner in _sql(db_url, """SELECT stream, coalesce(payload->>'choice', '0'),
+            (payload->>'offset')::int, jsonb_array_length(payload->'token_ids'), payload->>'runner' FROM events
             WHERE type = 'item_chunk' AND stream LIKE %(s)s ORDER BY position""", s=like):
-        chunks.setdefault(stream, []).append((offset, n, runner))
+        chunks.setdefault((stream, choice), []).append((offset, n, runner))
     for stream, cs in chunks.items():
         assert [o for o, _, _ in cs] == [sum(n for _, n, _ in cs[:i]) for i in range(len(cs))], stream
         runs = [r for i, (_, _, r) in enumerate(cs) if i == 0 or cs[i - 1][2] != r]
@@ -261,23 +263,31 @@ def _yielded(batch) -> dict:
 
 
 async def test_what_a_preempted_item_carries_is_vllms_own(quiet, vllm_run):
-    """Items with logprobs, penalties, biases, stop token ids, vLLM's sampling extras and
-    structured outputs, each preempted half way through its output (by the gate and a
-    burst of chat), finish equal to vLLM's own uninterrupted answers to the same lines:
+    """Items with logprobs, penalties, biases, stop token ids, vLLM's sampling extras,
+    structured outputs, tool calls and several choices (each choice its own generation),
+    each preempted half way through its output (by the gate and a burst of chat), finish
+    equal to vLLM's own uninterrupted answers to the same lines:
     text, finish reason, usage and logprobs; the structured ones valid against their
     schemas by a validator that is not the engine's."""
     stack, db_url = quiet
     theirs = await asyncio.to_thread(vllm_run.results)
     ok = {cid: t["response"]["body"] for cid, t in theirs.items() if t["response"]["status_code"] == 200}
-    lines = [ln for ln in oracle.CHAT_LINES if ln["custom_id"].startswith(("s-", "j-"))
+    # Several choices where each is greedy's text (top_k 1): a sampled one resumes as
+    # another sample, not vLLM's.
+    lines = [ln for ln in oracle.CHAT_LINES if (ln["custom_id"].startswith(("s-", "j-", "t-"))
+                                               or ln["custom_id"].startswith("n-") and ln["body"].get("top_k") == 1)
              and ln["custom_id"] in ok and oracle.tokens_of(ok[ln["custom_id"]]) >= 4]
-    n = 32  # every slot, so that a burst of chat preempts all of them
-    fill = [chat_line(f"fill-{i}", f"fill {i}", LENGTH, ignore_eos=True) for i in range(n - len(lines))]
+    choices = [ln["body"].get("n", 1) for ln in lines]
+    n = 32  # every slot (a choice takes one), so that a burst of chat preempts all of them
+    fill = [chat_line(f"fill-{i}", f"fill {i}", LENGTH, ignore_eos=True) for i in range(n - sum(choices))]
     try:
         stack.gate.hold(0)
         client = stack.openai()
         batch = await asyncio.to_thread(submit, client, lines + fill)
-        budgets = {keys.item(batch.id, i): oracle.tokens_of(ok[ln["custom_id"]]) // 2 for i, ln in enumerate(lines)}
+        # Half of each choice's tokens (a greedy item's choices have one text); choice c of an
+        # item is held as "<item>#c".
+        budgets = {keys.item(batch.id, i) + (f"#{c}" if c else ""): oracle.tokens_of(ok[ln["custom_id"]]) // k // 2
+                   for i, (ln, k) in enumerate(zip(lines, choices, strict=True)) for c in range(k)}
         budgets |= {keys.item(batch.id, len(lines) + i): 8 for i in range(len(fill))}
         await preempt_at(stack, db_url, batch.id, budgets, n)
         stack.gate.release()
@@ -286,23 +296,26 @@ async def test_what_a_preempted_item_carries_is_vllms_own(quiet, vllm_run):
         stack.gate.release()
     assert b.status == "completed", b
     preempted = preempted_offsets(db_url, batch.id)
-    assert all(preempted[item][0] == at for item, at in budgets.items())  # each yielded where the gate held it
+    # Each yielded where the gate held it (an item's choices, all at one budget, each once).
+    assert all(preempted[item.split("#")[0]][0] == at for item, at in budgets.items())
+    assert all(len(preempted[keys.item(batch.id, i)]) >= k for i, k in enumerate(choices))
     ours = {o["custom_id"]: o for o in await asyncio.to_thread(read_jsonl, client, b.output_file_id)}
     (vllm_run.root / "preempted.out.jsonl").write_text(oracle._jsonl(list(ours.values())))  # beside vLLM's, to read
     # vLLM computes logprobs before its logits processors run, and masks a grammar before
     # that: a resumed grammar (masked by engine/logits.py, a processor) has the logprobs of
     # the unmasked logits from the resume on. Its tokens, text and usage are vLLM's.
-    grammar_logprobs = {ln["custom_id"] for ln in lines
-                        if "logprobs" in ln["body"] and ln["custom_id"].startswith("j-")}
+    grammar_logprobs = {ln["custom_id"] for ln in lines if "logprobs" in ln["body"] and (
+        ln["custom_id"].startswith("j-") or ln["body"].get("tool_choice") not in (None, "none", "auto"))}
     for cid in grammar_logprobs:
-        cut = budgets[keys.item(batch.id, [ln["custom_id"] for ln in lines].index(cid))]
+        cut = budgets[keys.item(batch.id, [ln["custom_id"] for ln in lines].index(cid))]  # one choice: its own
         mine, vllms = (x["response"]["body"]["choices"][0]["logprobs"]["content"] for x in (ours[cid], theirs[cid]))
         assert oracle.close(mine[:cut], vllms[:cut]) and not oracle.close(mine[cut:], vllms[cut:]), cid
         for x in (ours[cid], theirs[cid]):
             x["response"]["body"]["choices"][0]["logprobs"] = None
     diffs = [d for ln in lines for d in oracle.compare(ln["custom_id"], ours[ln["custom_id"]], theirs[ln["custom_id"]])]
     assert not diffs, "\n".join(diffs)
-    assert grammar_logprobs == {"j-person-penalised"}
+    assert grammar_logprobs == {"j-person-penalised", "t-required-one"}
     oracle.valid_structured({cid: o["response"]["body"] for cid, o in ours.items() if cid.startswith("j-")})
-    assert len(lines) >= 14, [ln["custom_id"] for ln in lines]
+    oracle.valid_calls({cid: o["response"]["body"] for cid, o in ours.items() if cid.startswith("t-")})
+    assert len(lines) >= 22 and sum(choices) - len(lines) == 2, [ln["custom_id"] for ln in lines]
     assert_nothing_lost_and_never_two_at_once(db_url, batch.id)

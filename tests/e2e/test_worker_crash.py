@@ -28,6 +28,10 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     n, length = 24, 300
     prompts = [f"crash test {i:02d}: {TOPICS[i % len(TOPICS)]}" for i in range(n)]  # in byte order, as they run
     lines = [chat_line(f"k-{i}", p, length, ignore_eos=True) for i, p in enumerate(prompts)]
+    # Some with two choices, each greedy's text (top_k 1), each journaled and resumed on its own.
+    two = {0, 5, 10}
+    for i in two:
+        lines[i]["body"].update(n=2, temperature=1.0, top_k=1)
     gate.hold(0)
     batch = await asyncio.to_thread(submit, client, lines)
     chunks = "SELECT count(*) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s"
@@ -39,8 +43,10 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     in_flight = min(n, int(stack.env["BALLAST_BATCH_ITEMS_PER_RUN"]))
     rng = random.Random(24)
     budgets = {keys.item(batch.id, i): rng.randrange(40, 200) for i in range(n)}
+    budgets |= {f"{keys.item(batch.id, i)}#1": rng.randrange(40, 200) for i in sorted(two)}  # the second choices
     gate.hold(budgets)
-    await asyncio.to_thread(stack.wait_held, {it: budgets[it] for it in list(budgets)[:in_flight]})
+    await asyncio.to_thread(stack.wait_held, {it: budgets[it] for it in budgets
+                                              if int(it.split(":")[-1].split("#")[0]) < in_flight})
     deadline = time.monotonic() + WAIT_S
     while _sql(db_url, "SELECT count(DISTINCT stream) FROM events WHERE type = 'item_chunk' AND stream LIKE %(s)s",
                s=like)[0][0] < in_flight:
@@ -63,14 +69,21 @@ async def test_engine_worker_sigkilled_mid_batch_resumes_without_duplicates(clie
     out = await asyncio.to_thread(read_jsonl, client, done.output_file_id)
     assert [o["custom_id"] for o in out] == [f"k-{i}" for i in range(n)]  # each once, in order
 
-    dupes = _sql(db_url, """SELECT stream, payload->>'offset', count(*) FROM events
+    dupes = _sql(db_url, """SELECT stream, payload->>'choice', payload->>'offset', count(*) FROM events
                             WHERE type = 'item_chunk' AND stream LIKE %(s)s
-                            GROUP BY 1, 2 HAVING count(*) > 1""", s=like)
+                            GROUP BY 1, 2, 3 HAVING count(*) > 1""", s=like)
     assert dupes == []
     assert _sql(db_url, chunks, s=like)[0][0] > before_restart  # the new worker carried on
     # Resumed from the journal on a fresh engine, each text is still vLLM's greedy output.
     expected = await asyncio.gather(*(greedy(engine, p, length, ignore_eos=True) for p in prompts))
     assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in out] == expected
+    assert [o["response"]["body"]["choices"][1]["message"]["content"] for o in out if len(
+        o["response"]["body"]["choices"]) == 2] == [expected[i] for i in sorted(two)]
+    # The second choices were mid-output at the kill too: each journaled by the killed
+    # worker's attempt, then resumed from there by the new one's.
+    assert sorted(_sql(db_url, """SELECT stream, count(DISTINCT payload->>'runner') FROM events
+                                  WHERE type = 'item_chunk' AND stream LIKE %(s)s AND payload->>'choice' = '1'
+                                  GROUP BY stream""", s=like)) == sorted((keys.item(batch.id, i), 2) for i in two)
 
 
 async def test_a_fine_tuning_job_preempted_and_sigkilled_mid_chunk_trains_as_one_uninterrupted_run(

@@ -4,6 +4,7 @@ the endpoint streams as ever. In process, over a stand-in engine (no vLLM)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from engine.model_spec import ModelSpec
 from engine.server import create_app
 from engine.slots import EngineSlots
 from engine.vllm_engine import Step
@@ -25,7 +27,7 @@ JOB = dict(request_id="req-1", endpoint="/v1/completions", priority=0, tenant="a
 class FakeEngine:
     """What the endpoint asks of an engine: its spec, its token bound, generation."""
 
-    spec = SimpleNamespace(name="ballast-tiny", max_model_len=64)
+    spec = ModelSpec("unused", "ballast-tiny", 64)
     max_token_id = 255
 
     def __init__(self):
@@ -151,3 +153,122 @@ async def test_the_probes_ask_no_token_and_say_what_is_down():
         engine.dead = True
         assert (await http.get("/readyz")).json()["parts"]["vllm"] == "down: RuntimeError"
         assert (await http.get("/stats")).status_code == 401  # the rest still asks for the token
+
+
+class Choices(FakeEngine):
+    """Each choice's request: its seed, and whether it ran to its end; `-1` fails after a token."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds: dict[str, int | None] = {}
+        self.ended: set[str] = set()
+        self.failing = False
+
+    async def generate(self, request_id: str, prompt: list[int], sampling, **_):
+        self.seeds[request_id] = sampling.seed
+        yield Step([7], None, "a")
+        if request_id.endswith("-1") and self.failing:
+            raise RuntimeError("choice 1 broke")
+        await asyncio.sleep(0.05 if self.failing else 0)
+        yield Step([8], "length", "b")
+        self.ended.add(request_id)
+
+
+async def test_each_choice_is_a_generation_seeded_as_vllms_children_and_all_end_together():
+    engine, served = Choices(), []
+    body = dict(JOB["body"], n=3, seed=40, temperature=0.5)
+    async with client(engine, {"Authorization": f"Bearer {TOKEN}"}, served.append) as http:
+        r = await http.post("/v1/generate", json=dict(JOB, body=body))
+        engine.failing = True
+        broken = await http.post("/v1/generate", json=dict(JOB, request_id="req-2", body=body))
+    got = lines(r)
+    assert engine.seeds == {"req-1-0": 40, "req-1-1": 41, "req-1-2": 42, "req-2-0": 40, "req-2-1": 41, "req-2-2": 42}
+    assert sorted((x.get("choice", 0), x["text"]) for x in got if "text" in x) == [
+        (c, t) for c in range(3) for t in "ab"]
+    assert got[-1]["completion_tokens"] == 6 and [c["completion_tokens"] for c in got[-1]["choices"]] == [2, 2, 2]
+    assert served[0]["completion_tokens"] == 6 and served[0]["finish_reason"] == "length"
+    # One choice failing fails the request and stops the others (none ran to its end).
+    assert lines(broken)[-1]["error"]["code"] == "engine_error"
+    assert not {f"req-2-{i}" for i in range(3)} & engine.ended
+    assert served[1]["finish_reason"] is None
+
+
+class Echoing(Choices):
+    """As Choices, giving prompt logprobs to whichever request asks for them."""
+
+    tokenizer = SimpleNamespace(decode=lambda ids: "the prompt")
+
+    def __init__(self):
+        super().__init__()
+        self.asked: dict[str, bool] = {}  # by request: whether it asked for prompt logprobs
+
+    async def generate(self, request_id: str, prompt: list[int], sampling, **kw):
+        first = self.asked[request_id] = sampling.prompt_logprobs is not None
+        async for step in super().generate(request_id, prompt, sampling, **kw):
+            yield Step(step.token_ids, step.finish_reason, step.text,
+                       prompt_logprobs=[[["p", None]]] * len(prompt) if first else None)
+            first = False
+
+
+async def test_an_echo_of_several_choices_takes_the_prompt_logprobs_once():
+    engine = Echoing()
+    body = dict(JOB["body"], n=3, temperature=0.5, echo=True, logprobs=1)
+    async with client(engine, {"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = await http.post("/v1/generate", json=dict(JOB, body=body))
+    echoes = [x for x in lines(r) if x.get("text") == "the prompt"]
+    assert sorted(x.get("choice", 0) for x in echoes) == [0, 1, 2]
+    assert all(x["logprobs"] == [[["p", None]]] * 3 for x in echoes)
+    # The prompt's logprobs in one request of their own, then the choices without them.
+    assert engine.asked == {"req-1-echo": True, "req-1-0": False, "req-1-1": False, "req-1-2": False}
+
+
+class FakeEmbedder:
+    """An engine of an embedding model: its tokenizer (a byte per character), its vectors."""
+
+    spec = ModelSpec("unused", "emb", 16, task="embed")
+    max_token_id = 255
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [1] * add_special_tokens + [
+        ord(c) for c in text])
+
+    def __init__(self):
+        self.embedded: list[tuple[str, list[list[int]], int | None]] = []
+
+    async def embed(self, request_id: str, inputs: list[list[int]], *, dimensions=None, **_):
+        self.embedded.append((request_id, inputs, dimensions))
+        if dimensions is not None:
+            raise ValueError("Model 'emb' does not support Matryoshka embeddings")
+        return [[float(len(ids)), 0.5] for ids in inputs]
+
+
+EMBED = dict(JOB, endpoint="/v1/embeddings", body=dict(model="emb", input=["ab", "c"]))
+
+
+async def test_an_embedding_engine_answers_every_vector_at_once_and_records_the_prompt_tokens():
+    served: list[dict] = []
+    engine = FakeEmbedder()
+    async with client(engine, {"Authorization": f"Bearer {TOKEN}"}, served.append) as http:
+        r = await http.post("/v1/generate", json=EMBED)
+        bare = await http.post("/v1/generate", json=dict(EMBED, body=dict(model="emb", input=[5, 6],
+                                                                            add_special_tokens=False)))
+    got = lines(r)
+    assert got[0] == {"prompt_tokens": 5} and got[-1]["embeddings"] == [[3.0, 0.5], [2.0, 0.5]], got
+    assert got[-1]["completion_tokens"] == 0 and len(got) == 2
+    assert engine.embedded[0] == ("req-1", [[1, 97, 98], [1, 99]], None)
+    assert lines(bare)[-1]["embeddings"] == [[2.0, 0.5]] and engine.embedded[1][1] == [[5, 6]]  # ids as given
+    assert served[0] == dict(request_id="req-1", tenant="acme", tier="default", model="emb",
+                             endpoint="/v1/embeddings", prompt_tokens=5, completion_tokens=0, finish_reason="stop",
+                             http_request_id=None)
+
+
+@pytest.mark.parametrize("engine, job, param, says", [
+    (FakeEmbedder(), JOB | dict(body=dict(model="emb", prompt=[1, 2], max_tokens=2)), "model", "is an embedding model"),
+    (FakeEngine(), dict(EMBED, body=dict(model="ballast-tiny", input="x")), "model", "serves no embeddings"),
+    (FakeEmbedder(), dict(EMBED, body=dict(model="emb", input="x" * 20)), "input", "maximum context length"),
+    (FakeEmbedder(), dict(EMBED, body=dict(model="emb", input=[300])), "input", "out of vocabulary"),
+    (FakeEmbedder(), dict(EMBED, body=dict(model="emb", input="x", dimensions=4)), "dimensions", "Matryoshka"),
+], ids=["chat-to-embedder", "embeddings-to-generator", "too-long", "vocabulary", "dimensions"])
+async def test_what_an_engine_cannot_embed_is_a_400_naming_why(engine, job, param, says):
+    async with client(engine, {"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = await http.post("/v1/generate", json=job)
+    (failed,) = [ln for ln in lines(r) if "error" in ln]
+    assert failed["status"] == 400 and failed["error"]["param"] == param and says in failed["error"]["message"], r.text

@@ -148,3 +148,19 @@ async def test_the_report_counts_interactive_work_now_by_the_api_that_sent_it():
     after = slots.report()
     assert during["interactive_by"] == {"api-a": 2, "api-b": 1} and during["interactive"] == 3
     assert after["interactive_by"] == {} and after["interactive"] == 3  # the peak lingers; the count does not
+
+
+async def test_a_request_of_several_choices_counts_as_that_many_sequences():
+    """`n` choices are n of vLLM's sequences: batch yields that many slots, and placement
+    reads that load."""
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=4, clock=clock)  # batch may keep whatever chat leaves free
+    tasks = await start_batch(slots, ["a", "b", "c", "d"], clock, aborted)
+    async with slots.interactive_request("api-a", seqs=3):
+        assert slots.cap == 1 and aborted == ["d", "c", "b"]  # newest first, one left for batch
+        assert slots.report()["interactive_by"] == {"api-a": 3}
+        await asyncio.gather(*tasks[1:])
+    assert slots.report()["interactive_by"] == {}
+    tasks[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks[0]

@@ -81,6 +81,19 @@ def test_eager_and_a_fixed_kv_budget_only_on_cpu(tmp_path):
     assert vllm_args(spec, cpu=False, kv_cache_gib=40)["kv_cache_memory_bytes"] == 40 * GiB
 
 
+def test_an_embedding_pool_runs_vllms_pooling_runner_without_sampling_machinery(tmp_path):
+    """BALLAST_MODEL_TASK=embed: vLLM's pooling runner (its --convert auto makes a generative
+    model an embedding one); no logits processors or LoRA, which only sampling uses."""
+    from dataclasses import replace
+
+    spec = replace(_spec(tmp_path), task="embed")
+    args = engine_args(spec, Settings(engine_token="t", model_task="embed"))
+    assert args["runner"] == "pooling" and "logits_processors" not in args and "enable_lora" not in args
+    assert "runner" not in vllm_args(_spec(tmp_path), cpu=True)
+    with pytest.raises(BadVllmFlags, match="--runner is Ballast's to set: use BALLAST_MODEL_TASK"):
+        parse_vllm_flags("--runner pooling")
+
+
 def test_an_engine_worker_with_a_bad_flag_exits_naming_it(tmp_path):
     """Before minutes of model loading, not after: the worker process itself."""
     env = dict(BALLAST_DATA_DIR=str(tmp_path), BALLAST_ENGINE_TOKEN="t", BALLAST_VLLM_ARGS="--tensr-parallel-size 2",

@@ -196,8 +196,12 @@ def test_a_gap_or_an_overlap_in_an_items_chunks_is_named(journal, journal_url):
     journal.item(bid, 0, [(0, 4), (6, 2)], result=None)  # tokens 4-5 never journaled
     journal.item(bid, 1, [(0, 4), (3, 2)], result=None)  # token 3 twice
     journal.item(bid, 2, [(2, 2)], result=None)  # not from 0
+    # Item 2's second choice: whole on its own (its offsets are its own, not choice 0's).
+    for offset in (0, 3):
+        journal.event(f"item:{bid}:2", "item_chunk", dict(batch_id=bid, idx=2, offset=offset, token_ids=[7, 8, 9],
+                                                          runner="r", choice=1), f"item:{bid}:2:chunk:1:{offset}")
     rows = violations(journal_url, "chunks_contiguous")
-    assert sorted(rows) == [(f"item:{bid}:0", 6, 4), (f"item:{bid}:1", 3, 4), (f"item:{bid}:2", 2, 0)]
+    assert sorted(rows) == [(f"item:{bid}:0", 0, 6, 4), (f"item:{bid}:1", 0, 3, 4), (f"item:{bid}:2", 0, 2, 0)]
 
 
 def test_an_event_from_an_older_attempt_after_a_newer_ones_is_named(journal, journal_url):

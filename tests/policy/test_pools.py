@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policy.placement import EngineView
-from policy.pools import base_model, pool_queue, served_models
+from policy.pools import base_model, embedding_models, pool_queue, served_models
 
 
 def view(id: str, model: str, max_model_len: int = 0, draining: bool = False) -> EngineView:
@@ -20,6 +20,15 @@ def test_a_pool_takes_the_shortest_context_its_engines_announce_and_draining_one
     engines = [view("a", "m", 512), view("b", "m", 256), view("c", "m", 128, draining=True), view("d", "old")]
     assert served_models(engines, "tiny", 1024) == {"tiny": 1024, "m": 256, "old": 1024}
     assert "m" not in served_models([view("c", "m", 128, draining=True)], "tiny", 1024)
+
+
+def test_embedding_models_are_the_own_by_its_settings_and_others_by_their_engines():
+    embed = EngineView("e", "http://e", "emb", 0, 0, 8, task="embed")
+    gone = EngineView("g", "http://g", "old-emb", 0, 0, 8, task="embed", draining=True)
+    assert embedding_models([embed, gone, view("a", "chat")], "tiny", "generate") == {"emb"}
+    assert embedding_models([view("a", "chat")], "tiny", "embed") == {"tiny"}
+    # The own model's task is the deployment's setting, whatever an engine of it says.
+    assert embedding_models([EngineView("t", "http://t", "tiny", 0, 0, 8, task="embed")], "tiny", "generate") == set()
 
 
 def test_a_name_finds_its_pool_and_a_fine_tune_its_base():

@@ -18,6 +18,20 @@ LINES = [
      wire.Delta("a", 1, [[["a", -0.5], ["b", -1.25]]])),
     ('{"finish_reason": "stop", "completion_tokens": 2, "engine_ttft_ms": null, "engine_ms": null, '
      '"cached_tokens": 16}', wire.Finished("stop", 2, cached_tokens=16)),
+    ('{"text": "<tool", "tokens": 2, "message": {}}', wire.Delta("<tool", 2, message={})),
+    ('{"text": "}", "tokens": 1, "message": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}}',
+     wire.Delta("}", 1, message={"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]})),
+    ('{"finish_reason": "tool_calls", "completion_tokens": 9, "engine_ttft_ms": null, "engine_ms": null, '
+     '"message": {"content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", '
+     '"arguments": "{}"}}]}}',
+     wire.Finished("tool_calls", 9, message={"content": None, "tool_calls": [
+         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})),
+    # Several choices: each delta says which, and the end how each ended.
+    ('{"text": "b", "tokens": 1, "choice": 2}', wire.Delta("b", 1, choice=2)),
+    ('{"finish_reason": "stop", "completion_tokens": 5, "engine_ttft_ms": null, "engine_ms": null, '
+     '"choices": [{"finish_reason": "stop", "completion_tokens": 2, "message": null}, '
+     '{"finish_reason": "length", "completion_tokens": 3, "message": null}]}',
+     wire.Finished("stop", 5, choices=[wire.Ending("stop", 2), wire.Ending("length", 3)])),
     ('{"error": {"message": "no", "type": "invalid_request_error", "param": null, "code": "x"}, "status": 400}',
      wire.Failed({"message": "no", "type": "invalid_request_error", "param": None, "code": "x"}, 400)),
 ]

@@ -28,9 +28,11 @@ def test_item_payloads_keep_the_keys_the_journal_holds():
         ItemCompleted,
         ItemFailed,
         ItemPreempted,
+        choice_key,
         chunk_payload,
         item_payload,
         item_result,
+        preempted_payload,
     )
 
     held = {
@@ -46,12 +48,20 @@ def test_item_payloads_keep_the_keys_the_journal_holds():
         EventType.ITEM_FAILED: ItemFailed("b", 1, 400, "{}"),
     }
     for type_, p in made.items():
-        d = chunk_payload(p) if isinstance(p, ItemChunk) else asdict(p)
+        d = (chunk_payload(p) if isinstance(p, ItemChunk) else preempted_payload(p) if isinstance(p, ItemPreempted)
+             else asdict(p))
         assert set(d) == held[type_]
         assert item_payload(type_, d) == p
     with_logprobs = ItemChunk("b", 1, 0, [1], "r", [[[1, -0.5]]])
     assert set(chunk_payload(with_logprobs)) == held[EventType.ITEM_CHUNK] | {"logprobs"}
     assert item_payload(EventType.ITEM_CHUNK, chunk_payload(with_logprobs)) == with_logprobs
+    # A second choice's events say which; its keys never meet the first choice's.
+    second = ItemChunk("b", 1, 0, [1], "r", choice=1)
+    assert set(chunk_payload(second)) == held[EventType.ITEM_CHUNK] | {"choice"}
+    assert item_payload(EventType.ITEM_CHUNK, chunk_payload(second)) == second
+    assert set(preempted_payload(ItemPreempted("b", 1, 2, 3))) == held[EventType.ITEM_PREEMPTED] | {"choice"}
+    keys = {choice_key("item:b:1", "chunk", c, off) for c in range(3) for off in (0, 1, 10, 11)}
+    assert len(keys) == 12 and choice_key("item:b:1", "chunk", 0, 5) == "item:b:1:chunk:5"
     assert item_result(EventType.ITEM_FAILED, asdict(made[EventType.ITEM_FAILED])).status_code == 400
     try:
         item_result(EventType.ITEM_CHUNK, asdict(made[EventType.ITEM_CHUNK]))

@@ -43,8 +43,20 @@ from schemathesis.generation.jsonschema.context import Alphabet
 
 from api.batches import CreateBatch, create
 from api.errors import APIError
+from protocol import embeddings
+from protocol.embeddings import EmbeddingRequest
 from protocol.errors import ProtocolError, bad_char
-from protocol.requests import CHAT, COMPLETIONS, INT64, MAX_STOP_CHARS, GenerationRequest, RequestLimits, parse
+from protocol.requests import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    INT64,
+    MAX_STOP_CHARS,
+    TOOLS_CONFLICT,
+    GenerationRequest,
+    RequestLimits,
+    parse,
+)
 
 SUBSET = Path(__file__).with_name("openai") / "openapi-subset.json"
 SPEC = json.loads(SUBSET.read_text())
@@ -52,7 +64,6 @@ MODEL = "ballast-tiny"
 MAX_MODEL_LEN = 4096
 LIMITS = RequestLimits(MODEL, MAX_MODEL_LEN)
 FILE_ID = "file-0123456789abcdef01234567"
-EMBEDDINGS = "/v1/embeddings"
 BATCHES = "/v1/batches"
 
 # What Ballast deliberately does not offer, and why: an endpoint (its path), or a parameter
@@ -61,7 +72,6 @@ BATCHES = "/v1/batches"
 # of what it was entitled to send as a mistake of its own). The API reference's list of what
 # is not offered is to be written from this one.
 DELIBERATE_REFUSALS: dict[str, str] = {
-    EMBEDDINGS: "No embedding models: the engines serve generative models.",
     "/v1/responses": "The Responses API (server-side conversation state, built-in tools) is not offered.",
     "/v1/moderations": "No moderation models.",
     "/v1/images/generations": "No image models.",
@@ -73,15 +83,14 @@ DELIBERATE_REFUSALS: dict[str, str] = {
     "messages[].content[].image_url": "Text input only: the served models take no images.",
     "messages[].content[].input_audio": "Text input only: the served models take no audio.",
     "messages[].content[].file": "Text input only: no files in messages.",
-    "tools": "No tool calling: the engines run no tool-call parser.",
-    "tool_choice": "No tool calling (`none` and `auto` are served: they ask for none).",
-    "functions": "No function calling (the deprecated form of tools).",
-    "function_call": "No function calling (`none` and `auto` are served: they ask for none).",
-    "messages[].tool_calls": "No tool calling: no earlier calls to replay.",
-    "messages[].function_call": "No function calling: no earlier calls to replay.",
-    "messages[].tool_call_id": "Tool results: no tool calling.",
-    "messages[].role": "Function results (role `function`, the deprecated form of tool results): no function "
-                       "calling.",
+    "tools": "Custom tools (type `custom`, free-form input): function tools are served.",
+    "tool_choice": "`allowed_tools` and custom tool choices: none, auto, required and one function are served.",
+    "functions": "Deprecated function calling: its successor, tools, is served.",
+    "function_call": "Deprecated function calling (`none` and `auto` are served: they ask for none).",
+    "messages[].tool_calls": "Custom tool calls: function tool calls are served.",
+    "messages[].function_call": "Deprecated function calling: its successor, tools, is served.",
+    "messages[].role": "Function results (role `function`, the deprecated form of tool results; `tool` results "
+                       "are served).",
     "prediction": "No predicted outputs.",
     "web_search_options": "No web search.",
     "moderation": "No moderation of inputs or outputs.",
@@ -93,11 +102,10 @@ DELIBERATE_REFUSALS: dict[str, str] = {
                               "promised.",
     "service_tier": "OpenAI's own capacity products (`scale`, `fast`): Ballast's tiers are auto, priority, default "
                     "and flex.",
-    "max_tokens": "0 (nothing generated: with echo, the prompt alone): vLLM generates at least one token.",
+    "max_tokens": "0 without echo (nothing generated, nothing shown): with echo, the prompt alone is served.",
     "max_completion_tokens": "0 (nothing generated): vLLM generates at least one token.",
     "prompt": "One prompt per request (or a list holding one): several are a batch, for /v1/batches.",
-    "echo": "Not yet: the prompt's text and logprobs in the answer.",
-    "n": "Not yet: n > 1, each choice journaled and resumed on its own.",
+    "n": "n > 1 with greedy sampling (temperature or top_p 0): n copies of one text, which vLLM refuses too.",
     "response_format": "Types other than text, json_object and json_schema (which are served).",
     "best_of": "vLLM's V1 engine has no best_of (1, the default, is served).",
     "suffix": "vLLM has no insertion (suffix); null, the default, is served.",
@@ -155,6 +163,16 @@ def _stop_too_long(endpoint: str, body: dict[str, Any]) -> bool:
     return any(len(s) > MAX_STOP_CHARS for s in ([stop] if isinstance(stop, str) else stop or []))
 
 
+def _tool_names(body: dict[str, Any]) -> list[str]:
+    tools = body.get("tools") or []
+    return [t["function"]["name"] for t in tools if isinstance(t, dict) and t.get("type") == "function"]
+
+
+def _unknown_tool(body: dict[str, Any]) -> bool:
+    choice = body.get("tool_choice")
+    return isinstance(choice, dict) and (choice.get("function") or {}).get("name") not in _tool_names(body)
+
+
 BEYOND_THE_SCHEMA: tuple[Unstated, ...] = (
     Unstated("model", "model_not_found", "The model must be one the deployment serves (a 404).",
              lambda endpoint, body: body.get("model") != MODEL),
@@ -171,6 +189,10 @@ BEYOND_THE_SCHEMA: tuple[Unstated, ...] = (
              _int_out_of(*INT64, "seed")),
     Unstated("prompt", "invalid_value", "Token ids index the vocabulary: none is negative.",
              lambda endpoint, body: any(t < 0 for t in _ints(body.get("prompt")))),
+    Unstated("input", "invalid_value", "CreateEmbeddingRequest.input's description: it cannot be an empty string; "
+             "and token ids index the vocabulary, none negative.",
+             lambda endpoint, body: endpoint == EMBEDDINGS and (
+                 any(t == "" for t in _texts(body.get("input"))) or any(t < 0 for t in _ints(body.get("input"))))),
     Unstated("top_logprobs", "invalid_value", "OpenAI: `logprobs` must be true when `top_logprobs` is used.",
              lambda endpoint, body: body.get("top_logprobs") not in (None, 0) and body.get("logprobs") is not True),
     Unstated("stream_options", "invalid_value", "OpenAI: `stream_options` only with `stream`: true.",
@@ -181,6 +203,17 @@ BEYOND_THE_SCHEMA: tuple[Unstated, ...] = (
              _bias_off),
     Unstated("stop", "invalid_value", f"Ballast's limit: stop strings of at most {MAX_STOP_CHARS} characters, each "
              "searched for in the whole text at every step.", _stop_too_long),
+    Unstated(None, "invalid_value", "FunctionObject.name's description: 1 to 64 of a-z, A-Z, 0-9, _ and -.",
+             lambda endpoint, body: any(not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n) for n in _tool_names(body))),
+    Unstated("tools", TOOLS_CONFLICT, "Two tools of one name: a call could not say which it is.",
+             lambda endpoint, body: len(set(_tool_names(body))) < len(_tool_names(body))),
+    Unstated("tool_choice", TOOLS_CONFLICT, "A tool must be given to be required or named, and a named one must "
+             "be among them (OpenAI and vLLM refuse both); a forced call is not also structured output (vLLM "
+             "refuses a named one so; its parser constrains a forced call itself).",
+             lambda endpoint, body: _unknown_tool(body) or (
+                 body.get("tool_choice") == "required" and not body.get("tools")) or (
+                 body.get("tool_choice") not in (None, "none", "auto") and (body.get("response_format") or {}).get(
+                     "type") in ("json_object", "json_schema"))),
     # The generated text holds neither (see ALPHABET); a client's may, and Postgres cannot keep them.
     Unstated(None, "unsupported_character", "NUL and lone surrogates cannot be stored.",
              lambda endpoint, body: any(bad_char(t) for t in _texts(body))),
@@ -251,11 +284,12 @@ def _body_schema(operation: str) -> dict[str, Any]:
 OPERATIONS = {op: "/v1" + SPEC["operations"][op]["path"] for op in SPEC["operations"]}
 SCHEMAS = {OPERATIONS[op]: _body_schema(op) for op in OPERATIONS}
 VALIDATORS = {endpoint: jsonschema_rs.Draft202012Validator(s) for endpoint, s in SCHEMAS.items()}
-SERVED = (CHAT, COMPLETIONS, BATCHES)
-SHORT = {CHAT: "chat", COMPLETIONS: "completions", BATCHES: "batches"}
+SERVED = (CHAT, COMPLETIONS, EMBEDDINGS, BATCHES)
+SHORT = {CHAT: "chat", COMPLETIONS: "completions", EMBEDDINGS: "embeddings", BATCHES: "batches"}
 MINIMAL: dict[str, dict[str, Any]] = {
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]},
     COMPLETIONS: {"model": MODEL, "prompt": "Hello"},
+    EMBEDDINGS: {"model": MODEL, "input": "Hello"},
     BATCHES: {"input_file_id": FILE_ID, "endpoint": CHAT, "completion_window": "24h"},
 }
 
@@ -325,11 +359,13 @@ class BatchAccepted:
     body: CreateBatch
 
 
-Answer = GenerationRequest | ProtocolError | BatchAccepted
+Answer = GenerationRequest | EmbeddingRequest | ProtocolError | BatchAccepted
 
 
 def answer(endpoint: str, body: dict[str, Any]) -> Answer:
     body = copy.deepcopy(body)
+    if endpoint == EMBEDDINGS:
+        return embeddings.parse(body, LIMITS)
     if endpoint != BATCHES:
         return parse(endpoint, body, LIMITS)
     try:

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policy.admission import estimate
 from protocol.errors import ProtocolError
-from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimits, fit_context, parse
+from protocol.requests import CHAT, COMPLETIONS, TOOLS_CONFLICT, GenerationRequest, RequestLimits, fit_context, parse
 
 LIMITS = RequestLimits("ballast-tiny", 1024)
 CHAT_OK = dict(model="ballast-tiny", messages=[{"role": "user", "content": "hi"}])
@@ -48,7 +49,8 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
 @pytest.mark.parametrize("field,value,param", [
     ("temperature", 2.5, "temperature"), ("temperature", "0.5", "temperature"),
     ("temperature", float("nan"), "temperature"),
-    ("top_p", -0.1, "top_p"), ("top_p", 1.5, "top_p"), ("n", 2, "n"), ("n", True, "n"), ("max_tokens", 0, "max_tokens"),
+    ("top_p", -0.1, "top_p"), ("top_p", 1.5, "top_p"), ("n", 129, "n"), ("n", True, "n"),
+    ("max_tokens", 0, "max_tokens"),
     ("max_tokens", True, "max_tokens"), ("max_tokens", 5000, "max_tokens"), ("seed", 2**63, "seed"),
     ("stop", 7, "stop"), ("stop", ["a"] * 5, "stop"), ("stop", [1], "stop"), ("stop", ["x" * 257], "stop"),
     ("stop", "x" * 257, "stop"), ("stream", "yes", "stream"),
@@ -57,7 +59,15 @@ def test_every_parameter_of_the_official_client_is_known(endpoint, base):
     ("messages", [{"role": "bot", "content": "x"}], "messages[0].role"),
     ("messages", [{"role": "user", "content": None}], "messages[0].content"),
     ("messages", [{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
-    ("tools", [{"type": "function"}], "tools"), ("logprobs", 1, "logprobs"),
+    ("tools", [{"type": "function"}], "tools[0]"),
+    ("tools", [{"type": "custom", "custom": {"name": "x"}}], "tools[0].type"),
+    ("tools", [{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name"),
+    ("tool_choice", "required", "tool_choice"), ("tool_choice", {"type": "allowed_tools"}, "tool_choice"),
+    ("messages", [{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+    ("messages", [{"role": "function", "name": "f", "content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f"}}]}],
+     "messages[0].tool_calls[0]"),
+    ("logprobs", 1, "logprobs"),
     ("top_logprobs", 21, "top_logprobs"), ("top_logprobs", 2, "top_logprobs"),
     ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
     ("logit_bias", {"x": 1}, "logit_bias"), ("logit_bias", {"5": "a"}, "logit_bias"),
@@ -184,3 +194,48 @@ def test_whole_floats_are_integers_as_in_json_schema_and_vllm():
     r = parse(COMPLETIONS, dict(COMPLETION_OK, prompt=[1.0, 2], max_tokens=16.0, seed=3.0), LIMITS)
     assert (r.prompt, r.max_tokens, r.seed) == ((1, 2), 16, 3)
     assert parse(COMPLETIONS, dict(COMPLETION_OK, max_tokens=16.5), LIMITS).param == "max_tokens"
+
+
+def test_echo_and_the_prompt_alone():
+    comp = dict(model="ballast-tiny", prompt="hi")
+    assert parse(COMPLETIONS, dict(comp, echo=True, logprobs=1), LIMITS).echo
+    alone = parse(COMPLETIONS, dict(comp, echo=True, max_tokens=0), LIMITS)
+    assert not isinstance(alone, ProtocolError) and alone.max_tokens == 0
+    for endpoint, body in ((COMPLETIONS, dict(comp, max_tokens=0)), (CHAT, dict(CHAT_OK, max_completion_tokens=0))):
+        got = parse(endpoint, body, LIMITS)
+        assert isinstance(got, ProtocolError) and got.code == "unsupported_value" and got.param in (
+            "max_tokens", "max_completion_tokens"), got
+
+
+def test_tools_as_vllm_renders_them():
+    weather = {"type": "function",
+               "function": {"name": "get_weather", "strict": False, "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    req = parse(CHAT, dict(CHAT_OK, tools=[weather], messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1",
+         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
+        LIMITS)
+    assert not isinstance(req, ProtocolError), req
+    assert req.tool_choice == "auto" and req.parallel_tool_calls  # OpenAI's defaults where tools are given
+    messages, tools = req.chat_inputs()
+    assert tools == [{"type": "function", "function": {"name": "get_weather", "description": None,
+                                                       "parameters": {"type": "object"}}}]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # an object, as vLLM passes it
+    assert messages[2] == {"role": "tool", "content": "a\nb", "tool_call_id": "c1"}
+    assert parse(CHAT, dict(CHAT_OK, tools=[]), LIMITS).tool_choice is None
+    named = dict(CHAT_OK, tools=[weather], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert parse(CHAT, named, LIMITS).code == TOOLS_CONFLICT
+    forced = dict(CHAT_OK, tools=[weather], tool_choice="required", response_format={"type": "json_object"})
+    assert parse(CHAT, forced, LIMITS).code == TOOLS_CONFLICT
+
+
+def test_n_asks_for_that_many_choices_and_reserves_each_ones_output():
+    got = parse(CHAT, dict(CHAT_OK, n=3, max_tokens=10, temperature=0.5), LIMITS)
+    assert isinstance(got, GenerationRequest) and got.n == 3
+    assert estimate(got, 1024)[1] == 30  # three choices of up to 10 tokens each
+    assert parse(CHAT, dict(CHAT_OK, n=None), LIMITS).n == 1
+    assert isinstance(parse(CHAT, dict(CHAT_OK, n=0), LIMITS), ProtocolError)
+    for greedy in (dict(temperature=0), dict(top_p=0)):  # one text n times: refused, as vLLM refuses it
+        refused = parse(CHAT, dict(CHAT_OK, n=2, **greedy), LIMITS)
+        assert isinstance(refused, ProtocolError) and (refused.param, refused.code) == ("n", "unsupported_value")

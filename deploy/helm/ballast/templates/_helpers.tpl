@@ -69,7 +69,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{/*
 What every Ballast container gets, the model first: one source, so the api, the control
 worker, the migration and the release model's pools cannot disagree. For an engine pool,
-`model`, `servedName` and `maxModelLen` are the pool's (default: the release model's).
+`model`, `servedName`, `maxModelLen` and `task` are the pool's (default: the release model's).
 */}}
 {{- define "ballast.env.common" -}}
 {{- $ := .root -}}
@@ -81,6 +81,8 @@ worker, the migration and the release model's pools cannot disagree. For an engi
 {{- end }}
 - name: BALLAST_MAX_MODEL_LEN
   value: {{ default $.Values.model.maxModelLen .maxModelLen | quote }}
+- name: BALLAST_MODEL_TASK
+  value: {{ default (default "generate" $.Values.model.task) .task | quote }}
 - name: HF_HOME
   value: /data/models/hf
 - name: BALLAST_DATA_DIR
