@@ -63,12 +63,16 @@ def held_stream(stack, url: str, key: str, body: dict, *, text: bool) -> Iterato
         gone.set()
         reader.join(WAIT_S)
 
-    deadline = time.monotonic() + WAIT_S
+    deadline, patience = time.monotonic() + WAIT_S, 0.1
     with vllm_paused(stack) as nudge:
         reader.start()
-        while not read.wait(0.1):
+        # Each nudge is followed by a longer wait: on a loaded machine a token vLLM made
+        # can take a second to reach the client, and nudging on meanwhile would let the
+        # tiny model finish all its tokens before the client holds its first.
+        while not read.wait(patience):
             assert time.monotonic() < deadline, "no first token"
             nudge(0.01)
+            patience = min(2 * patience, 2.0)
         assert first, "the stream ended before its first token"
         try:
             yield first[0], walk_away
@@ -121,17 +125,28 @@ def test_the_ledger_settles_exactly_what_the_journal_records(stack, db_url):
     ids.append(chunks[0].id)
     ids.append(client.completions.create(model="ballast-tiny", prompt="Once upon", max_tokens=7,
                                          extra_body=dict(service_tier="priority")).id)
+    # Three choices: max_tokens reserved for each, every choice's tokens settled.
+    three = client.chat.completions.create(model="ballast-tiny", messages=[{"role": "user", "content": "pick"}],
+                                           max_tokens=5, temperature=0.9, seed=3, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    ids.append(three.id)
     ids.append(dropped_stream(stack, key, db_url, tenant))  # a stream the client walks away from
+    two = dict(chat_line("q-two", "question two", 8), body=dict(chat_line("x", "question two", 8)["body"], n=2,
+                                                                 temperature=1.0, top_k=1, ignore_eos=True))
     batch = submit(client, [chat_line(f"q{i}", f"question {i}", 6 + i) for i in range(6)]
-                   + [dict(chat_line("too-long", "x", 10**6), custom_id="too-long")])  # fails on its own
+                   + [dict(chat_line("too-long", "x", 10**6), custom_id="too-long"), two])  # fails on its own
     assert wait_for(client, batch.id).status == "completed"
     wait_journaled(db_url, tenant, ids)
 
     journal = {s: (i, o) for s, i, o in _sql(db_url, JOURNAL_REQUESTS + " UNION ALL " + JOURNAL_ITEMS, t=tenant)}
     settled = {s: (i, o) for s, i, o in _sql(db_url, LEDGER_SETTLES, t=tenant)}
-    assert len(journal) == len(ids) + 7 and settled == journal
+    assert len(journal) == len(ids) + 8 and settled == journal
+    assert journal[f"request:{three.id}"] == (three.usage.prompt_tokens, three.usage.completion_tokens)
+    assert three.usage.completion_tokens > 5  # more than one choice's worth
+    assert journal[f"item:{batch.id}:7"][1] == 16  # two choices of 8 each
     dropped = _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{ids[-1]}")[0][0]
-    assert dropped["status"] == "cancelled" and dropped["completion_tokens"] >= 1  # what it had produced
+    # Cancelled, with what it had produced.
+    assert (dropped["status"], dropped["completion_tokens"] >= 1) == ("cancelled", True), dropped
     assert settled[f"item:{batch.id}:6"] == (0, 0)
     # Every reservation is closed: requests refunded what they did not use, the batch all of its.
     assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
@@ -140,6 +155,8 @@ def test_the_ledger_settles_exactly_what_the_journal_records(stack, db_url):
     reserved = _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE kind = 'reserve' "
                             "AND subject = %(s)s", s=f"request:{ids[0]}")[0]
     assert reserved == (journal[f"request:{ids[0]}"][0], 12)  # corrected to the engine's prompt_tokens
+    assert _sql(db_url, "SELECT output_tokens FROM ledger WHERE kind = 'reserve' AND subject = %(s)s",
+                s=f"request:{three.id}")[0][0] == 15
 
 
 def test_a_batch_over_the_enqueued_token_limit_fails_validation(stack, db_url):
