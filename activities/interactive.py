@@ -1,13 +1,16 @@
-"""Journal an interactive request's outcome: who, which tier, where, how many tokens.
+"""Journal interactive requests' outcomes: who, which tier, where, how many tokens.
 
-The same transaction settles the request in the quota ledger: its reservation (unless the
-API's flusher has written it already), a settle row of exactly the tokens the event
-records (prompt_tokens, completion_tokens), and the refund of what the reservation held
+Each API process hands the requests that ended in a window to one workflow
+(api/services/settlement.py); `journal_window` journals them all in one transaction: a
+`request_finished` event each, and in the quota ledger their reservations (unless the
+API's flusher has written them already), a settle row of exactly the tokens each event
+records (prompt_tokens, completion_tokens), and the refund of what a reservation held
 beyond them. So for every request the ledger's settled tokens are the journal's.
 
-A request no API reported (its process died mid-stream) is journaled the same way from
-the engine worker's record of it (journal/served.py), by the quota reconciler's sweep;
-whichever of the two comes second finds the outcome journaled and leaves it.
+A request no API reported (its process died mid-stream, or its window's workflow never
+started) is journaled the same way from the engine worker's record of it
+(journal/served.py), by the quota reconciler's sweep; whichever of the two comes second
+finds the outcome journaled and leaves it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio import activity
 
 from journal import ledger, served
-from journal.events import IdempotencyConflict, NewEvent, append_one
+from journal.events import IdempotencyConflict, NewEvent, append
 from protocol import keys
 from protocol.events import EventType
-from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
+from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome, RequestWindowInput
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +36,51 @@ class RequestActivities:
         self.db = db
 
     @activity.defn
-    async def journal_request(self, inp: JournalRequestInput) -> None:
+    async def journal_window(self, inp: RequestWindowInput) -> int:
+        """Every request of the window, in one transaction; where one of them was journaled
+        already from its engine's record (its outcome came too late), each in its own.
+        How many this call journaled or found journaled as it says."""
+        outcomes = [(dataclasses.replace(r, outcome=None), r.outcome) for r in inp.requests if r.outcome is not None]
         try:
             async with self.db.begin() as conn:
-                await journal_outcome(conn, inp.request, inp.outcome)
+                await journal_outcomes(conn, outcomes)
+            return len(outcomes)
+        except IdempotencyConflict as err:
+            activity.logger.warning("%d of %d requests of a window from %s were journaled from their engines' "
+                                    "records before their outcomes came", len(err.keys), len(outcomes), inp.holder)
+        done = 0
+        for request, outcome in outcomes:
+            try:
+                async with self.db.begin() as conn:
+                    await journal_outcomes(conn, [(request, outcome)])
+                done += 1
+            except IdempotencyConflict:
+                pass
+        return done
+
+    @activity.defn
+    async def journal_request(self, inp: JournalRequestInput) -> None:
+        """One request (the workflow older APIs started per request)."""
+        try:
+            async with self.db.begin() as conn:
+                await journal_outcomes(conn, [(inp.request, inp.outcome)])
         except IdempotencyConflict:
             # Journaled already, from the engine's record: this outcome came too late.
             activity.logger.warning("request %s was journaled from its engine's record before its outcome came",
                                     inp.request.request_id)
 
 
-async def journal_outcome(conn: AsyncConnection, r: InteractiveInput, outcome: RequestOutcome) -> None:
-    payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
-    payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
-    stream = keys.request(r.request_id)
-    await append_one(conn, NewEvent(stream, EventType.REQUEST_FINISHED, payload, f"{stream}:finished", r.tenant))
-    used, reservation = ledger_rows(r, outcome)
-    await ledger.settle(conn, used, reservation)
+async def journal_outcomes(conn: AsyncConnection, outcomes: list[tuple[InteractiveInput, RequestOutcome]]) -> None:
+    """Their `request_finished` events and ledger rows, in the caller's transaction: one
+    append and three ledger statements however many."""
+    events = []
+    for r, outcome in outcomes:
+        payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
+        payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
+        stream = keys.request(r.request_id)
+        events.append(NewEvent(stream, EventType.REQUEST_FINISHED, payload, f"{stream}:finished", r.tenant))
+    await append(conn, events)
+    await ledger.settle_all(conn, [ledger_rows(r, outcome) for r, outcome in outcomes])
 
 
 async def account_unreported(db: AsyncEngine, after_s: float) -> int:
@@ -66,7 +97,7 @@ async def account_unreported(db: AsyncEngine, after_s: float) -> int:
             continue
         try:
             async with db.begin() as conn:
-                await journal_outcome(conn, request, outcome)
+                await journal_outcomes(conn, [(request, outcome)])
             done += 1
         except IdempotencyConflict:
             pass  # its workflow journaled it meanwhile

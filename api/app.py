@@ -65,12 +65,14 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         directory.me = app.state.services.placer.me
         # No Temporal worker here: a request's workflow runs on the control worker, so its
         # bookkeeping never competes with the next request's first token in this process.
+        settlement = app.state.services.settlement.start()
         on_ready()
         try:
             yield
         finally:
             following.cancel()
             await http.aclose()
+        await settlement.stop()  # the requests that ended since the last window are journaled
         await admission.stop()  # what is still unwritten reaches the ledger
         await db.dispose()
 

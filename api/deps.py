@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Annotated, Any
 
 import httpx
@@ -10,18 +11,21 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio.client import Client
-from temporalio.common import TypedSearchAttributes
+from temporalio.common import TypedSearchAttributes, WorkflowIDReusePolicy
 
 from api.errors import APIError
-from api.services.admission import Admission
+from api.services.admission import Admission, default_holder
 from api.services.auth import KeyCache, authenticate
 from api.services.engine_directory import EngineDirectory
 from api.services.placer import Placer
+from api.services.settlement import Settlement
 from config import Settings
 from journal.tenant_store import Principal
 from policy.pools import embedding_models, served_models
 from protocol import search
+from protocol.temporal import RequestWindowInput
 from storage.objects import ObjectStore
+from workflows.interactive import RequestWindowWorkflow
 
 
 @dataclass
@@ -35,11 +39,22 @@ class Services:
     keys: KeyCache  # API key → tenant, bounded-stale (api/services/auth.py)
     admission: Admission | None = None  # limits and the quota ledger (api/services/admission.py); None: admit all
     placer: Placer = field(init=False)  # where requests go (api/services/placer.py)
+    settlement: Settlement = field(init=False)  # ended requests, journaled by the window (api/services/settlement.py)
     health: dict[str, Any] = field(default_factory=dict)  # /healthz's one shared check (api/health.py)
     searchable: bool = False  # workflows started here carry search attributes (config.temporal)
 
     def __post_init__(self) -> None:
         self.placer = Placer(self.settings)
+        holder = self.admission.holder if self.admission is not None else default_holder()
+        self.settlement = Settlement(self._start_window, holder, window_s=self.settings.settle_window_s,
+                                     max_requests=self.settings.settle_window_max)
+
+    async def _start_window(self, workflow_id: str, window: RequestWindowInput) -> None:
+        await self.temporal.start_workflow(
+            RequestWindowWorkflow.run, window, id=workflow_id, task_queue=self.settings.interactive_queue,
+            search_attributes=self.attributes("interactive", ""), rpc_timeout=timedelta(seconds=10),
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        )
 
     def attributes(self, kind: str, tenant: str, model: str = "", tier: str = "") -> TypedSearchAttributes:
         """The search attributes of a workflow started here (none where they are off)."""

@@ -5,12 +5,11 @@ The path of a request, one step per function: check it (`protocol.requests`) →
 429 here happens before any engine work) → place it on an engine worker (local,
 bounded-stale view) and open its token stream there, correcting the reservation to the
 prompt's real size → relay the stream (SSE) or collect it (JSON) → release the
-reservation the moment it ends, however it ends (done, failed, client gone). Once the
-engine has accepted it, the request's workflow is started in the background and
-signalled with the outcome at the end: Temporal is never between the client and a token.
-The workflow runs on the control worker, not here: this process only sends the start and
-the signal (two RPCs, in the background), so one request's bookkeeping does not hold up
-the next one's first token.
+reservation the moment it ends, however it ends (done, failed, client gone). A request
+the engine accepted is then handed, with its outcome, to this process's window
+(api/services/settlement.py), which a workflow on the control worker journals with the
+other requests that ended in it: Temporal is never between the client and a token, and
+one request's bookkeeping does not hold up the next one's first token.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from temporalio.common import WorkflowIDReusePolicy
 
 from api.deps import PrincipalDep, Services, ServicesDep
 from api.errors import APIError
@@ -47,23 +45,12 @@ from protocol.requests import CHAT, COMPLETIONS, GenerationRequest, RequestLimit
 from protocol.temporal import InteractiveInput, RequestOutcome, RequestStatus
 from protocol.tiers import GRANTED, RANK, Tier
 from telemetry import families, tracing
-from workflows.interactive import InteractiveWorkflow
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 # Up to this many characters a prompt is tokenized on the event loop (tens of microseconds:
 # less than a thread hop); a longer one in a thread (a 1 MiB body takes ~100 ms).
 INLINE_PROMPT_CHARS = 16_384
-
-_background: set[asyncio.Task] = set()  # fire-and-forget work, kept referenced until done
-
-
-def _spawn(coro) -> asyncio.Task:
-    task = asyncio.create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-    return task
-
 
 # The handlers read the raw body (`parse` judges it, as it judges batch lines), so
 # /openapi.json gets the request schema from `protocol.schema`.
@@ -263,7 +250,7 @@ class OpenRequest:
         if self.ticket is not None:
             self.ticket.release(self.prompt_tokens, outcome.completion_tokens)
         _observe(self.record, outcome, time.perf_counter() - self.t0)
-        _spawn(_finish(self.svc, self.record, outcome, self.ticket))
+        self.svc.settlement.add(dataclasses.replace(self.record, outcome=outcome), self.ticket)
 
     async def abandon(self) -> None:
         """The client left before the relay ran (or while it waited to send): close the
@@ -438,22 +425,3 @@ async def _collect(run: OpenRequest, req: GenerationRequest) -> JSONResponse:
                                                                   else None, req.logprobs), parsed.get("tool_calls")))
     return JSONResponse(responses.completion(req.endpoint, run.meta, choices, run.prompt_tokens,
                                              final.completion_tokens, cached_tokens=final.cached_tokens))
-
-
-async def _finish(svc: Services, record: InteractiveInput, outcome: RequestOutcome,
-                  ticket: Ticket | None = None) -> None:
-    """The request's workflow, started once it has ended and carrying its outcome: its
-    bookkeeping never runs during a stream (2 Temporal actions: the start and the local
-    activity that journals it). If the start fails, or this process dies first, the quota
-    reconciler journals the request from the engine worker's record (journal/served.py)."""
-    try:
-        await svc.temporal.start_workflow(
-            InteractiveWorkflow.run, dataclasses.replace(record, outcome=outcome), id=keys.request(record.request_id),
-            task_queue=svc.settings.interactive_queue,
-            search_attributes=svc.attributes("interactive", record.tenant, record.model, record.tier),
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-        )
-    except Exception:
-        log.exception("could not start the workflow of a request; its engine's record will account for it")
-        if ticket is not None:
-            ticket.unjournaled()

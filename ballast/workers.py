@@ -47,7 +47,7 @@ from telemetry.tracing import setup as setup_tracing
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FLEET_ID, FleetWorkflow
-from workflows.interactive import InteractiveWorkflow
+from workflows.interactive import InteractiveWorkflow, RequestWindowWorkflow
 from workflows.quota import QUOTA_ID, QuotaReconciler
 from workflows.webhooks import WebhookDelivery
 
@@ -154,11 +154,12 @@ async def control_worker(settings: Settings) -> None:
                     fleet.observe_fleet, fleet.apply_fleet, quota.reconcile_quota,
                     tuning.validate_training_file, tuning.fine_tune_status],
     )
-    # Interactive requests' workflows (started by the API replicas, which run no worker):
+    # Interactive requests' windows (started by the API replicas, which run no worker):
     # journal each outcome and settle it in the ledger.
     requests = RequestActivities(db)
-    interactive = Worker(client, task_queue=settings.interactive_queue, workflows=[InteractiveWorkflow],
-                         activities=[requests.journal_request])
+    interactive = Worker(client, task_queue=settings.interactive_queue,
+                         workflows=[RequestWindowWorkflow, InteractiveWorkflow],
+                         activities=[requests.journal_window, requests.journal_request])
     # Completion webhooks, on a queue of their own: a slow receiver holds only their slots.
     hooks = WebhookActivities(db, settings)
     webhooks = Worker(client, task_queue=webhook_queue(settings.control_queue), workflows=[WebhookDelivery],

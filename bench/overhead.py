@@ -2,10 +2,10 @@
 
 Arm 1: the same streamed chat requests straight to an in-process vLLM AsyncLLM.
 Arm 2: through `ballast up`: HTTP → API (validate, place, engine worker NDJSON stream,
-workflow started once it has ended) → SSE. Requests go one at a time so queueing
+its window's workflow started once it has ended) → SSE. Requests go one at a time so queueing
 does not blur the overhead, twice: paced (GAP_S apart, as users send them: the path's own
-cost) and back to back (each request's bookkeeping — workflow start and task, journal
-write — then runs during the next one's TTFT: what the control plane's CPU costs on a
+cost) and back to back (each request's bookkeeping — its window's workflow start and
+task, journal write — then runs during the next one's TTFT: what the control plane's CPU costs on a
 machine with no cores to spare). Both arms time the first text (the client's first
 non-empty content; the byte-level tiny model's first token is often part of a character
 and carries none). REQUESTS per pacing and arm, so that p99 is not the slowest request.
@@ -102,30 +102,45 @@ def through_ballast(api, model: str, gap_s: float, n: int) -> tuple[list[float],
     return ttft[1:], ids
 
 
-async def control_plane_cost(temporal_address: str, request_id: str, timeout_s: float = 30) -> dict:
-    from temporalio.client import Client
-    from temporalio.service import RPCError
+async def control_plane_cost(temporal_address: str, request_ids: list[str], timeout_s: float = 60) -> dict:
+    """What journaling these requests cost Temporal, read back from the server: the windows
+    whose inputs hold them (api/services/settlement.py), each once complete, and their
+    billed actions (starts, signals, activities, local activities, timers) and history
+    events, in all and per request they held."""
+    from temporalio.client import Client, WorkflowExecutionStatus
+
+    from protocol.temporal import RequestWindowInput
 
     client = await Client.connect(temporal_address)
-    handle = client.get_workflow_handle(f"request:{request_id}")
-    deadline = time.monotonic() + timeout_s
-    while True:  # its start goes out once the request has ended, in the background
-        try:
-            await handle.result()
+    want, deadline = set(request_ids), time.monotonic() + timeout_s
+    while True:  # a window starts after its requests ended, and runs a moment later
+        windows, held = [], set()
+        async for wf in client.list_workflows('WorkflowType="RequestWindow"'):
+            if wf.status != WorkflowExecutionStatus.COMPLETED:
+                continue
+            history = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+            started = history.events[0].workflow_execution_started_event_attributes
+            [window] = await client.data_converter.decode(started.input.payloads, [RequestWindowInput])
+            ids = {r.request_id for r in window.requests}
+            if ids & want:
+                windows.append([str(e.WhichOneof("attributes")) for e in history.events])
+                held |= ids
+        if want <= held:
             break
-        except RPCError as err:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"request {request_id}'s workflow did not complete in {timeout_s:.0f} s: "
-                                   f"its history would be counted part-way ({err})") from err
-            await asyncio.sleep(0.1)
-    history = await handle.fetch_history()
-    kinds = [e.WhichOneof("attributes") for e in history.events]
-    local = kinds.count("marker_recorded_event_attributes")
-    signals = kinds.count("workflow_execution_signaled_event_attributes")
-    activities = kinds.count("activity_task_scheduled_event_attributes")
-    timers = kinds.count("timer_started_event_attributes")  # billed as actions too
-    return dict(history_events=len(history.events), actions=1 + signals + activities + local + timers,
-                workflow_starts=1, signals=signals, activities=activities, local_activities=local, timers=timers)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(want - held)} of {len(want)} requests in no completed window after "
+                               f"{timeout_s:.0f} s: their journaling would be counted part-way")
+        await asyncio.sleep(0.5)
+    count = {name: sum(kinds.count(attr) for kinds in windows) for name, attr in (
+        ("signals", "workflow_execution_signaled_event_attributes"),
+        ("activities", "activity_task_scheduled_event_attributes"),
+        ("local_activities", "marker_recorded_event_attributes"),
+        ("timers", "timer_started_event_attributes"))}  # timers are billed as actions too
+    actions = len(windows) + sum(count.values())
+    n = len(held)
+    return dict(requests=n, windows=len(windows), requests_per_window=round(n / len(windows), 2),
+                actions=actions, actions_per_request=round(actions / n, 4),
+                history_events_per_request=round(sum(map(len, windows)) / n, 3), workflow_starts=len(windows), **count)
 
 
 def blocks(n: int) -> list[int]:
@@ -161,7 +176,7 @@ def main(settings: Settings, requests: int = REQUESTS) -> int:
             bal[name], ids = through_ballast(stack.api, settings.model_name, gap, requests)
             sent += ids
             seen[name] = _journaled_ttfts(stack.db_url, ids[1:])
-        cost = asyncio.run(control_plane_cost(stack.temporal_address, sent[-1]))
+        cost = asyncio.run(control_plane_cost(stack.temporal_address, sent))
         rows = rows_per_request(stack, sent, before, background, t0)
     out: dict[str, Any] = dict(bench="overhead", requests=requests, gap_s=GAP_S, block=BLOCK)
     for name, _ in PACINGS:
@@ -190,7 +205,7 @@ def report(out: dict[str, Any]) -> None:
         print(f"  TTFT p50 as each hop saw it: engine worker {r['engine_ttft_p50_ms']:.2f} ms,"
               f" API {r['api_ttft_p50_ms']:.2f} ms, client {r['ballast_ttft_p50_ms']:.2f} ms")
     pg = out["postgres"]
-    print(f"\nper request: {out['temporal']['actions']} Temporal actions ({out['temporal']}); "
+    print(f"\nper request: {out['temporal']['actions_per_request']} Temporal actions ({out['temporal']}); "
           f"{pg['total']} Postgres rows written (inserted + updated + deleted, pg_stat over {pg['requests']} requests)")
     for table, w in pg["tables"].items():
         print(f"  {table:32} {w}")

@@ -11,8 +11,10 @@ the last one's teardown is over.
 
 Reports, per arm: requests/s per round, latency p50/p99 (ms) over all rounds, completion
 tokens/s; and Ballast ÷ vllm serve in requests/s (the median of the rounds' ratios, and
-each round's). Every response must be a 200 with the usage the arm's engine counted; a
-refusal fails the run. One JSON line last.
+each round's). For Ballast, what each request cost the control plane at that rate:
+Temporal actions (its window's, read back from the server) and Postgres rows written.
+Every response must be a 200 with the usage the arm's engine counted; a refusal fails
+the run. One JSON line last.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import httpx
 
 from ballast import procs
+from bench import overhead
 from bench.stack import ballast_up
 from bench.stats import p50, p99
 from config import Settings
@@ -51,6 +54,7 @@ async def drive(base_url: str, headers: dict[str, str], model: str, n: int,
     """`n` requests through `concurrency` workers: requests/s, each request's latency (s),
     and the completion tokens the server counted."""
     latencies: list[float] = []
+    ids: list[str] = []
     tokens = 0
 
     async def worker(http: httpx.AsyncClient, todo: list[dict[str, Any]]) -> None:
@@ -63,6 +67,7 @@ async def drive(base_url: str, headers: dict[str, str], model: str, n: int,
             if r.status_code != 200:
                 raise RuntimeError(f"{base_url}: {r.status_code} {r.text[:300]}")
             tokens += r.json()["usage"]["completion_tokens"]
+            ids.append(r.json()["id"])
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as http:
@@ -74,7 +79,7 @@ async def drive(base_url: str, headers: dict[str, str], model: str, n: int,
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(http, todo) for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    return dict(requests_per_s=n / elapsed, latencies=latencies, completion_tokens_per_s=tokens / elapsed)
+    return dict(requests_per_s=n / elapsed, latencies=latencies, completion_tokens_per_s=tokens / elapsed, ids=ids)
 
 
 def serve_argv(settings: Settings, port: int) -> list[str]:
@@ -103,9 +108,17 @@ def vllm_round(settings: Settings, work: Path, n: int, concurrency: int) -> dict
 
 
 def ballast_round(settings: Settings, work: Path, n: int, concurrency: int) -> dict[str, Any]:
+    """The arm, then what its requests cost the control plane: Temporal actions (read back
+    from the server) and Postgres rows (Postgres's own counters, less the idle rate), per
+    request, as `bench overhead` measures them."""
     with ballast_up(settings, work) as stack:
-        return asyncio.run(drive(str(stack.api.base_url), dict(stack.api.headers), settings.model_name, n,
-                                 concurrency))
+        background = overhead.idle_writes(stack.db_url)
+        before, t0 = overhead.table_writes(stack.db_url), time.monotonic()
+        got = asyncio.run(drive(str(stack.api.base_url), dict(stack.api.headers), settings.model_name, n,
+                                concurrency))
+        got["temporal"] = asyncio.run(overhead.control_plane_cost(stack.temporal_address, got["ids"]))
+        got["postgres"] = overhead.rows_per_request(stack, got["ids"], before, background, t0)
+        return got
 
 
 def _up(url: str) -> bool:
@@ -134,6 +147,12 @@ def main(settings: Settings, requests: int = REQUESTS, rounds: int = ROUNDS, con
         out[name] = dict(requests_per_s=[round(run["requests_per_s"], 2) for run in runs],
                          latency_p50_ms=round(1000 * p50(lat), 1), latency_p99_ms=round(1000 * p99(lat), 1),
                          completion_tokens_per_s=[round(run["completion_tokens_per_s"], 1) for run in runs])
+    costs = [(run["temporal"], run["postgres"]) for run in got["ballast"]]
+    out["ballast"].update(
+        temporal_actions_per_request=[t["actions_per_request"] for t, _ in costs],
+        requests_per_window=[t["requests_per_window"] for t, _ in costs],
+        postgres_rows_per_request=[p["total"] for _, p in costs],
+        postgres_tables=costs[-1][1]["tables"], postgres_by_sql=costs[-1][1]["by_sql"])
     ratios = sorted(b["requests_per_s"] / v["requests_per_s"] for b, v in zip(got["ballast"], got["vllm_serve"],
                                                                               strict=True))
     out["ratio_per_round"] = [round(x, 3) for x in ratios]
@@ -143,5 +162,9 @@ def main(settings: Settings, requests: int = REQUESTS, rounds: int = ROUNDS, con
         print(f"{name:11} requests/s {a['requests_per_s']}  latency p50 {a['latency_p50_ms']} ms  "
               f"p99 {a['latency_p99_ms']} ms  completion tokens/s {a['completion_tokens_per_s']}")
     print(f"Ballast ÷ vllm serve, requests/s: {out['ratio']} (rounds {out['ratio_per_round']})")
+    b = out["ballast"]
+    print(f"per Ballast request: Temporal actions {b['temporal_actions_per_request']} "
+          f"({b['requests_per_window']} requests a window), Postgres rows {b['postgres_rows_per_request']} "
+          f"(by table, last round: {b['postgres_tables']}; by hand in SQL: {b['postgres_by_sql']})")
     print(json.dumps(out))
     return 0

@@ -61,6 +61,13 @@ class ApiSettings(Section):
     # a dimension left out or null is unlimited ({}: a new tenant has no limits).
     new_tenant_limits: dict[str, int | None] = Field(default_factory=lambda: dict(NEW_TENANT_LIMITS))
 
+    # Interactive requests are journaled by the window (api/services/settlement.py): each
+    # API process hands the requests that ended in the last settle_window_s (at most
+    # settle_window_max of them) to one workflow, 2 Temporal actions for the lot. Longer
+    # windows cost fewer actions; a request's journal row and ledger settle come this much later.
+    settle_window_s: float = Field(1.0, gt=0, le=60)
+    settle_window_max: int = Field(500, ge=1, le=5000)
+
     # A request an engine served this long ago that no API reported (its process died
     # mid-stream) is journaled and settled from the engine's record (journal/served.py).
     unreported_after_s: float = Field(60.0, gt=0)

@@ -111,30 +111,35 @@ async def insert(conn: AsyncConnection, entries: Sequence[Entry]) -> list[str]:
     return list((await conn.execute(_INSERT, cols)).scalars())
 
 
-async def reserved(conn: AsyncConnection, subject: str) -> Entry | None:
-    row = (await conn.execute(
-        text("SELECT tenant, model, tier, input_tokens, output_tokens, holder, at FROM ledger "
-             "WHERE idempotency_key = :k"), dict(k=key(RESERVE, subject)))).first()
-    if row is None:
-        return None
-    return Entry(RESERVE, subject, row.tenant, row.model, row.tier, row.input_tokens, row.output_tokens, row.holder,
-                 row.at)
+async def reserved(conn: AsyncConnection, subjects: Sequence[str]) -> dict[str, Entry]:
+    """The reserve rows of these subjects (those that have one), by subject."""
+    rows = await conn.execute(
+        text("SELECT subject, tenant, model, tier, input_tokens, output_tokens, holder, at FROM ledger "
+             "WHERE idempotency_key = ANY(:k)"), dict(k=[key(RESERVE, s) for s in subjects]))
+    return {r.subject: Entry(RESERVE, r.subject, r.tenant, r.model, r.tier, r.input_tokens, r.output_tokens, r.holder,
+                             r.at) for r in rows}
 
 
 async def settle(conn: AsyncConnection, used: Entry, reservation: Entry | None = None) -> None:
-    """In the caller's transaction (the one that journals the outcome): the reservation
-    if nobody has written it yet, the settle `used`, and the refund of what the
-    reservation in the ledger held beyond it, dimension by dimension."""
-    assert used.kind == SETTLE
-    if reservation is not None:
-        await insert(conn, [reservation])
-    rows = [used]
-    held = await reserved(conn, used.subject)
-    if held is not None:
-        back_in = max(0, held.input_tokens - used.input_tokens)
-        back_out = max(0, held.output_tokens - used.output_tokens)
-        if back_in or back_out:
-            rows.append(used.closing(REFUND, back_in, back_out))
+    await settle_all(conn, [(used, reservation)])
+
+
+async def settle_all(conn: AsyncConnection, settles: Sequence[tuple[Entry, Entry | None]]) -> None:
+    """In the caller's transaction (the one that journals the outcomes), for each (`used`,
+    `reservation`): the reservation if nobody has written it yet, the settle `used`, and the
+    refund of what the reservation in the ledger held beyond it, dimension by dimension.
+    Three statements however many subjects."""
+    assert all(used.kind == SETTLE for used, _ in settles)
+    await insert(conn, [r for _, r in settles if r is not None])
+    held = await reserved(conn, [used.subject for used, _ in settles])
+    rows = []
+    for used, _ in settles:
+        rows.append(used)
+        if (h := held.get(used.subject)) is not None:
+            back_in = max(0, h.input_tokens - used.input_tokens)
+            back_out = max(0, h.output_tokens - used.output_tokens)
+            if back_in or back_out:
+                rows.append(used.closing(REFUND, back_in, back_out))
     await insert(conn, rows)
 
 

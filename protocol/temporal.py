@@ -144,6 +144,15 @@ class RequestOutcome:
 
 
 @dataclass
+class RequestWindowInput:
+    """The interactive requests one API process saw end in one window (api/services/
+    settlement.py), each with its outcome: journaled together by one workflow."""
+
+    holder: str  # the API process (its admission holder)
+    requests: list[InteractiveInput]
+
+
+@dataclass
 class JournalRequestInput:
     request: InteractiveInput
     outcome: RequestOutcome

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
+from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanContext, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -87,3 +88,23 @@ def headers(span: Span | None = None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     W3C.inject(carrier, context=trace.set_span_in_context(span) if span is not None else None)
     return carrier
+
+
+def current() -> SpanContext | None:
+    """The current span's context, to link to later (None where tracing is off or there is none)."""
+    if _tracer is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    return context if context.is_valid else None
+
+
+@contextmanager
+def linked(name: str, links: Sequence[SpanContext | None], attributes: Mapping[str, AttributeValue]) -> Iterator[None]:
+    """A span of its own, current inside, linked to each of `links`: work done once for many
+    requests (a window's journaling) is reachable from each request's trace, not inside any."""
+    if _tracer is None:
+        yield
+        return
+    with _tracer.start_as_current_span(name, context=trace.set_span_in_context(INVALID_SPAN),
+                                       links=[Link(c) for c in links if c is not None], attributes=attributes):
+        yield

@@ -1,14 +1,17 @@
-"""One interactive request: a durable record of it, kept off its token path.
+"""Interactive requests: a durable record of each, kept off its token path, by the window.
 
-The API streams tokens straight from the engine worker. Once the request has ended it
-starts this workflow (on the control worker) with the outcome in its input; the workflow
-journals it with a local activity. Two billed Temporal actions per request, whatever its
-length, and none of its bookkeeping runs while any token of it is streaming. A request
-whose API process dies before that is journaled by the quota reconciler from the engine
-worker's record of it (journal/served.py).
+The API streams tokens straight from the engine worker. Each API process gathers the
+requests that ended in a window (api/services/settlement.py) and starts one
+`RequestWindow` workflow (on the control worker) carrying them with their outcomes; its
+local activity journals them all in one transaction. Two billed Temporal actions per
+window, whatever it holds, and none of it runs while any token is streaming. A request
+whose API process dies before its window starts is journaled by the quota reconciler
+from the engine worker's record of it (journal/served.py).
 
-Older APIs started the workflow mid-stream with no outcome (their histories still replay):
-it then comes by the `finished` signal, or the abandon timer journals the request abandoned.
+`InteractiveRequest`, one workflow per request, is what earlier APIs started (after the
+request ended, with its outcome in the input; earlier still mid-stream, the outcome coming
+by the `finished` signal or the abandon timer): kept so their histories replay and their
+runs finish.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.interactive import RequestActivities
-    from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
+    from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome, RequestWindowInput
 
 ABANDON_AFTER = timedelta(hours=1)
 
@@ -52,3 +55,13 @@ class InteractiveWorkflow:
             start_to_close_timeout=timedelta(seconds=30),
         )
         return outcome.status
+
+
+# Unsandboxed, like the above: it imports nothing and does no I/O.
+@workflow.defn(name="RequestWindow", sandboxed=False)
+class RequestWindowWorkflow:
+    @workflow.run
+    async def run(self, inp: RequestWindowInput) -> int:
+        return await workflow.execute_local_activity_method(
+            RequestActivities.journal_window, inp, start_to_close_timeout=timedelta(seconds=60),
+        )

@@ -1,7 +1,8 @@
 """Every request an engine served is accounted for once: journaled and settled from its
-workflow's outcome or, where no API reported it (the process died mid-stream), from the
+window's outcome or, where no API reported it (the process died mid-stream), from the
 engine worker's record; whichever comes second changes nothing. Checked in SQL."""
 
+import dataclasses
 
 from sqlalchemy import text
 from temporalio.testing import ActivityEnvironment
@@ -11,7 +12,7 @@ from journal import ledger
 from journal.events import append
 from journal.served import served_event
 from protocol import keys
-from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome
+from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome, RequestWindowInput
 from tests.helpers import uid
 
 
@@ -90,3 +91,40 @@ async def test_an_unreadable_record_does_not_hold_up_the_others(db):
     await engine_served(db, good, tenant)
     assert await account_unreported(db, after_s=0) >= 1
     assert await finished(db, bad) == [] and len(await finished(db, good)) == 1
+
+
+async def test_a_window_is_journaled_in_one_transaction_and_again_changes_nothing(db):
+    """A window's requests: a `request_finished` each and exactly their ledger rows, whether
+    or not the API's flusher wrote their reservation first; a retried activity writes nothing
+    more (its events are the same)."""
+    acts, env = RequestActivities(db), ActivityEnvironment()
+    tenant, rids = uid("t"), [uid("r") for _ in range(5)]
+    await reserved_by_api(db, rids[0], tenant)  # a long request: its reservation was flushed
+    requests = [dataclasses.replace(o.request, outcome=o.outcome, reserved_input=5, reserved_output=50)
+                for o in (outcome_of(rid, tenant, completion=3 + i) for i, rid in enumerate(rids))]
+    window = RequestWindowInput("api-1", requests)
+    assert await env.run(acts.journal_window, window) == 5
+    assert await env.run(acts.journal_window, window) == 5  # retried: journaled as it says
+    for i, rid in enumerate(rids):
+        [got] = await finished(db, rid)
+        assert (got["status"], got["completion_tokens"]) == ("completed", 3 + i)
+        # The flusher's reservation stands where it wrote one; the window's where it had not.
+        held = 100 if i == 0 else 50
+        assert await ledger_rows(db, rid) == [("reserve", 5, held), ("settle", 5, 3 + i), ("refund", 0, held - 3 - i)]
+
+
+async def test_a_window_holding_a_request_its_engine_record_settled_journals_the_rest(db):
+    acts, env = RequestActivities(db), ActivityEnvironment()
+    tenant, swept, rest = uid("t"), uid("r"), [uid("r") for _ in range(3)]
+    await reserved_by_api(db, swept, tenant)
+    await engine_served(db, swept, tenant)
+    assert await account_unreported(db, after_s=0) >= 1  # the sweep came first for `swept`
+    window = RequestWindowInput("api-1", [dataclasses.replace(o.request, outcome=o.outcome)
+                                          for o in (outcome_of(rid, tenant) for rid in [swept, *rest])])
+    assert await env.run(acts.journal_window, window) == 3
+    [got] = await finished(db, swept)
+    assert got["status"] == "abandoned"  # the engine's record stands: journaled once
+    assert await ledger_rows(db, swept) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    for rid in rest:
+        assert [g["status"] for g in await finished(db, rid)] == ["completed"]
+        assert await ledger_rows(db, rid) == [("settle", 5, 7)]

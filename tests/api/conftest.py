@@ -154,15 +154,17 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 
 
 class Workflows:
-    """Temporal, as far as the interactive path uses it: one start per request, once it has
-    ended, with the outcome in its input."""
+    """Temporal, as far as the interactive path uses it: one start per window of requests
+    that have ended, each with its outcome; `started` lists the requests."""
 
     def __init__(self):
         self.started = []
+        self.windows = []
 
-    async def start_workflow(self, run, record, **_):
-        assert record.outcome is not None, "started before the request ended"
-        self.started.append(record)
+    async def start_workflow(self, run, window, **_):
+        assert all(r.outcome is not None for r in window.requests), "started before the request ended"
+        self.windows.append(window)
+        self.started.extend(window.requests)
         return self
 
     @property

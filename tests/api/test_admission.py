@@ -26,13 +26,12 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.interactive import RequestActivities
 from activities.quota import QuotaActivities
-from api import interactive
 from api.services.admission import Admission, Ticket
 from journal import ledger, tenant_store
 from policy.admission import Refuse
 from policy.placement import EngineView
 from protocol import keys
-from protocol.temporal import JournalRequestInput, ReconcileInput
+from protocol.temporal import ReconcileInput
 from protocol.tiers import Tier
 from tests.api.conftest import Workflows, assert_openai_error
 
@@ -93,6 +92,7 @@ class Harness:
                  workflows: Workflows, db):
         self.client, self.tenant, self.admission, self.engine, self.workflows, self.db = (
             client, tenant, admission, engine, workflows, db)
+        self.svc = client._transport.app.state.services  # type: ignore[attr-defined]
 
     async def limit(self, model: str = "*", **dims: int | None) -> None:
         async with self.db.begin() as conn:
@@ -108,19 +108,11 @@ class Harness:
                                     math.floor(now / 86400) * 86400).in_flight
 
     async def journal_all(self) -> None:
-        """What the request workflows would do: journal each outcome (real activity)."""
-        await settled()
+        """What the windows' workflows would do: journal each outcome (the real activity)."""
+        await self.svc.settlement.flush()
         acts, env = RequestActivities(self.db), ActivityEnvironment()
-        for record, outcome in zip(self.workflows.started, self.workflows.outcomes, strict=True):
-            await env.run(acts.journal_request, JournalRequestInput(record, outcome))
-
-
-async def settled():
-    for _ in range(300):
-        if not interactive._background:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"background work still pending: {interactive._background}")
+        for window in self.workflows.windows:
+            assert await env.run(acts.journal_window, window) == len(window.requests)
 
 
 async def fresh_window(need_s: float = 8.0) -> None:
@@ -144,7 +136,7 @@ async def harness(other_api, settings, db):
     try:
         yield Harness(other_api, principal.tenant, admission, engine, workflows, db)
     finally:
-        await settled()
+        await svc.settlement.flush()
         await admission.stop()
 
 
@@ -244,6 +236,7 @@ async def test_an_engine_refusal_refunds_the_whole_reservation(harness, db):
     assert (await harness.chat()).status_code == 400
     assert harness.in_flight() == 0
     await harness.admission.flush()
+    await harness.svc.settlement.flush()
     async with db.connect() as c:
         kinds = (await c.execute(text("SELECT array_agg(kind ORDER BY position) FROM ledger WHERE tenant = :t"),
                                  dict(t=harness.tenant))).scalar_one()

@@ -4,8 +4,8 @@ connection: mid-stream as an error event then `data: [DONE]`, before the first t
 
 In process: the app with one fake engine worker, an `httpx.MockTransport` that answers
 POST /v1/generate with scripted NDJSON (engine/server.py's protocol), and a fake Temporal
-that records the request's workflow (started in the background after the first token,
-then signalled with the outcome). Postgres must not be reached on this path.
+that records the requests' windows (each request with its outcome, once it has ended).
+Postgres must not be reached on this path.
 """
 
 from __future__ import annotations
@@ -84,19 +84,17 @@ def serve(settings, workflows):
         app.state.services = Services(over or settings, db, workflows, ObjectStore(settings.object_store_url), engines,
                                       httpx.AsyncClient(transport=transport),
                                       keys=known_keys({BARE_KEY: Principal("default", "key_bare")}))
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test",
-                                 headers={"Authorization": f"Bearer {BARE_KEY}"})
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://ballast.test",
+                                   headers={"Authorization": f"Bearer {BARE_KEY}"})
+        client.services = app.state.services  # type: ignore[attr-defined]
+        return client
 
     return make
 
 
-async def settled():
-    """Wait for the fire-and-forget work (workflow start, outcome signal) to be done."""
-    for _ in range(200):
-        if not interactive._background:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"background work still pending: {interactive._background}")
+async def settled(api: httpx.AsyncClient) -> None:
+    """The requests that have ended, handed to Temporal now rather than at the window's end."""
+    await api.services.settlement.flush()  # type: ignore[attr-defined]
 
 
 def events(r: httpx.Response) -> list:
@@ -132,7 +130,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(serve, workfl
     assert all(c["finish_reason"] is None for c in text), got
     assert_error_event(error, message)
     assert done == "[DONE]"
-    await settled()
+    await settled(api)
     assert len(workflows.started) == 1 and [o.status for o in workflows.outcomes] == ["failed"]
 
 
@@ -146,7 +144,7 @@ async def test_a_failure_before_the_answer_is_whole_is_a_502(serve, workflows, l
         r = await api.post(CHAT, json=BODIES[CHAT])
     err = assert_openai_error(r, 502, code="engine_error")
     assert (err["message"], err["type"]) == (message, "server_error")
-    await settled()
+    await settled(api)
     assert [o.status for o in workflows.outcomes] == ["failed"]
 
 
@@ -159,7 +157,7 @@ async def test_the_engines_refusal_is_passed_through(serve, workflows, stream):
         r = await api.post(CHAT, json=dict(BODIES[CHAT], stream=stream))
     err = assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
     assert err["message"] == refusal["error"]["message"]
-    await settled()
+    await settled(api)
     assert workflows.started == []  # never admitted: no request workflow
 
 
@@ -171,7 +169,7 @@ async def test_a_whole_stream_ends_with_finish_and_done(serve, workflows):
     assert finish["choices"][0]["finish_reason"] == "length"
     assert usage["usage"] == dict(prompt_tokens=3, completion_tokens=1, total_tokens=4)
     assert done == "[DONE]"
-    await settled()
+    await settled(api)
     assert [o.status for o in workflows.outcomes] == ["completed"]
 
 
@@ -198,7 +196,7 @@ async def test_the_api_presents_the_engine_token(serve, settings, workflows):
         r = await api.post(CHAT, json=BODIES[CHAT])
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    await settled()
+    await settled(api)
 
 
 @pytest.mark.parametrize("token", [None, "another-deployments-token"], ids=["unset", "different"])
@@ -209,7 +207,7 @@ async def test_an_engine_refusing_the_token_is_a_502_and_logged(serve, settings,
     assert_openai_error(r, 502, code="engine_error")
     assert ENGINE_TOKEN not in r.text
     assert any("BALLAST_ENGINE_TOKEN" in rec.getMessage() and rec.levelname == "ERROR" for rec in caplog.records)
-    await settled()
+    await settled(api)
     assert workflows.started == []
 
 
@@ -232,4 +230,4 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(serve, settings, mo
         r = await api.post(CHAT, json=dict(BODIES[CHAT], messages=[dict(role="user", content=content)]))
     assert r.status_code == 200, r.text
     assert len(where) == 1 and (where[0] != threading.get_ident()) == off_loop
-    await settled()
+    await settled(api)

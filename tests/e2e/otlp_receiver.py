@@ -34,6 +34,7 @@ class Span:
     service: str  # the sending process's resource service.name
     attributes: dict[str, Any] = field(default_factory=dict)
     resource: dict[str, Any] = field(default_factory=dict)
+    links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id) of each span it links to
 
 
 def _value(v: AnyValue) -> Any:
@@ -56,7 +57,8 @@ def decode(body: bytes) -> list[Span]:
             for s in ss.spans:
                 spans.append(Span(s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex() or None, s.name, s.kind,
                                   str(resource.get("service.name", "")),
-                                  {kv.key: _value(kv.value) for kv in s.attributes}, resource))
+                                  {kv.key: _value(kv.value) for kv in s.attributes}, resource,
+                                  [(link.trace_id.hex(), link.span_id.hex()) for link in s.links]))
     return spans
 
 
@@ -100,6 +102,11 @@ class Receiver:
     def trace(self, trace_id: str) -> list[Span]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
+
+    def linking(self, trace_id: str, span_id: str) -> list[Span]:
+        """The spans (of any trace) that link to this one."""
+        with self._lock:
+            return [s for s in self.spans if (trace_id, span_id) in s.links]
 
     def wait(self, trace_id: str, until: Callable[[list[Span]], bool], timeout: float = 60) -> list[Span]:
         """The spans of `trace_id` received once `until(spans)`; fails with what came after `timeout`."""

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from config.api import ApiSettings
 from tests.e2e.conftest import WAIT_S, make_key
 from tests.e2e.test_batch import _sql, chat_line, greedy, read_jsonl, submit, wait_for
 
@@ -89,13 +90,15 @@ async def test_streamed_chat_and_completions(client, engine):
 
 
 async def _requests_settled(stack, temporal_address: str, db_url: str) -> int:
-    """Once no request workflow of this stack is still running (an earlier test's may
-    journal late): how many requests are journaled. Only this stack's task queue: the
-    Temporal server is shared with stacks of other modules, whose workflows outlive them."""
+    """Once the API's open window has gone and no window workflow of this stack is still
+    running (an earlier test's requests may journal late): how many requests are
+    journaled. Only this stack's task queue: the Temporal server is shared with stacks of
+    other modules, whose workflows outlive them."""
     from temporalio.client import Client
 
+    await asyncio.sleep(ApiSettings.model_fields["settle_window_s"].default + 0.5)
     tc = await Client.connect(temporal_address)
-    running = ("WorkflowType = 'InteractiveRequest' AND ExecutionStatus = 'Running' "
+    running = ("WorkflowType = 'RequestWindow' AND ExecutionStatus = 'Running' "
                f"AND TaskQueue = '{stack.env['BALLAST_INTERACTIVE_QUEUE']}'")
     deadline = time.monotonic() + 60
     while (await tc.count_workflows(running)).count:

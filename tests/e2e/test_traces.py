@@ -5,9 +5,10 @@ receiver, which decodes them with the official protobuf definitions.
 
 The trace is one tree under the client's span: the API's request span (carrying the client's
 request id), the engine worker's generation span under it (over the NDJSON hop's traceparent),
-vLLM's own llm_request span under that, and the request's workflow under the API's span
-(the Temporal SDK's interceptor: its start in the API, its run and its activity on the
-control worker)."""
+vLLM's own llm_request span under that. The request's journaling is done once for its
+window's requests: the API's `settle requests` span links to the request's span, and the
+window's workflow is one trace under it (the Temporal SDK's interceptor: its start in the
+API, its run and its activity on the control worker)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from tests.e2e.otlp_receiver import Span, receiving
 pytestmark = pytest.mark.e2e
 
 API, ENGINE, CONTROL = "ballast-api", "ballast-engine", "ballast-control"
-WANTED = {(API, "POST /v1/chat/completions"), (ENGINE, "engine.generate"), (ENGINE, "llm_request"),
-          (API, "StartWorkflow:InteractiveRequest"), (CONTROL, "RunWorkflow:InteractiveRequest"),
-          (CONTROL, "RunActivity:journal_request")}
+WANTED = {(API, "POST /v1/chat/completions"), (ENGINE, "engine.generate"), (ENGINE, "llm_request")}
+WINDOW = {(API, "settle requests"), (API, "StartWorkflow:RequestWindow"), (CONTROL, "RunWorkflow:RequestWindow"),
+          (CONTROL, "RunActivity:journal_window")}
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +94,18 @@ def test_one_trace_from_the_client_through_every_process(traced, tiny_model, str
     assert llm.parent_id == generation.span_id and llm.attributes["gen_ai.request.id"] == chat_id
     assert llm.attributes["gen_ai.usage.completion_tokens"] == 4
 
-    # The request's workflow: started by the API within the request's span, run on the control worker.
-    start = named(spans, API, "StartWorkflow:InteractiveRequest")
-    assert request.span_id in ancestors(start, spans)
-    for name in ("RunWorkflow:InteractiveRequest", "RunActivity:journal_request"):
-        assert start.span_id in ancestors(named(spans, CONTROL, name), spans)
+    # Its window's workflow: started by the API under a span linked to the request's, run on the control worker.
+    deadline = time.monotonic() + WAIT_S
+    while not (linking := receiver.linking(trace_id, request.span_id)):
+        assert time.monotonic() < deadline, "no span links to the request's"
+        time.sleep(0.1)
+    [settle] = linking
+    assert settle.name == "settle requests" and settle.service == API and settle.attributes["ballast.requests"] >= 1
+    window = receiver.wait(settle.trace_id, lambda got: WINDOW <= {(s.service, s.name) for s in got}, WAIT_S)
+    start = named(window, API, "StartWorkflow:RequestWindow")
+    assert start.parent_id == settle.span_id
+    for name in ("RunWorkflow:RequestWindow", "RunActivity:journal_window"):
+        assert start.span_id in ancestors(named(window, CONTROL, name), window)
 
     # Whatever else the stack sent (vLLM's engine processes' own spans included) names its service.
     assert {s.service for s in receiver.spans} == {API, ENGINE, CONTROL}

@@ -12,11 +12,12 @@ from tests.workflows.histories import DIR, load
 from workflows.batch import BatchWorkflow
 from workflows.finetune import FineTuneWorkflow
 from workflows.fleet import FleetWorkflow
-from workflows.interactive import InteractiveWorkflow
+from workflows.interactive import InteractiveWorkflow, RequestWindowWorkflow
 from workflows.quota import QuotaReconciler
 from workflows.webhooks import WebhookDelivery
 
-WORKFLOWS = [BatchWorkflow, FineTuneWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler, WebhookDelivery]
+WORKFLOWS = [BatchWorkflow, FineTuneWorkflow, FleetWorkflow, InteractiveWorkflow, QuotaReconciler,
+             RequestWindowWorkflow, WebhookDelivery]
 RECORDED = sorted(DIR.glob("*.json.gz"))
 
 
