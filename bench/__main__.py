@@ -40,6 +40,12 @@ def _rate(s: Settings, a: argparse.Namespace) -> int:
     return main(s, requests=a.requests, rounds=a.rounds, concurrency=a.concurrency)
 
 
+def _cost(s: Settings, a: argparse.Namespace) -> int:
+    from bench.cost import main
+
+    return main(s, n_requests=a.requests, items=a.items)
+
+
 def _admission(s: Settings, a: argparse.Namespace) -> int:
     from bench.admission import main
 
@@ -113,6 +119,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=400, help="chats per arm and round")
     b.add_argument("--rounds", type=int, default=3, help="rounds, the arms' order alternating")
     b.add_argument("--concurrency", type=int, default=8, help="chats in flight at once")
+    b = bench("cost", _cost, "the control plane's Temporal actions, Postgres rows and CPU per request, batch item "
+                             "and fine-tune step, projected to the seeds' scale")
+    b.add_argument("--requests", type=int, default=1000, help="chats")
+    b.add_argument("--items", type=int, default=256, help="batch items")
     bench("admission", _admission, "quota overshoot across real API processes, judged from the ledger")
     b = bench("fairness", _fairness, "two tenants' service at the client, VTC against FCFS")
     b.add_argument("--seconds", type=float, default=20.0, help="seconds of backlog per arm")

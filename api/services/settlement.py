@@ -82,9 +82,11 @@ class Settlement:
                 log.exception("could not settle a window of requests")
 
     async def flush(self) -> None:
-        """Start a workflow for each `max_requests` of what is open now."""
-        while self._open:
-            window, self._open = self._open[:self.max_requests], self._open[self.max_requests:]
+        """Start a workflow for each `max_requests` of what is open now (what ends while
+        they start waits for the next window)."""
+        pending, self._open = self._open, []
+        for at in range(0, len(pending), self.max_requests):
+            window = pending[at:at + self.max_requests]
             self._windows += 1
             workflow_id = f"requests:{self.holder}:{self._windows}"
             with tracing.linked("settle requests", [e.trace for e in window],

@@ -31,12 +31,13 @@ class Ticket:
 
 
 class Starts:
-    def __init__(self, fail: BaseException | None = None):
+    def __init__(self, fail: BaseException | None = None, takes_s: float = 0.0):
         self.calls: list[tuple[str, RequestWindowInput]] = []
-        self.fail = fail
+        self.fail, self.takes_s = fail, takes_s
 
     async def __call__(self, workflow_id: str, window: RequestWindowInput) -> None:
         self.calls.append((workflow_id, window))
+        await asyncio.sleep(self.takes_s)
         if self.fail is not None:
             raise self.fail
 
@@ -89,6 +90,23 @@ async def test_a_full_window_goes_at_once_and_a_burst_is_cut_into_windows():
         flushing.add(ended(i))
     await flushing.flush()
     assert starts.ids()[1:] == [["r3", "r4", "r5"], ["r6", "r7", "r8"], ["r9"]]
+
+
+async def test_what_ends_while_a_window_starts_waits_for_the_next_window():
+    """A start is an RPC: requests that end meanwhile must not each go in a window of
+    their own right after it."""
+    starts = Starts(takes_s=0.2)
+    s = Settlement(starts, "api-1", window_s=30, max_requests=100)
+    for i in range(3):
+        s.add(ended(i))
+    flushing = asyncio.create_task(s.flush())
+    await started(starts, 1)
+    s.add(ended(3))
+    s.add(ended(4))
+    await flushing
+    assert starts.ids() == [["r0", "r1", "r2"]]
+    await s.flush()
+    assert starts.ids()[1:] == [["r3", "r4"]]
 
 
 async def test_shutdown_starts_what_is_still_open():
