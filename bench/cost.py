@@ -15,7 +15,8 @@ server would bill, which histories do not hold (estimated: each activity's run t
 its heartbeat throttle, 0.8 × its heartbeat timeout, the SDK's); Postgres rows written
 (pg_stat_user_tables: inserted, updated, deleted, as `bench overhead` reads them); CPU
 seconds per process (/proc); each less the stack's idle rate over the same seconds, per
-unit and per 1,000 tokens the unit produced.
+unit and per 1,000 tokens the unit produced, and the control plane's (every process but
+vLLM's own) per unit.
 
 Then `project`: those figures at 1 million requests a minute across 30 regions (the
 seeds' scale), with the assumptions printed beside them. One JSON line last.
@@ -34,7 +35,7 @@ from typing import Any
 from bench import overhead, rate, training
 from bench.batch import cpu_between
 from bench.stack import Stack, ballast_up
-from bench.timeline import CpuSampler
+from bench.timeline import VLLM_ROLES, CpuSampler
 from config import Settings
 
 REQUESTS = 1000
@@ -132,7 +133,8 @@ class Meter:
                     actions_by_type={t: round(v / units, 4) for t, v in sorted(actions.items()) if v},
                     rows_per_unit=round(sum(per_table.values()), 3), rows_by_table=per_table,
                     cpu_s_per_1k_tokens={r: round(v / k, 4) for r, v in sorted(cpu.items()) if v >= 0.005},
-                    cpu_s_per_unit=round(sum(cpu.values()) / units, 5))
+                    # vLLM's own processes are the data plane, what any server of the model spends.
+                    control_cpu_s_per_unit=round(sum(v for r, v in cpu.items() if r not in VLLM_ROLES) / units, 5))
 
 
 def requests(stack: Stack, model: str, meter: Meter, n: int) -> dict[str, Any]:
@@ -209,8 +211,9 @@ def project(measured: dict[str, Any], scale: dict[str, Any] = SCALE) -> dict[str
                             + steps_s * measured["fine_tune"]["actions_per_unit"], 1),
         postgres_rows_per_s=round(per_region_s * r["rows_per_unit"] + items_s * measured["batch"]["rows_per_unit"]
                                   + steps_s * measured["fine_tune"]["rows_per_unit"]),
-        control_cpu_cores=round(per_region_s * r["cpu_s_per_unit"] + items_s * measured["batch"]["cpu_s_per_unit"]
-                                + steps_s * measured["fine_tune"]["cpu_s_per_unit"], 1),
+        control_cpu_cores=round(per_region_s * r["control_cpu_s_per_unit"]
+                                + items_s * measured["batch"]["control_cpu_s_per_unit"]
+                                + steps_s * measured["fine_tune"]["control_cpu_s_per_unit"], 1),
     )
     per_day = region["actions_per_s"] * scale["regions"] * 86_400
     per_request_workflow = 2 * scale["requests_per_min"] / 60 * 86_400  # one workflow per request, as before
@@ -269,7 +272,8 @@ def report(out: dict[str, Any]) -> None:
         print(f"{name}: {m['units']} units, {m['tokens']} tokens, {m['seconds']} s")
         print(f"  Temporal actions per unit {m['actions_per_unit']} {m['actions_by_type']}")
         print(f"  Postgres rows per unit {m['rows_per_unit']} {m['rows_by_table']}")
-        print(f"  CPU s per 1,000 tokens {m['cpu_s_per_1k_tokens']}")
+        print(f"  CPU s per 1,000 tokens {m['cpu_s_per_1k_tokens']}; control plane per unit "
+              f"{m['control_cpu_s_per_unit']} s")
     p = out["projection"]
     print(f"\nat {p['scale']}:\n  per region {p['per_region']}\n  {p['actions_per_day']:,} Temporal actions a day "
           f"(${p['usd_per_day']:,}; one workflow per request would be ${p['usd_per_day_one_workflow_per_request']:,})")

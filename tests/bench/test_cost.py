@@ -6,7 +6,7 @@ from bench.cost import project
 
 
 def unit(actions: float, rows: float, cpu_s: float, **extra: float) -> dict:
-    return dict(actions_per_unit=actions, rows_per_unit=rows, cpu_s_per_unit=cpu_s, **extra)
+    return dict(actions_per_unit=actions, rows_per_unit=rows, control_cpu_s_per_unit=cpu_s, **extra)
 
 
 def test_the_projection_scales_windows_not_requests():
