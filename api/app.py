@@ -63,7 +63,7 @@ def create_app(settings: Settings, temporal: Client | None = None, *,
         app.state.services.placer.tokenizer()
         directory.on_refresh = app.state.services.placer.engines_seen
         directory.me = app.state.services.placer.me
-        # No Temporal worker here: a request's workflow runs on the control worker, so its
+        # No Temporal worker here: the windows' workflows run on the control worker, so
         # bookkeeping never competes with the next request's first token in this process.
         settlement = app.state.services.settlement.start()
         on_ready()

@@ -1,8 +1,8 @@
 """/v1/embeddings: served by the engines of an embedding model's pool (vLLM's pooling
 runner), on the interactive path: checked (`protocol.embeddings`), admitted against the
 tenant's limits for its input tokens (it generates none), placed, and accounted for as a
-chat is (the engine's record and the request's workflow journal it; the ledger settles its
-tokens). Nothing streams: the engine answers with every vector at once."""
+chat is (the engine's record and its API process's request window journal it; the ledger
+settles its tokens). Nothing streams: the engine answers with every vector at once."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ with an interactive request and journaled with its outcome (`http_request_id`).
 Where traces are on (telemetry/tracing.py), each request is also a SERVER span, named by its
 method and route ("POST /v1/chat/completions"), continuing the client's `traceparent` where it
 sends one and carrying the id as `ballast.request_id`; current while the request runs, so the
-engine worker's span and the request's workflow join it. Probes and scrapes are not traced."""
+engine worker's span joins it (and its window's journaling links to it). Probes and scrapes are not traced."""
 
 from __future__ import annotations
 

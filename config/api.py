@@ -65,8 +65,9 @@ class ApiSettings(Section):
     # API process hands the requests that ended in the last settle_window_s (at most
     # settle_window_max of them) to one workflow, 2 Temporal actions for the lot. Longer
     # windows cost fewer actions; a request's journal row and ledger settle come this much later.
+    # A window is one workflow input: 2,000 requests are about 1 MB, half Temporal's 2 MB cap.
     settle_window_s: float = Field(1.0, gt=0, le=60)
-    settle_window_max: int = Field(500, ge=1, le=5000)
+    settle_window_max: int = Field(500, ge=1, le=2000)
 
     # A request an engine served this long ago that no API reported (its process died
     # mid-stream) is journaled and settled from the engine's record (journal/served.py).

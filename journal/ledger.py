@@ -39,8 +39,8 @@ CLOSING = (SETTLE, REFUND, EXPIRE)
 # How far back the fold and expiry look for reservations: a day window, and batches open
 # for their 24 h completion window and a little more.
 HORIZON_S = 2 * 86_400
-# Interactive reservations settle within an hour of admission (the request's workflow
-# journals an abandoned one after ABANDON_AFTER), or expire with their holder: the
+# Interactive reservations settle within an hour of admission (a request's window, or
+# the sweep of the engines' records, journals it), or expire with their holder: the
 # synchronous mode counts those in flight within this.
 INTERACTIVE_HORIZON_S = 2 * 3_600
 

@@ -1,15 +1,15 @@
 """What the engines served, for the requests no API reported.
 
-An interactive request is journaled by its workflow, from the outcome its API process
-signals (`request_finished`, activities/interactive.py). An API process that dies mid-stream
-signals nothing, and one that dies before its first token was out never started the
-workflow. So each engine worker also records every request it served, when its stream
+An interactive request is journaled by its API process's window, from the outcome that
+process saw (`request_finished`, api/services/settlement.py, activities/interactive.py). An
+API process that dies mid-stream, or before its window's workflow starts, reports nothing.
+So each engine worker also records every request it served, when its stream
 ends (`request_served`, stream `served:<id>`: tenant, tier, prompt and completion tokens
 as vLLM counted them), queued on its checkpointer: one multi-row append a tick, nothing on
 the token path. The quota reconciler sweeps these: a request served more than
 `after_s` ago with no `request_finished` is journaled from the engine's record
 (`abandoned`: no API reported it) and settled in the ledger in the same transaction, as
-its workflow would have. Whoever journals first wins; the other finds the key taken.
+its window would have. Whoever journals first wins; the other finds the key taken.
 """
 
 from __future__ import annotations
