@@ -224,6 +224,43 @@ def test_a_request_whose_api_process_dies_mid_stream_is_still_accounted_for(stac
     assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
 
 
+def test_requests_whose_api_process_dies_holding_their_window_are_still_accounted_for(stack, db_url):
+    """Chats answered whole while their API process's window was still open (a minute
+    here, the longest allowed): the process is SIGKILLed before it starts it. Each is
+    journaled and settled once from its engine worker's record, for exactly the usage
+    the client was told."""
+    from openai import OpenAI
+
+    from ballast import procs
+
+    tenant, key, _ = tenant_client(stack, db_url, "window")
+    port = procs.free_port()
+    doomed = stack.start(f"api-window-{port}", "api", env=dict(BALLAST_API_PORT=str(port),
+                                                               BALLAST_SETTLE_WINDOW_S="60"))
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_until(lambda: _up(url), 60, "the second API process to be healthy", child=doomed)
+    client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    told = {r.id: r.usage for r in (client.chat.completions.create(
+        model="ballast-tiny", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=4 + i,
+        temperature=0) for i in range(3))}
+    doomed.proc.kill()
+    doomed.proc.wait(10)
+    streams = [f"request:{rid}" for rid in told]
+    deadline = time.monotonic() + 180  # the unreported delay (15 s here), then a sweep
+    while (_sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished' AND stream = ANY(%(s)s)",
+                s=streams)[0][0] < len(told)):
+        assert time.monotonic() < deadline, "never accounted for"
+        time.sleep(0.5)
+    for rid, usage in told.items():
+        [(outcome,)] = _sql(db_url, "SELECT payload FROM events WHERE idempotency_key = %(k)s",
+                            k=f"request:{rid}:finished")
+        assert (outcome["status"], outcome["prompt_tokens"], outcome["completion_tokens"]) == (
+            "abandoned", usage.prompt_tokens, usage.completion_tokens)  # no API reported it: the engine's record
+        assert _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s AND kind = 'settle'",
+                    s=f"request:{rid}") == [(usage.prompt_tokens, usage.completion_tokens)]
+    assert _sql(db_url, "SELECT count(*) FROM open_reservations WHERE tenant = %(t)s", t=tenant)[0][0] == 0
+
+
 def _kinds(db_url: str, subject: str) -> list[str]:
     return [k for (k,) in _sql(db_url, "SELECT kind FROM ledger WHERE subject = %(s)s ORDER BY position", s=subject)]
 
