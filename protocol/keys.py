@@ -2,7 +2,8 @@
 subjects and Temporal workflow ids), object store keys, fine-tuned model names. Audits,
 workflows and SQL join on these, so each is built here and nowhere else.
 
-`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`, `ftjob:<id>`,
+`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`,
+`requests:<API process>:<n>` (the workflow that journals a window of requests), `ftjob:<id>`,
 `ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens),
 `tenant:<id>` (what was done to the tenant as a whole: its erasures), and `webhook:<event id>` (a
 webhook event and its deliveries; `webhooks:<job stream>` is the workflow that delivers it);
@@ -23,6 +24,11 @@ def item(batch_id: str, idx: int) -> str:
 
 def request(request_id: str) -> str:
     return f"request:{request_id}"
+
+
+def request_window(holder: str, n: int) -> str:
+    """The workflow journaling an API process's `n`th window of requests (api/services/settlement.py)."""
+    return f"requests:{holder}:{n}"
 
 
 def served(request_id: str) -> str:

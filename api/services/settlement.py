@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanContext
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from api.services.admission import Ticket
+from protocol import keys
 from protocol.temporal import InteractiveInput, RequestWindowInput
 from telemetry import tracing
 
@@ -47,7 +48,8 @@ class Settlement:
         self._start, self.holder = start, holder
         self.window_s, self.max_requests = window_s, max_requests
         self._open: list[Ended] = []
-        self._full = asyncio.Event()
+        self._wake = asyncio.Event()  # a window is full, or the process is stopping
+        self._stopping = False
         self._windows = 0
         self._task: asyncio.Task | None = None
 
@@ -57,25 +59,27 @@ class Settlement:
         assert request.outcome is not None
         self._open.append(Ended(request, ticket, tracing.current()))
         if len(self._open) >= self.max_requests:
-            self._full.set()
+            self._wake.set()
 
     def start(self) -> Settlement:
         self._task = asyncio.create_task(self._run())
         return self
 
     async def stop(self) -> None:
-        """Stop the timer and start what is still open."""
+        """Stop the timer and start what is still open. The timer is woken, not cancelled:
+        cancelled mid-start, the window it had taken would be lost to this process, its
+        reservations left open until their holder expires."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping = True
+            self._wake.set()
+            await self._task
         await self.flush()
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._full.wait(), self.window_s)
-            self._full.clear()
+                await asyncio.wait_for(self._wake.wait(), self.window_s)
+            self._wake.clear()
             try:
                 await self.flush()
             except Exception:  # never let one window end the timer
@@ -88,7 +92,7 @@ class Settlement:
         for at in range(0, len(pending), self.max_requests):
             window = pending[at:at + self.max_requests]
             self._windows += 1
-            workflow_id = f"requests:{self.holder}:{self._windows}"
+            workflow_id = keys.request_window(self.holder, self._windows)
             with tracing.linked("settle requests", [e.trace for e in window],
                                 {"ballast.requests": len(window), "ballast.window": workflow_id}):
                 try:

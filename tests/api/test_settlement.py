@@ -34,10 +34,12 @@ class Starts:
     def __init__(self, fail: BaseException | None = None, takes_s: float = 0.0):
         self.calls: list[tuple[str, RequestWindowInput]] = []
         self.fail, self.takes_s = fail, takes_s
+        self.done = 0  # starts that ran to their end
 
     async def __call__(self, workflow_id: str, window: RequestWindowInput) -> None:
         self.calls.append((workflow_id, window))
         await asyncio.sleep(self.takes_s)
+        self.done += 1
         if self.fail is not None:
             raise self.fail
 
@@ -116,6 +118,16 @@ async def test_shutdown_starts_what_is_still_open():
     s.add(ended(2))
     await s.stop()
     assert starts.ids() == [["r1", "r2"]]
+
+
+async def test_stopping_while_a_window_starts_lets_that_start_finish():
+    starts = Starts(takes_s=0.3)
+    s = Settlement(starts, "api-1", window_s=0.05, max_requests=100).start()
+    s.add(ended(0))
+    await started(starts, 1)  # its start in flight
+    s.add(ended(1))
+    await s.stop()
+    assert starts.ids() == [["r0"], ["r1"]] and starts.done == 2
 
 
 @pytest.mark.parametrize("error, closed", [(RuntimeError("Temporal is unreachable"), 1),
