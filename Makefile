@@ -43,6 +43,7 @@ test: install test-deps
 
 bench: install
 	$(VENV)/bin/ballast bench batch
+	$(VENV)/bin/ballast bench prefix
 	$(VENV)/bin/ballast bench surge
 	$(VENV)/bin/ballast bench overhead
 	$(VENV)/bin/ballast bench rate

@@ -33,12 +33,14 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from engine import embedding, sampling
+from engine.prefix_leaders import PrefixLeaders
 from engine.slots import EngineSlots
 from engine.trace import OFF, Trace
 from journal import batch_store
 from journal.checkpointer import Checkpointer
 from journal.events import NewEvent, StaleAttempt
 from journal.leases import acquire_many
+from policy.prefix import block_hashes, root
 from protocol import embeddings, keys, responses
 from protocol.errors import ProtocolError, storable
 from protocol.events import EventType, ItemChunk, ItemPreempted, choice_key, chunk_payload, preempted_payload
@@ -56,11 +58,13 @@ PREEMPTED = "preempted"  # _on_engine's word for "yielded, every token journaled
 
 class GenerationActivities:
     def __init__(self, db: AsyncEngine, engine, checkpointer: Checkpointer, slots: EngineSlots, *,
-                 checkpoint_tokens: int = 256, retry_delay_s: float = 1.0, trace: Trace = OFF):
+                 checkpoint_tokens: int = 256, retry_delay_s: float = 1.0, trace: Trace = OFF,
+                 leaders: PrefixLeaders | None = None):
         self.db = db
         self.engine = engine
         self.checkpointer = checkpointer
         self.slots = slots
+        self.leaders = leaders or PrefixLeaders()
         self.checkpoint_tokens = checkpoint_tokens
         self.retry_delay_s = retry_delay_s
         self.trace = trace
@@ -237,14 +241,22 @@ class GenerationActivities:
         at.runs += 1  # a preemption before any new token resumes at the same offset: ids stay unique
         request_id = f"{at.key}:{at.fence}:{at.tries}:{at.saved}:{at.runs}"
         rest = sampling.resumed(params, tokens)
+        blocks = block_hashes(prompt + tokens, self.engine.block_size, seed=root(params.adapter))
+        first, resuming = True, bool(tokens)
+        await self.leaders.wait(blocks)
         async with self.slots.batch(at.key, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
             self.trace("submit", item=at.key)
             try:
-                with self.checkpointer.track(at):  # its tokens go to the journal every commit
+                with self.checkpointer.track(at), self.leaders.lead(blocks) as prefilled:
                     async for step in self.engine.generate(
                         request_id, prompt + tokens, rest, resumed=len(tokens),
                         priority=BATCH_PRIORITY, item=at.key, resumed_from=at.saved,  # for engine/gate.py
                     ):
+                        if first:
+                            first = False
+                            prefilled()
+                            if resuming:  # what re-prefilling cost prices the next wait (engine/slots.py)
+                                self.slots.resumed(hold)
                         if at.cached is None:  # the prompt's, as the first stretch found it
                             at.cached = min(step.cached_tokens, len(prompt))
                         tokens += step.token_ids

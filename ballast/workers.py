@@ -220,6 +220,7 @@ async def engine_worker(settings: Settings) -> None:
     from engine.adapters import Adapters
     from engine.fair_share import FairShare
     from engine.model_spec import resolve_model
+    from engine.prefix_leaders import PrefixLeaders
     from engine.server import EmbeddedServer, create_app
     from engine.slots import EngineSlots
     from engine.trace import Trace
@@ -247,6 +248,7 @@ async def engine_worker(settings: Settings) -> None:
     db = connect(settings.require("service_db_url"), name="ballast-engine")
     await _warn_if_overprivileged(db, "engine")
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
+                        priced=settings.batch_resume == "priced",
                         min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s,
                         preemption=settings.batch_preemption, max_share=settings.batch_max_share)
     port = settings.engine_port or procs.free_port(settings.engine_host)
@@ -282,7 +284,9 @@ async def engine_worker(settings: Settings) -> None:
                                                    draining))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
-                                    trace=trace)
+                                    trace=trace, leaders=PrefixLeaders(
+                                        settings.batch_prefix_wait_s,
+                                        min_blocks=engine.prefill_step_tokens // engine.block_size))
         # The pool's queue, and its region's: a tenant fenced to regions has its batches
         # sent to one of theirs (policy/placement.py), which no engine elsewhere polls; and
         # its own, where a batch sends the groups whose prefix it holds (policy/grouping.py).

@@ -46,6 +46,13 @@ def _cost(s: Settings, a: argparse.Namespace) -> int:
     return main(s, n_requests=a.requests, items=a.items)
 
 
+def _prefix(s: Settings, a: argparse.Namespace) -> int:
+    from bench.prefix import main
+
+    return main(s, items=a.items, prefixes=a.prefixes, prefix_chars=a.prefix_chars, cache_share=a.cache_share,
+                rounds=a.rounds, long_prefill_tokens=a.long_prefill_tokens)
+
+
 def _admission(s: Settings, a: argparse.Namespace) -> int:
     from bench.admission import main
 
@@ -123,6 +130,14 @@ def parser() -> argparse.ArgumentParser:
                              "and fine-tune step, projected to the seeds' scale")
     b.add_argument("--requests", type=int, default=1000, help="chats")
     b.add_argument("--items", type=int, default=256, help="batch items")
+    b = bench("prefix", _prefix, "a prefix-heavy batch larger than the KV cache: vLLM run-batch against Ballast")
+    b.add_argument("--items", type=int, default=768, help="lines of the batch")
+    b.add_argument("--prefixes", type=int, default=24, help="distinct shared prefixes, one drawn per line")
+    b.add_argument("--prefix-chars", type=int, default=1200, help="each prefix's length (a token a character)")
+    b.add_argument("--cache-share", type=float, default=0.25, help="the KV cache holds this share of the prefixes")
+    b.add_argument("--rounds", type=int, default=2, help="rounds, the arms' order alternating")
+    b.add_argument("--long-prefill-tokens", type=int, default=0,
+                   help="vLLM's long_prefill_token_threshold in every arm (Ballast's default is 64, for chat)")
     bench("admission", _admission, "quota overshoot across real API processes, judged from the ledger")
     b = bench("fairness", _fairness, "two tenants' service at the client, VTC against FCFS")
     b.add_argument("--seconds", type=float, default=20.0, help="seconds of backlog per arm")

@@ -219,13 +219,13 @@ def run_batch_arm(settings: Settings, batches: dict[str, list[dict]], log=print)
     out: dict[str, Any] = dict(args=parsed_args(argv, list(args)), argv=argv)
     with tempfile.TemporaryDirectory(prefix="ballast-run-batch-") as d:
         for name, reqs in batches.items():
-            got = _run_batch(Path(d) / name, batch_file(reqs, spec.name), len(reqs), argv, settings.engine_nice)
+            got = run_batch_file(Path(d) / name, batch_file(reqs, spec.name), len(reqs), argv, settings.engine_nice)
             log(f"  {name}: its engine up in {got['start_s']:.1f} s")
             out[name] = got
     return out
 
 
-def _run_batch(work: Path, lines: bytes, n: int, argv: list[str], nice: int) -> dict:
+def run_batch_file(work: Path, lines: bytes, n: int, argv: list[str], nice: int, keep_output: bool = False) -> dict:
     work.mkdir()
     infile, outfile, logfile = work / "in.jsonl", work / "out.jsonl", work / "run-batch.log"
     infile.write_bytes(lines)
@@ -264,7 +264,7 @@ def _run_batch(work: Path, lines: bytes, n: int, argv: list[str], nice: int) -> 
     seconds, with_start = t_done - ready[0], t_done - t_spawn
     return dict(seconds=seconds, tokens=tokens, tps=tokens / seconds, requests=n, t0=ready[0],
                 seconds_with_start=with_start, tps_with_start=tokens / with_start, start_s=ready[0] - t_spawn,
-                cpu=cpu_between(cpu.samples, ready[0], t_done))
+                cpu=cpu_between(cpu.samples, ready[0], t_done)) | (dict(lines=results) if keep_output else {})
 
 
 def _follow(proc: subprocess.Popen, logfile: Path, ready: list[float]) -> None:
@@ -403,9 +403,17 @@ def _answers(url: str) -> bool:
 
 
 def run_batch(stack: Stack, reqs: list[dict], settings: Settings, poll_s: float = 0.5) -> dict:
-    api = stack.api
-    lines = batch_file(reqs, settings.model_name)
     t0 = time.time()
+    seconds, out = submit(stack, batch_file(reqs, settings.model_name), poll_s)
+    assert len(out) == len(reqs), (len(out), len(reqs))
+    tokens = sum(json.loads(ln)["response"]["body"]["usage"]["completion_tokens"] for ln in out)
+    return dict(seconds=seconds, tokens=tokens, tps=tokens / seconds, requests=len(reqs), t0=t0)
+
+
+def submit(stack: Stack, lines: bytes, poll_s: float = 0.5) -> tuple[float, list[str]]:
+    """A batch file through the Files and Batches APIs to its end: the seconds from its upload
+    to the journal's record of it completed, and its output file's lines."""
+    api, t0 = stack.api, time.time()
     fid = api.post("/v1/files", files={"file": ("bench.jsonl", lines)},
                    data={"purpose": "batch"}).raise_for_status().json()["id"]
     bid = api.post("/v1/batches", json=dict(input_file_id=fid, endpoint=URL,
@@ -413,18 +421,14 @@ def run_batch(stack: Stack, reqs: list[dict], settings: Settings, poll_s: float 
     while (b := api.get(f"/v1/batches/{bid}").json())["status"] not in ("completed", "failed", "cancelled", "expired"):
         time.sleep(poll_s)
     assert b["status"] == "completed", b
-    seconds = _completed_at(stack.db_url, bid) - t0
-    out = _download(api, b["output_file_id"])
-    assert len(out) == len(reqs), (len(out), len(reqs))
-    tokens = sum(json.loads(ln)["response"]["body"]["usage"]["completion_tokens"] for ln in out)
-    return dict(seconds=seconds, tokens=tokens, tps=tokens / seconds, requests=len(reqs), t0=t0)
+    return completed_at(stack.db_url, bid) - t0, download(api, b["output_file_id"])
 
 
-def _download(api: httpx.Client, file_id: str) -> list[str]:
+def download(api: httpx.Client, file_id: str) -> list[str]:
     return api.get(f"/v1/files/{file_id}/content").text.splitlines()
 
 
-def _completed_at(db_url: str, batch_id: str) -> float:
+def completed_at(db_url: str, batch_id: str) -> float:
     """When the journal recorded the batch completed (wall clock, as `time.time()`)."""
     import psycopg
 
@@ -482,7 +486,7 @@ def args_differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k, "<unset>") != b.get(k, "<unset>"))
 
 
-def _ratio(arm: list[float], base: list[float]) -> dict:
+def median_ratio(arm: list[float], base: list[float]) -> dict:
     """Of the medians over rounds, with a bootstrap interval over the rounds."""
     return ratio_ci(arm, base, stat=p50).as_dict()
 
@@ -503,10 +507,10 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
         run_batch_tokens_per_s_with_start=round(p50([x["tps_with_start"] for x in rb]), 1),
         # Ballast against each baseline; run-batch's own time excludes its start (its
         # engine up to its output file written), the like-for-like figure.
-        ratio=_ratio(tps["ballast"], tps["raw"]),
-        ratio_vs_run_batch=_ratio(tps["ballast"], tps["run_batch"]),
-        ratio_vs_run_batch_with_start=_ratio(tps["ballast"], [x["tps_with_start"] for x in rb]),
-        run_batch_vs_raw=_ratio(tps["run_batch"], tps["raw"]),
+        ratio=median_ratio(tps["ballast"], tps["raw"]),
+        ratio_vs_run_batch=median_ratio(tps["ballast"], tps["run_batch"]),
+        ratio_vs_run_batch_with_start=median_ratio(tps["ballast"], [x["tps_with_start"] for x in rb]),
+        run_batch_vs_raw=median_ratio(tps["run_batch"], tps["raw"]),
         ratios_per_round={arm: [round(x["tps"] / r["tps"], 3) for r, x in zip(raw, xs, strict=False)]
                           for arm, xs in runs.items() if arm != "raw"},
         seconds={arm: [round(x["seconds"], 2) for x in xs] for arm, xs in runs.items()},
@@ -521,7 +525,7 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
         lora=_lora_line(*((bal, flipped) if lora_on == "ballast" else (flipped, bal))),
         # What metrics and logs cost: the same stack observed (JSON logs, Prometheus scraping
         # every process every SCRAPE_S) against it plain; Prometheus' own CPU apart.
-        telemetry=dict(observed_over_plain=_ratio(tps["ballast_observed"], tps["ballast"]),
+        telemetry=dict(observed_over_plain=median_ratio(tps["ballast_observed"], tps["ballast"]),
                        control_cpu_per_1k=dict(plain=cpu_1k(bal, control_plane),
                                                observed=cpu_1k(observed, control_plane)),
                        prometheus_cpu_per_1k=round(p50([1000 * x["prometheus_cpu_s"] / x["tokens"]
@@ -533,7 +537,7 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
 def _lora_line(on: list[dict], off: list[dict]) -> dict:
     return dict(on_tokens_per_s=round(p50([x["tps"] for x in on]), 1),
                 off_tokens_per_s=round(p50([x["tps"] for x in off]), 1),
-                on_over_off=_ratio([x["tps"] for x in on], [x["tps"] for x in off]))
+                on_over_off=median_ratio([x["tps"] for x in on], [x["tps"] for x in off]))
 
 
 def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float = 65.0,

@@ -49,7 +49,7 @@ def workload(model: str, seed: int = SEED) -> list[dict]:
 
 
 def run_batch(stack: Stack, lines: list[dict]) -> tuple[str, float]:
-    from bench.batch import _completed_at
+    from bench.batch import completed_at
 
     api = stack.api
     body = "".join(json.dumps(ln) + "\n" for ln in lines).encode()
@@ -61,7 +61,7 @@ def run_batch(stack: Stack, lines: list[dict]) -> tuple[str, float]:
     while (b := api.get(f"/v1/batches/{bid}").json())["status"] not in ("completed", "failed", "cancelled", "expired"):
         time.sleep(0.5)
     assert b["status"] == "completed" and b["request_counts"]["completed"] == len(lines), b
-    return bid, _completed_at(stack.db_url, bid) - t0
+    return bid, completed_at(stack.db_url, bid) - t0
 
 
 async def workers_per_system(stack: Stack, bid: str, lines: list[dict]) -> float:

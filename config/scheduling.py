@@ -33,8 +33,13 @@ class SchedulingSettings(Section):
 
     # Preemption: batch sequences allowed on an engine while interactive work is in
     # flight, and how long demand must stay low before batch gets its slots back.
+    # "priced": that wait is learned per engine from its last calm spells between chats and
+    # what its resumptions cost (policy.preemption.resume_after): at once in the long gaps
+    # between bursts, not in a surge's short ones; batch_cool_down_s until it has seen a
+    # few spells. "fixed": always batch_cool_down_s.
     batch_busy_cap: int = 0
     batch_cool_down_s: float = 2.0
+    batch_resume: Literal["priced", "fixed"] = "priced"
 
     # false: no preemption at all, batch keeps the slots it holds and interactive work goes
     # ahead only by vLLM's priority scheduling. batch_max_share < 1: a static partition,

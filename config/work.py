@@ -22,6 +22,13 @@ class WorkSettings(Section):
     # goes to the shared queue. 0: no such groups, every group to the shared queue.
     batch_sticky_wait_s: float = Field(10.0, ge=0)
 
+    # An item whose prompt shares most of its full KV blocks with one an engine is
+    # prefilling now, more than vLLM prefills of one request in a step, waits before it
+    # takes a batch slot for that prompt's first token (so it finds the shared blocks in
+    # vLLM's cache), at most this long (engine/prefix_leaders.py). 0: items go at once,
+    # and a prefix is prefilled by every line that arrives beside another.
+    batch_prefix_wait_s: float = Field(10.0, ge=0)
+
     # A fine-tuning job trains at least this many optimizer steps per chunk: one checkpoint
     # each. A chunk runs longer while what it costs beyond its steps (dispatch, resume, the
     # checkpoint) is more than fine_tune_checkpoint_overhead of their time (CheckFreq's

@@ -36,6 +36,9 @@ class EngineCollector(Collector):
         cap = snap["batch_cap"] if snap["batch_cap"] is not None else self.slots.max_seqs
         yield _gauge("ballast_engine_batch_cap", "The slots batch may hold now (lowered while interactive "
                      "traffic surges).", self.model, cap)
+        yield _gauge("ballast_engine_batch_resume_after_seconds", "The calm batch waits for, once interactive work "
+                     "ends, before it takes its slots back (priced from this engine's recent calm spells).", self.model,
+                     self.slots.wait_s)
         idle = self.slots.max_seqs - snap["interactive"]
         if idle > 0:  # every slot held by interactive work: nothing idle to harvest
             yield _gauge("ballast_engine_harvest_ratio", "The share of the slots interactive work leaves idle that "

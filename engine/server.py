@@ -222,7 +222,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
     async def stats(_: Request):
         # Live, for operators and tests: each batch hold's item stream and its tokens so
         # far (journaled + produced), and what the test gate holds when it is on.
-        live = dict(slots.snapshot(), holds={h.id: h.generated for h in slots.holds.values()},
+        live = dict(slots.snapshot(), resume_after_s=round(slots.wait_s, 3),
+                    holds={h.id: h.generated for h in slots.holds.values()},
                     fairness=fair.snapshot(), yields=[[id, round(s, 4)] for id, s in slots.stats.yields])
         if (gate := getattr(engine, "gate_stats", None)) is not None:
             live["gate"] = gate()

@@ -4,7 +4,9 @@ Interactive requests are counted and never wait here. Batch generations hold a s
 they run on vLLM; when interactive demand rises the cap from `policy.preemption` drops
 and the victims it names are aborted in vLLM at once (their slot and KV blocks are free at
 the engine's next step). Each victim's generation then flushes its tokens to the journal
-and yields; batch waits here until the cap, with hysteresis, lets it back in. The fleet
+and yields; batch waits here until the cap, with hysteresis, lets it back in: after a
+calm priced from this engine's own recent calm spells and what its resumptions cost
+(`policy.preemption.resume_after`), or a fixed cool-down (`priced` False). The fleet
 controller may cap batch lower still while the engine's pool surges (`direct`). Neither
 keeps batch below its minimum share (`min_share` of the slots) for longer than
 `starve_after_s`: continuous chat slows batch down, it never stops it.
@@ -13,13 +15,27 @@ keeps batch below its minimum share (`min_share` of the slots) for longer than
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from policy.preemption import Floor, Running, SlotDemand, SlotState, batch_slots, min_slots, starvation_floor, victims
+from policy.preemption import (
+    Floor,
+    Running,
+    SlotDemand,
+    SlotState,
+    batch_slots,
+    min_slots,
+    resume_after,
+    starvation_floor,
+    victims,
+)
+
+SPELLS = 32  # the calm spells between chats that price the next wait: about the last minute's
+PENALTY_S = 0.5  # a resumption's cost until this engine has measured some
 
 
 @dataclass
@@ -45,11 +61,16 @@ class SlotStats:
 class EngineSlots:
     def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0, min_share: float = 0.0,
                  starve_after_s: float = 30.0, preemption: bool = True, max_share: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, report_window: int = 3):
+                 clock: Callable[[], float] = time.monotonic, report_window: int = 3, priced: bool = True):
         self.max_seqs = max_seqs
         self.busy_cap = busy_cap
         self.batch_max = None if max_share >= 1 else min_slots(max_share, max_seqs)
         self.cool_down_s = cool_down_s
+        self.priced = priced
+        self.wait_s = cool_down_s  # the calm to wait before batch takes back what chat left
+        self.spells: deque[float] = deque(maxlen=SPELLS)  # calm spells between interactive work, seconds
+        self.resume_costs: deque[float] = deque(maxlen=SPELLS)  # a resumed generation's slot to its first token
+        self._calm_at: float | None = None  # when interactive work last ended, while none is in flight
         # False: batch keeps what it holds and takes any free slot; interactive work goes
         # ahead only by vLLM's priority scheduling (no caps, no preemption, no fleet cap).
         self.preemption = preemption
@@ -73,6 +94,9 @@ class EngineSlots:
     @asynccontextmanager
     async def interactive_request(self, source: str = "", seqs: int = 1) -> AsyncIterator[None]:
         """An interactive request for the block: `seqs` sequences of vLLM's (its `n`)."""
+        if not self.interactive and self._calm_at is not None:
+            self.spells.append(self.clock() - self._calm_at)
+            self._calm_at = None
         self.interactive += seqs
         self.interactive_peak = max(self.interactive_peak, self.interactive)
         self.by_source[source] += seqs
@@ -84,6 +108,11 @@ class EngineSlots:
             self.by_source[source] -= seqs
             if not self.by_source[source]:
                 del self.by_source[source]
+            if not self.interactive:
+                self._calm_at = self.clock()
+                if self.priced:
+                    penalty = statistics.median(self.resume_costs) if self.resume_costs else PENALTY_S
+                    self.wait_s = resume_after(self.spells, penalty, self.cool_down_s)
             await self._rebalance()
 
     @asynccontextmanager
@@ -114,6 +143,11 @@ class EngineSlots:
                 self.stats.yields.append((id, self.clock() - hold.preempted_at))
             async with self._changed:
                 self._changed.notify_all()
+
+    def resumed(self, hold: BatchHold) -> None:
+        """A resumed generation's first token is out: what its resumption cost (its slot to
+        now: re-prefilling its prompt and tokens), a price for the next wait."""
+        self.resume_costs.append(self.clock() - hold.started_at)
 
     @property
     def cap(self) -> int:
@@ -146,7 +180,7 @@ class EngineSlots:
         event can change it."""
         now, pending = self.clock(), []
         if self.state.calm_since is not None:
-            pending.append(self.state.calm_since + self.cool_down_s - now)
+            pending.append(self.state.calm_since + self.wait_s - now)
         if self.floor.squeezed_since is not None:
             pending.append(self.floor.squeezed_since + self.starve_after_s - now)
         return min(5.0, max(0.01, min(pending))) if pending else None
@@ -154,7 +188,7 @@ class EngineSlots:
     def _update_cap(self) -> None:
         demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)
         now = self.clock()
-        self.state = batch_slots(demand, self.state, now, self.cool_down_s)
+        self.state = batch_slots(demand, self.state, now, self.wait_s)
         cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
         self._cap, self.floor = starvation_floor(cap, self.floor, now, self.starve_after_s)
 

@@ -184,6 +184,11 @@ class Engine:
         self.tokenizer = llm.get_tokenizer()
         # Its prefix cache's unit: placement hashes prompts in blocks of it (policy/prefix.py).
         self.block_size: int = llm.vllm_config.cache_config.block_size
+        # The most prompt tokens one request gets prefilled in a step (vLLM's long-prefill
+        # cap, else the step's whole budget): a longer shared prefix takes its first request
+        # several steps, which others sharing it would spend again (engine/prefix_leaders.py).
+        sched = llm.vllm_config.scheduler_config
+        self.prefill_step_tokens: int = sched.long_prefill_token_threshold or sched.max_num_batched_tokens
         self.load = load or Load()
         # vLLM's own bound (renderers/base.py): a prompt id past the tokenizer's and the
         # model's vocabulary is refused.

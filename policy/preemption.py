@@ -8,6 +8,11 @@ Two levels. Per engine, within an engine step (the engine worker applies these):
   hysteresis: the cap drops at once when interactive demand rises, and rises again only
   after demand has stayed lower for `cool_down_s`, so a bursty chat load does not make
   batch thrash between preempted and resumed.
+- `resume_after`: that wait, priced from the engine's own history: of the calm spells
+  between chats seen lately, the wait that yields batch the most engine time net of what
+  each resumption costs when chat comes back (re-prefilling the preempted sequences).
+  Long gaps between bursts: batch takes them back at once; a surge's short gaps: it
+  waits them out.
 - `victims`: which running batch generations to preempt when they hold more slots than
   the cap allows: lowest tier first, then least progress lost, then newest, then id.
 - `starvation_floor`: a minimum share batch keeps once it has been squeezed below it for
@@ -25,6 +30,7 @@ Per pool, every controller tick (`workflows/fleet.py` applies this):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.fleet import EngineReport, Surge, SurgePolicy
@@ -72,6 +78,27 @@ def batch_slots(d: SlotDemand, prev: SlotState, now: float, cool_down_s: float =
     if now - calm_since >= cool_down_s:
         return SlotState(wanted, None)
     return SlotState(prev.cap, calm_since)
+
+
+def resume_after(spells: Sequence[float], penalty_s: float, default_s: float, min_spells: int = 8) -> float:
+    """The calm, in seconds, to wait before batch takes back the slots chat left.
+
+    1. Too few spells seen (`min_spells`): `default_s`, the fixed cool-down.
+    2. Each spell g seen lately would have yielded batch g − τ − `penalty_s` seconds of the
+       engine had it waited τ and resumed (the penalty: the engine time a resumption
+       costs when chat returns, the preempted sequences' re-prefill), and nothing where
+       g ≤ τ. The total over the spells falls between spell lengths and jumps up past
+       each, so its maximum is at τ = 0 or at a spell's length: the best of those, the
+       shortest on a tie. Where no τ yields anything, the longest spell: batch resumes
+       only in a spell longer than any seen."""
+    if len(spells) < min_spells:
+        return default_s
+    best_tau, best = max(spells), 0.0
+    for tau in sorted({0.0, *spells}):  # shortest first: a tie keeps the shortest
+        net = sum(g - tau - penalty_s for g in spells if g > tau)
+        if net > best:
+            best_tau, best = tau, net
+    return best_tau
 
 
 @dataclass(frozen=True)

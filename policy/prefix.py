@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 ROOT = 0x0BA11A57  # the chain's seed: the hash "before" the first block
 MAX_BLOCKS = 512  # a prompt's leading blocks that count (8k tokens at 16 a block)
@@ -86,3 +86,24 @@ class PrefixIndex:
                 if not where:
                     del self._where[b]
         return gone
+
+
+def follows(blocks: Sequence[int], prefilling: Container[int], min_share: float = 0.5,
+            min_blocks: int = 0) -> int | None:
+    """The block a batch prompt should wait on before it goes to the engine: the deepest of
+    its leading blocks that a prompt being prefilled now will leave in vLLM's cache, where
+    that covers at least `min_share` of its full blocks and more than `min_blocks`; None:
+    go now.
+
+    vLLM shares a block between requests only once one of them has computed it: prompts
+    that share a prefix and run together each compute it (SGLang's scheduler holds such
+    followers back for the same reason). Waiting for the leader's prefill costs a follower
+    that long and the engine nothing while other work fills its steps. It pays only where
+    the shared part takes the leader more than a step (`min_blocks`: a step's prefill, in
+    blocks; within one step the duplicate is cheaper than the wait, measured in
+    bench/RESULTS.md), and where it is most of the prompt (a chat template's opening is
+    not worth a wait)."""
+    for depth in range(len(blocks), 0, -1):
+        if blocks[depth - 1] in prefilling:
+            return blocks[depth - 1] if depth >= min_share * len(blocks) and depth > min_blocks else None
+    return None

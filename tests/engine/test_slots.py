@@ -164,3 +164,21 @@ async def test_a_request_of_several_choices_counts_as_that_many_sequences():
     tasks[0].cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tasks[0]
+
+
+async def test_batch_comes_back_at_once_after_chat_on_an_engine_whose_calm_spells_are_long():
+    """Priced resumption (policy.preemption.resume_after): eight calm spells of 5 s seen, a
+    resumption measured at 0.2 s: batch takes its slots back as soon as chat ends, with
+    no cool-down; with the fixed policy it waits the cool-down as before."""
+    for priced, wait in ((True, 0.0), (False, 2.0)):
+        clock = Clock()
+        slots = EngineSlots(4, cool_down_s=2.0, clock=clock, priced=priced)
+        slots.resume_costs.append(0.2)
+        for _ in range(9):  # the first spell begins at the first chat's end
+            async with slots.interactive_request():
+                clock.now += 0.5
+            clock.now += 5.0
+        async with slots.interactive_request():
+            assert slots.cap == 0
+            clock.now += 0.5
+        assert (slots.wait_s, slots.cap) == (wait, 4 if priced else 0), slots.spells

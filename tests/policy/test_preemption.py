@@ -1,4 +1,4 @@
-from policy.preemption import Running, SlotDemand, SlotState, batch_slots, victims
+from policy.preemption import Running, SlotDemand, SlotState, batch_slots, resume_after, victims
 
 
 def r(id, tier=10, unsaved=0, generated=0, started=0.0):
@@ -70,3 +70,27 @@ def test_starvation_floor_holds_batch_to_its_share_only_after_the_grace():
     cap, floor = starvation_floor(0, floor, now=202.0, starve_after_s=30.0)
     assert cap == 0  # a new squeeze waits out the grace again
     assert starvation_floor(0, Floor(0), now=0.0, starve_after_s=0.0)[0] == 0  # no floor: nothing kept
+
+
+def test_resume_waits_the_fixed_cool_down_until_enough_spells_are_seen():
+    assert resume_after([5.0] * 7, penalty_s=0.5, default_s=2.0) == 2.0
+
+
+def test_resume_is_at_once_when_the_calm_spells_are_long():
+    assert resume_after([3.0, 4.0, 2.5, 6.0, 3.5, 5.0, 2.8, 4.2], penalty_s=0.5, default_s=2.0) == 0.0
+
+
+def test_resume_waits_out_the_short_spells_of_a_surge_and_takes_the_long_ones():
+    # A surge's 0.2 s gaps cost more to resume into than they yield; the 3 s ones pay.
+    spells = [0.2] * 20 + [3.0] * 5
+    assert resume_after(spells, penalty_s=0.5, default_s=2.0) == 0.2
+
+
+def test_resume_waits_longer_than_any_spell_when_none_pays_for_its_resumption():
+    assert resume_after([0.1, 0.3, 0.2, 0.4] * 3, penalty_s=0.5, default_s=2.0) == 0.4
+
+
+def test_resume_prices_the_same_spells_dearer_with_a_dearer_resumption():
+    spells = [0.3] * 10 + [2.0] * 4
+    assert resume_after(spells, penalty_s=0.1, default_s=2.0) == 0.0
+    assert resume_after(spells, penalty_s=0.5, default_s=2.0) == 0.3
