@@ -115,6 +115,26 @@ async def test_openai_client_runs_a_50_line_batch_to_vllms_greedy_output(client,
                 for g in generations} == {(4, "default", 1.0)}
 
 
+def test_lines_sharing_a_long_system_prompt_prefill_it_once_not_each(client):
+    """Twelve lines that share a 5-block system prompt, run as one group: the first to
+    reach the engine prefills it, the others wait for its first token (engine/
+    prefix_leaders.py) and find it in vLLM's prefix cache. Judged by vLLM's own count of
+    each line's cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`, its
+    num_cached_tokens); run together without waiting, each would compute it (64 prompt
+    tokens a step each), most finding nothing cached."""
+    system = f"{uuid.uuid4().hex}: " + "You are a careful, terse assistant. " * 20  # fresh: nothing cached yet
+    lines = [chat_line(f"s{i}", f"Question {i}?", 4) for i in range(12)]
+    for line in lines:
+        line["body"]["messages"].insert(0, dict(role="system", content=system))
+    b = wait_for(client, submit(client, lines).id)
+    assert b.status == "completed", b
+    usage = [o["response"]["body"]["usage"] for o in read_jsonl(client, b.output_file_id)]
+    shared_blocks = len(system) // 128  # vLLM CPU's 128-token blocks, one token a byte
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usage]
+    assert sum(c >= shared_blocks * 128 for c in cached) >= len(lines) - 1, cached
+    assert all(u["prompt_tokens"] > c for u, c in zip(usage, cached, strict=True))  # each its own question
+
+
 def test_an_invalid_file_fails_validation_with_line_errors(client):
     lines = [
         chat_line("a", "fine", 8),
