@@ -10,10 +10,10 @@ arrivals and differ only in how batch yields:
              0.25 s straight to the engine worker (batch keeps the other arms' hot), so
              "alone" is not slowed by vLLM waking from idle: the reference for TTFT, TPOT;
   ballast    defaults: batch is preempted while interactive work is in flight and comes
-             back after a wait priced from the engine's recent calm spells and what its
-             resumptions cost (engine/slots.py, policy/preemption.resume_after);
-  ballast_fixed  the same, coming back after the fixed 2 s cool-down instead
-             (BALLAST_BATCH_RESUME=fixed, the policy before pricing);
+             back after the cool-down (engine/slots.py, policy/preemption.py);
+  ballast_priced  the same, coming back after a wait priced from the engine's recent
+             calm spells and what its resumptions cost (BALLAST_BATCH_RESUME=priced,
+             policy.preemption.resume_after);
   priority   vLLM's priority scheduling alone: batch goes in at low priority and keeps
              every slot it holds, no preemption, no cap (BALLAST_BATCH_PREEMPTION=false);
   partition  a static partition: batch never holds more than half the slots, busy or not
@@ -72,7 +72,7 @@ WARM_EVERY_S = 0.25  # alone: a one-token request this often keeps vLLM from par
 ARMS: dict[str, dict[str, str]] = {
     "alone": {},
     "ballast": {},
-    "ballast_fixed": dict(BALLAST_BATCH_RESUME="fixed"),
+    "ballast_priced": dict(BALLAST_BATCH_RESUME="priced"),
     "priority": dict(BALLAST_BATCH_PREEMPTION="false"),
     "partition": dict(BALLAST_BATCH_MAX_SHARE="0.5", BALLAST_BATCH_BUSY_CAP="1000000", BALLAST_SURGE_BATCH_SHARE="0.5"),
 }

@@ -33,13 +33,15 @@ class SchedulingSettings(Section):
 
     # Preemption: batch sequences allowed on an engine while interactive work is in
     # flight, and how long demand must stay low before batch gets its slots back.
-    # "priced": that wait is learned per engine from its last calm spells between chats and
-    # what its resumptions cost (policy.preemption.resume_after): at once in the long gaps
-    # between bursts, not in a surge's short ones; batch_cool_down_s until it has seen a
-    # few spells. "fixed": always batch_cool_down_s.
+    # "fixed": always batch_cool_down_s. "priced": that wait is learned per engine from its
+    # last calm spells between chats and what its resumptions cost (policy.preemption.
+    # resume_after): at once in the long gaps between bursts, not in a surge's short ones;
+    # batch_cool_down_s until it has seen a few spells. It doubles what batch harvests of
+    # the gaps and doubles chat's median TTFT under bursts (chats arrive while batch holds
+    # the engine more often): bench/RESULTS.md.
     batch_busy_cap: int = 0
     batch_cool_down_s: float = 2.0
-    batch_resume: Literal["priced", "fixed"] = "priced"
+    batch_resume: Literal["fixed", "priced"] = "fixed"
 
     # false: no preemption at all, batch keeps the slots it holds and interactive work goes
     # ahead only by vLLM's priority scheduling. batch_max_share < 1: a static partition,

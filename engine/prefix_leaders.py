@@ -25,7 +25,7 @@ class PrefixLeaders:
         self.min_blocks = min_blocks  # a step's prefill, in blocks (policy.prefix.follows)
         self.patience_s = patience_s
         self._prefilling: dict[int, asyncio.Event] = {}  # leading block → its leader's "prefilled"
-        self.followed = 0  # prompts that waited on a leader (a count, for tests and benches)
+        self.followed = 0  # prompts that waited on a leader
 
     async def wait(self, blocks: Sequence[int]) -> None:
         """Wait on the leader of the longest prefix `blocks` shares, if any (see above)."""

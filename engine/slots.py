@@ -6,7 +6,7 @@ and the victims it names are aborted in vLLM at once (their slot and KV blocks a
 the engine's next step). Each victim's generation then flushes its tokens to the journal
 and yields; batch waits here until the cap, with hysteresis, lets it back in: after a
 calm priced from this engine's own recent calm spells and what its resumptions cost
-(`policy.preemption.resume_after`), or a fixed cool-down (`priced` False). The fleet
+(`policy.preemption.resume_after`, with `priced`), or a fixed cool-down. The fleet
 controller may cap batch lower still while the engine's pool surges (`direct`). Neither
 keeps batch below its minimum share (`min_share` of the slots) for longer than
 `starve_after_s`: continuous chat slows batch down, it never stops it.
@@ -61,7 +61,7 @@ class SlotStats:
 class EngineSlots:
     def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0, min_share: float = 0.0,
                  starve_after_s: float = 30.0, preemption: bool = True, max_share: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, report_window: int = 3, priced: bool = True):
+                 clock: Callable[[], float] = time.monotonic, report_window: int = 3, priced: bool = False):
         self.max_seqs = max_seqs
         self.busy_cap = busy_cap
         self.batch_max = None if max_share >= 1 else min_slots(max_share, max_seqs)
