@@ -5,8 +5,8 @@ they run on vLLM; when interactive demand rises the cap from `policy.preemption`
 and the victims it names are aborted in vLLM at once (their slot and KV blocks are free at
 the engine's next step). Each victim's generation then flushes its tokens to the journal
 and yields; batch waits here until the cap, with hysteresis, lets it back in: after a
-calm priced from this engine's own recent calm spells and what its resumptions cost
-(`policy.preemption.resume_after`, with `priced`), or a fixed cool-down. The fleet
+fixed cool-down, or (`priced`) a calm priced from this engine's own recent calm spells and
+what its resumptions cost (`policy.preemption.resume_after`). The fleet
 controller may cap batch lower still while the engine's pool surges (`direct`). Neither
 keeps batch below its minimum share (`min_share` of the slots) for longer than
 `starve_after_s`: continuous chat slows batch down, it never stops it.
