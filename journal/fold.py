@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from journal.ledger import HORIZON_S, STANDING
+from journal.ledger import HORIZON_S, standing
 
 _FOLD_LOCK = 0x0BA11A57  # pg_advisory_xact_lock key: one fold at a time
 
@@ -25,85 +25,78 @@ _FOLD_LOCK = 0x0BA11A57  # pg_advisory_xact_lock key: one fold at a time
 #
 # The fold is incremental: a tick reads the ledger rows written since the last tick, not
 # the day's or the horizon's, and gives the same `quota_usage` rows as recomputing the
-# windows from the whole horizon would. What it keeps (migration 0006):
-# - `quota_fold`: the snapshot the last tick read under. A ledger row is new to the fold
-#   when that snapshot did not see its transaction as ended: `txid` (the writer's
+# windows from the whole horizon would. It keeps sums, and no row per reservation: the
+# ledger itself says how each reservation stood at the last tick, given which of its rows
+# that tick read.
+# - `quota_fold`: the snapshot the last tick read under, taken by the tick's own statement.
+#   A ledger row is new to the fold when that snapshot did not see it: `txid` (the writer's
 #   transaction id, the column's default) ≥ the snapshot's xmax, or among its in-progress
-#   ids. Neither positions nor times would do: a bigserial is drawn at INSERT and commits
-#   whenever its transaction does, and a reserve row's `at` is the admitting process's
-#   clock at admission, written a flush or two later (much later after Postgres was
-#   unreachable). So no slack to guess: a transaction that had not ended when the
-#   snapshot was taken is read again, every tick until one sees it ended, however long it
-#   runs; one that had ended is visible to the tick's reads, which come after. The tick's
-#   own transaction id is added to the in-progress ones, so what its caller writes after
-#   the fold, in the same transaction, is read by the next tick. (A transaction left open
-#   for long only makes the ticks re-read its own rows, not everything since it began.)
-# - `quota_reservations`: each reservation from the floor on (the earlier of the day's
-#   start and the previous minute's) as it counted at the tick that last read a row of
-#   its subject; `quota_buckets`: their sums per tenant × model × holder × minute and day,
-#   for the current and later windows.
-# - `quota_open`: each open reservation of the horizon, and what it holds; `quota_open_sums`:
-#   their sums per tenant × model × holder (in_flight, batch_queue_tokens).
-# A tick takes the subjects with new rows, deletes their reservations from both tables and
-# inserts them as they stand now, in one statement (one snapshot), adding the differences
-# to the sums. Then `quota_usage`: minute rows from the minute buckets, day rows from the
-# day buckets and the open sums. Expiry's candidates are the open reservations of holders
-# not seen (from the sums, then `quota_open` by holder) and the reservations written
-# since the last tick. So a tick costs the rows written since the last one, what leaves
-# the horizon, the dead holders' open reservations, and the (tenant, model, holder)
-# groups it writes; not the day's or the horizon's rows. Without a `quota_fold` row (the
-# first tick after migration 0006) it builds the tables from the horizon, once.
+#   ids, unless it is the folding transaction's own (`own`, which may be at or above
+#   xmax) and was written before the tick (`own_position`: the highest position it had
+#   written then). Neither positions nor
+#   times alone would do: a bigserial is drawn at INSERT and commits whenever its
+#   transaction does, and a reserve row's `at` is the admitting process's clock at
+#   admission, written a flush or two later (much later after Postgres was unreachable).
+#   So no slack to guess: a transaction that had not ended when the snapshot was taken is
+#   new to every tick until one sees it ended, however long it runs.
+# - `quota_buckets`: per tenant × model × holder × minute and day (the current and later
+#   windows), what the reservations of that window count for; `quota_open_sums`: per
+#   tenant × model × holder, the horizon's open reservations (in_flight,
+#   batch_queue_tokens).
+# A tick takes the subjects with new rows and adds, for each, how it stands now less how
+# it stood under the last tick's snapshot (both read off the ledger's subject index), in
+# one statement that also records its own snapshot for the next tick. Then `quota_usage`:
+# minute rows from the minute buckets, day rows from the day buckets and the open sums.
+# Expiry's candidates are the open reservations of holders not seen (each such holder's
+# newest reservations, as many as the sums say it had open) and the reservations written
+# since the last tick. So a tick costs the rows written since the last one, the
+# reservations that leave the horizon, the dead holders' open reservations, and the
+# (tenant, model, holder) groups it writes; not the day's or the horizon's rows, and it
+# writes no row per reservation. Without a `quota_fold` row (the first tick after a
+# migration that reset it) it builds the sums from the horizon, once.
 #
 # Windows and the horizon move with the clock, not with the ledger: each tick takes out
-# of quota_open (and its sums) what has left the horizon, deletes the buckets of windows
-# that have ended, and deletes reservations that can no longer count (after midnight, the
-# day before's, a minute of them a tick: they count nowhere meanwhile); differences for
-# ended windows are dropped. quota_usage keeps its rows and prune rules (minutes for an
-# hour, days for a week), and admission reads it as before. The minute sums are kept for
-# the current minutes only, not the whole day: a day's total is a bucket of its own, kept
-# by the same differences.
+# of the open sums the reservations that have left the horizon since the last (how they
+# stood then), and deletes the buckets of windows that have ended; differences for ended
+# windows are dropped. quota_usage keeps its rows and prune rules (minutes for an hour,
+# days for a week), and admission reads it as before. The minute sums are kept for the
+# current minutes only, not the whole day: a day's total is a bucket of its own, kept by
+# the same differences.
 
 # The last tick's snapshot (as text: xid8 has no client type) and clock.
-_LAST = text("SELECT CAST(below AS text) AS below, CAST(in_progress AS text[]) AS in_progress, folded_at "
-             "FROM quota_fold")
+_LAST = text("SELECT CAST(below AS text) AS below, CAST(in_progress AS text[]) AS in_progress, "
+             "CAST(own AS text) AS own, own_position, folded_at FROM quota_fold")
 
-# Rows of ledger `{t}` the last tick may not have read; `:below`, `:in_progress` its snapshot.
-_NEW_ROWS = "({t}.txid >= CAST(:below AS xid8) OR {t}.txid = ANY(CAST(:in_progress AS xid8[])))"
+# Rows of ledger `{t}` the last tick did not read; `:below`, `:in_progress`, `:own`,
+# `:own_position` its snapshot.
+# (Its own id may be at or above its xmax: xmax is one past the last transaction to end.)
+_NEW_ROWS = ("(({t}.txid >= CAST(:below AS xid8) OR {t}.txid = ANY(CAST(:in_progress AS xid8[]))"
+             " OR {t}.txid = CAST(:own AS xid8)) AND NOT coalesce({t}.txid = CAST(:own AS xid8)"
+             " AND {t}.position <= coalesce(CAST(:own_position AS bigint), 0), false))")
+# Rows it read (rows from before the fold kept snapshots have no txid: read long ago).
+_SEEN = "NOT coalesce(" + _NEW_ROWS + ", false)"
 # The clock the fold takes its windows at: `:now`, or the transaction's; never before the
 # last tick's (`:last`), as a transaction that began before the last tick ended may be
 # next: it finds the windows as the last tick left them, pruned of what had ended.
 _NOW = "greatest(coalesce(CAST(:now AS timestamptz), now()), CAST(:last AS timestamptz))"
 _MINUTE = f"date_trunc('minute', {_NOW}, 'UTC')"
 _DAY = f"date_trunc('day', {_NOW}, 'UTC')"
-_FLOOR = f"least({_DAY}, {_MINUTE} - interval '1 minute')"
 _HORIZON = f"{_NOW} - make_interval(secs => :horizon)"
+_LAST_HORIZON = "CAST(:last AS timestamptz) - make_interval(secs => :horizon)"
 
-# This statement's snapshot: its xmax, and the ids in progress under it with this
-# transaction's own, if it has one yet (one drawn later is above xmax); and the clock.
-_SNAPSHOT = f"""
-    SELECT pg_snapshot_xmax(snap), ARRAY(SELECT pg_snapshot_xip(snap) UNION ALL
-                                         SELECT pg_current_xact_id_if_assigned()
-                                          WHERE pg_current_xact_id_if_assigned() IS NOT NULL), {_NOW}
-      FROM pg_current_snapshot() AS snap
-"""
-_STATE = text("UPDATE quota_fold SET (below, in_progress, folded_at) = (" + _SNAPSHOT + ")")
-_STATE_FIRST = text("INSERT INTO quota_fold (below, in_progress, folded_at)" + _SNAPSHOT)
-
-# From the standing `x` (STANDING) of some reservations: into quota_reservations those
-# from the floor on, into quota_open the open ones (each returning them, sign 1).
-_PUT = f"""
-    put AS (
-      INSERT INTO quota_reservations (position, subject, tenant, model, holder, at, interactive, input_tokens,
-                                      output_tokens)
-      SELECT position, subject, tenant, model, holder, at, interactive, i, o FROM x WHERE at >= {_FLOOR}
-      RETURNING tenant, model, holder, at, interactive, input_tokens, output_tokens, 1 AS sign
-    ), opened AS (
-      INSERT INTO quota_open (position, subject, tenant, model, holder, at, interactive, held)
-      SELECT position, subject, tenant, model, holder_or_null, at, interactive, held
-        FROM x WHERE open AND at >= {_HORIZON}
-      RETURNING tenant, model, coalesce(holder, '') AS holder, interactive, held, 1 AS sign
-    )
-"""
+# This statement's snapshot, which every read of the statement is under: its xmax, the ids
+# in progress, this transaction's id if it has one, the highest position this transaction
+# had written before the statement, and the clock; written into quota_fold (`state`).
+_SNAP = f"""
+    snap AS MATERIALIZED (
+      SELECT pg_snapshot_xmax(s) AS below, ARRAY(SELECT pg_snapshot_xip(s)) AS in_progress,
+             pg_current_xact_id_if_assigned() AS own, {_NOW} AS folded_at
+        FROM pg_current_snapshot() AS s
+    )"""
+_RECORDED = "SELECT below, in_progress, own, (SELECT max(position) FROM ledger WHERE txid = own), folded_at FROM snap"
+_COLUMNS = "(below, in_progress, own, own_position, folded_at)"
+_RECORD_TICK = _SNAP + f", state AS (UPDATE quota_fold SET {_COLUMNS} = ({_RECORDED}))"
+_RECORD_FIRST = _SNAP + f", state AS (INSERT INTO quota_fold {_COLUMNS} {_RECORDED})"
 
 # Sums of `{rows}` (tenant, model, holder ('' for none), interactive, held, sign) into
 # quota_open_sums.
@@ -118,15 +111,15 @@ _OPEN_SUMS = """
            batch_queue_tokens = s.batch_queue_tokens + excluded.batch_queue_tokens
 """
 
-# Sums per window of `{rows}` (tenant, model, holder, at, interactive, input_tokens,
-# output_tokens, sign), for the windows kept: the previous minute on, the day on.
+# Sums per window of `{rows}` (tenant, model, holder, at, interactive, i, o, sign), for
+# the windows kept: the previous minute on, the day on.
 _BUCKETS = f"""
     INSERT INTO quota_buckets AS b (tenant, model, holder, "window", starts_at, reservations, requests,
                                     input_tokens, output_tokens)
     SELECT d.tenant, d.model, d.holder, w.name, w.starts_at, sum(d.sign),
            coalesce(sum(d.sign) FILTER (WHERE d.interactive), 0),
-           coalesce(sum(d.sign * d.input_tokens) FILTER (WHERE d.interactive), 0),
-           coalesce(sum(d.sign * d.output_tokens) FILTER (WHERE d.interactive), 0)
+           coalesce(sum(d.sign * d.i) FILTER (WHERE d.interactive), 0),
+           coalesce(sum(d.sign * d.o) FILTER (WHERE d.interactive), 0)
       FROM ({{rows}}) d
      CROSS JOIN LATERAL (VALUES ('minute', date_trunc('minute', d.at, 'UTC')),
                                 ('day', date_trunc('day', d.at, 'UTC'))) w(name, starts_at)
@@ -139,44 +132,37 @@ _BUCKETS = f"""
            output_tokens = b.output_tokens + excluded.output_tokens
 """
 
+
+def _signed(cte: str, sign: int, where: str = "true", *, buckets: bool = False) -> str:
+    cols = "at, interactive, i, o" if buckets else "interactive, held"
+    return f"SELECT tenant, model, holder, {cols}, {sign} AS sign FROM {cte} WHERE {where}"
+
+
 # Planner-proof (the fold's tables change faster than their statistics): an index probe
 # per subject, as for an array of them.
-_DIRTY = "{t}.subject = ANY(ARRAY(SELECT subject FROM dirty))"
+_DIRTY = "l.subject = ANY(ARRAY(SELECT subject FROM dirty))"
+_OPEN_KEPT = f"open AND at >= {_HORIZON}"
 
-# One statement, one snapshot: what a subject counted comes out of the buckets (sign −1)
-# as what it counts now goes in. The tables have no unique key, as sibling CTEs do not see
-# each other's rows: `gone` deletes only what was there before.
+# One statement, one snapshot, which it records: each subject with new rows comes out of
+# the sums as it stood under the last tick's snapshot (`was`) and goes in as it stands now;
+# the reservations that left the horizon since the last tick leave the open sums as they
+# stood then (`aged`).
 _TICK = text(
-    "WITH dirty AS (SELECT DISTINCT subject FROM ledger WHERE " + _NEW_ROWS.format(t="ledger") + "),"
-    + STANDING.format(where=_DIRTY.format(t="ledger")) + f""",
-    gone AS (
-      DELETE FROM quota_reservations q WHERE {_DIRTY.format(t="q")}
-      RETURNING q.tenant, q.model, q.holder, q.at, q.interactive, q.input_tokens, q.output_tokens, -1 AS sign
-    ), closed AS (
-      DELETE FROM quota_open q WHERE {_DIRTY.format(t="q")}
-      RETURNING q.tenant, q.model, coalesce(q.holder, '') AS holder, q.interactive, q.held, -1 AS sign
-    ),""" + _PUT + ", sums AS (" + _OPEN_SUMS.format(rows="SELECT * FROM closed UNION ALL SELECT * FROM opened") + ")"
-    + _BUCKETS.format(rows="SELECT * FROM gone UNION ALL SELECT * FROM put")
-)
-
-# Open reservations that leave the horizon (they count nowhere any more), before the tick.
-_AGE = text(
-    f"""
-    WITH aged AS (
-      DELETE FROM quota_open WHERE at < {_HORIZON}
-      RETURNING tenant, model, coalesce(holder, '') AS holder, interactive, held, -1 AS sign
-    )"""
-    + _OPEN_SUMS.format(rows="SELECT * FROM aged")
+    "WITH" + _RECORD_TICK + ", dirty AS (SELECT DISTINCT subject FROM ledger WHERE "
+    + _NEW_ROWS.format(t="ledger") + "),"
+    + standing(_DIRTY, name="now") + "," + standing(_DIRTY, _SEEN.format(t="l"), name="was") + ","
+    + standing(f"l.at >= {_LAST_HORIZON} AND l.at < {_HORIZON}", _SEEN.format(t="l"), name="aged")
+    + ", sums AS (" + _OPEN_SUMS.format(rows=" UNION ALL ".join((
+        _signed("now", 1, _OPEN_KEPT), _signed("was", -1, _OPEN_KEPT), _signed("aged", -1, "open")))) + ")"
+    + _BUCKETS.format(rows=_signed("now", 1, buckets=True) + " UNION ALL " + _signed("was", -1, buckets=True))
 )
 
 _REBUILD = (
-    text("DELETE FROM quota_reservations"),
-    text("DELETE FROM quota_open"),
     text("DELETE FROM quota_open_sums"),
     text("DELETE FROM quota_buckets"),
-    text("WITH" + STANDING.format(where=f"at >= {_HORIZON}") + "," + _PUT
-         + ", sums AS (" + _OPEN_SUMS.format(rows="SELECT * FROM opened") + ")"
-         + _BUCKETS.format(rows="SELECT * FROM put")),
+    text("WITH" + _RECORD_FIRST + "," + standing(f"l.at >= {_HORIZON}", name="now")
+         + ", sums AS (" + _OPEN_SUMS.format(rows=_signed("now", 1, "open")) + ")"
+         + _BUCKETS.format(rows=_signed("now", 1, buckets=True))),
 )
 
 _PRUNE = text(
@@ -187,16 +173,6 @@ _PRUNE = text(
           OR ("window" = 'day' AND starts_at < {_DAY})
     )
     DELETE FROM quota_open_sums WHERE reservations = 0
-    """
-)
-
-# Reservations that can no longer count (below the floor: after midnight, the day
-# before's) go a minute of them a tick, oldest first: `:since` is the oldest's `at`.
-_OLDEST = text(f"SELECT min(at) AS since, min(at) < {_FLOOR} AS behind FROM quota_reservations")
-_PRUNE_RESERVATIONS = text(
-    f"""
-    DELETE FROM quota_reservations
-     WHERE at >= :since AND at < least({_FLOOR}, CAST(:since AS timestamptz) + interval '1 minute')
     """
 )
 
@@ -234,6 +210,7 @@ _FOLD_INSERT = text(
 )
 
 _DEAD = "({h}.seen_at IS NULL OR {h}.seen_at < now() - make_interval(secs => :ttl))"
+_CLOSED = "EXISTS (SELECT FROM ledger c WHERE c.subject = r.subject AND c.kind IN ('settle', 'refund', 'expire'))"
 _EXPIRE_ROWS = f"""
     INSERT INTO ledger (tenant, model, tier, subject, kind, input_tokens, output_tokens, holder, idempotency_key, at)
     SELECT r.tenant, r.model, r.tier, r.subject, 'expire', r.input_tokens, r.output_tokens, r.holder,
@@ -241,8 +218,7 @@ _EXPIRE_ROWS = f"""
       FROM ledger r
       LEFT JOIN admission_holders h ON h.holder = r.holder
      WHERE r.kind = 'reserve' AND r.holder IS NOT NULL AND r.at >= now() - make_interval(secs => :horizon)
-       AND {_DEAD.format(h="h")}
-       AND NOT EXISTS (SELECT FROM ledger c WHERE c.subject = r.subject AND c.kind IN ('settle', 'refund', 'expire'))
+       AND {_DEAD.format(h="h")} AND NOT {_CLOSED}
        AND {{among}}
      ORDER BY r.position
     ON CONFLICT (idempotency_key) DO NOTHING
@@ -250,21 +226,34 @@ _EXPIRE_ROWS = f"""
 """
 # Before the fold has kept anything: among every reservation of the horizon.
 _EXPIRE = text(_EXPIRE_ROWS.format(among="true"))
-# Then among those open as the last tick left them and those written since: every
-# reservation open now is one or the other. Of dead holders' (as a rule none), by position.
+# Then among the reservations the last tick read and those written since: every open one
+# is one or the other. Of dead holders (as a rule none) the first, newest first, as many as
+# the open sums counted (the open ones the last tick read are among what it counted, so
+# the walk stops at the last of them, however old the holder's reservations go).
 _EXPIRE_SINCE = text(
     f"""
     WITH dead AS MATERIALIZED (
-      SELECT DISTINCT s.holder FROM quota_open_sums s LEFT JOIN admission_holders h ON h.holder = s.holder
-       WHERE s.reservations > 0 AND {_DEAD.format(h="h")}
+      SELECT s.holder, sum(s.reservations) AS open
+        FROM quota_open_sums s LEFT JOIN admission_holders h ON h.holder = s.holder
+       WHERE s.reservations > 0 AND s.holder <> '' AND {_DEAD.format(h="h")}
+       GROUP BY s.holder
     ), candidates AS MATERIALIZED (
-      SELECT q.position FROM quota_open q WHERE q.holder = ANY(ARRAY(SELECT holder FROM dead))
+      SELECT o.position FROM dead d CROSS JOIN LATERAL (
+        SELECT r.position FROM ledger r
+         WHERE r.kind = 'reserve' AND r.holder = d.holder AND r.at >= now() - make_interval(secs => :horizon)
+           AND {_SEEN.format(t="r")} AND NOT {_CLOSED}
+         ORDER BY r.at DESC LIMIT d.open
+      ) o
       UNION
       SELECT l.position FROM ledger l LEFT JOIN admission_holders h ON h.holder = l.holder
        WHERE l.kind = 'reserve' AND {_NEW_ROWS.format(t="l")} AND {_DEAD.format(h="h")}
     )"""
     + _EXPIRE_ROWS.format(among="r.position = ANY(ARRAY(SELECT position FROM candidates))")
 )
+
+
+def _since(last: Any) -> dict[str, Any]:
+    return dict(below=last.below, in_progress=list(last.in_progress), own=last.own, own_position=last.own_position)
 
 
 async def _enter(conn: AsyncConnection) -> str:
@@ -288,7 +277,7 @@ async def expire(conn: AsyncConnection, holder_ttl_s: float) -> list[str]:
     last = (await conn.execute(_LAST)).first()
     args: dict[str, Any] = dict(ttl=holder_ttl_s, horizon=HORIZON_S)
     if last is not None:
-        args.update(below=last.below, in_progress=list(last.in_progress))
+        args.update(_since(last))
     subjects = list((await conn.execute(_EXPIRE if last is None else _EXPIRE_SINCE, args)).scalars())
     await conn.execute(text("DELETE FROM admission_holders WHERE seen_at < now() - interval '1 day'"))
     await _leave(conn, jit)
@@ -311,17 +300,11 @@ async def fold(conn: AsyncConnection, *, now: datetime | None = None) -> int:
     last = (await conn.execute(_LAST)).first()
     args: dict[str, Any] = dict(horizon=HORIZON_S, now=now, last=last.folded_at if last else None)
     if last is None:  # nothing kept yet: from the horizon, once
-        await conn.execute(_STATE_FIRST, args)
         for stmt in _REBUILD:
             await conn.execute(stmt, args)
     else:
-        await conn.execute(_STATE, args)  # before the tick reads: what it may miss, the next tick reads
-        await conn.execute(_AGE, args)
-        await conn.execute(_TICK, dict(below=last.below, in_progress=list(last.in_progress), **args))
+        await conn.execute(_TICK, dict(_since(last), **args))
     await conn.execute(_PRUNE, args)
-    oldest = (await conn.execute(_OLDEST, args)).one()
-    if oldest.behind:
-        await conn.execute(_PRUNE_RESERVATIONS, dict(since=oldest.since, **args))
     await conn.execute(_FOLD_DELETE, args)
     rows = (await conn.execute(_FOLD_INSERT, args)).rowcount
     await _leave(conn, jit)

@@ -45,12 +45,6 @@ HORIZON_S = 2 * 86_400
 INTERACTIVE_HORIZON_S = 2 * 3_600
 
 
-
-
-
-
-
-
 def key(kind: str, subject: str) -> str:
     return f"{kind}:{subject}"
 
@@ -244,33 +238,37 @@ async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[
 
 # -- usage ----------------------------------------------------------------------------------
 
-# Reservations in the horizon and how each stands (read by usage here and by journal/fold.py):
-# open (reserved figures), settled (used figures), refunded or expired unsettled (0 tokens).
-# `{where}` narrows the reservations.
-STANDING = """
-    r AS (
+def standing(where: str, seen: str = "true", name: str = "x") -> str:
+    """CTEs `{name}_r` and `{name}`: the reservations (reserve rows) that `where` picks and
+    how each stands (read by usage here and by journal/fold.py): open (reserved figures),
+    settled (used figures), refunded or expired unsettled (0 tokens). Only the ledger rows
+    `seen` (a condition on `l`) count, reserve rows and closing rows alike: the fold asks
+    how a reservation stood when it last read the ledger."""
+    return f"""
+    {name}_r AS (
       SELECT position, subject, tenant, model, tier, coalesce(holder, '') AS holder, holder AS holder_or_null, at,
              input_tokens AS ri, output_tokens AS ro
-        FROM ledger
-       WHERE kind = 'reserve' AND {where}
-    ), x AS (
+        FROM ledger l
+       WHERE kind = 'reserve' AND ({where}) AND ({seen})
+    ), {name} AS (
       SELECT r.position, r.subject, r.tenant, r.model, r.tier, r.holder, r.holder_or_null, r.at, NOT c.closed AS open,
              r.tier <> 'batch' AS interactive,
              CASE WHEN c.settled THEN c.si WHEN c.closed THEN 0 ELSE r.ri END AS i,
              CASE WHEN c.settled THEN c.so WHEN c.closed THEN 0 ELSE r.ro END AS o,
              r.ri + r.ro AS held
-        FROM r CROSS JOIN LATERAL (  -- one index probe (ledger_subject) per reservation
+        FROM {name}_r r CROSS JOIN LATERAL (  -- one index probe (ledger_subject) per reservation
           SELECT count(*) > 0 AS closed, coalesce(bool_or(l.kind = 'settle'), false) AS settled,
                  coalesce(sum(l.input_tokens) FILTER (WHERE l.kind = 'settle'), 0) AS si,
                  coalesce(sum(l.output_tokens) FILTER (WHERE l.kind = 'settle'), 0) AS so
             FROM ledger l
-           WHERE l.subject = r.subject AND l.kind IN ('settle', 'refund', 'expire')
+           WHERE l.subject = r.subject AND l.kind IN ('settle', 'refund', 'expire') AND ({seen})
         ) c
     )
 """
 
+
 _USAGE = text(
-    "WITH" + STANDING.format(where="tenant = :tenant AND at >= :since AND tier <> 'batch'") + """
+    "WITH" + standing("tenant = :tenant AND at >= :since AND tier <> 'batch'") + """
     SELECT model,
            count(*) FILTER (WHERE at >= :minute) AS requests,
            coalesce(sum(i) FILTER (WHERE at >= :minute), 0) AS input_tokens,

@@ -23,7 +23,7 @@ from journal.db import connect
 from tests.conftest import role_url_for
 
 R, W = "r", "rw"  # read only; read and write (insert or update, as the service does)
-_QUOTA = ("quota_usage", "quota_reservations", "quota_open", "quota_open_sums", "quota_buckets", "quota_fold")
+_QUOTA = ("quota_usage", "quota_open_sums", "quota_buckets", "quota_fold")
 _VIEWS = ("usage_by_minute", "usage_by_hour", "usage_by_day", "open_reservations", "reserved_vs_settled")
 # table: (api, control, engine); None: no access at all.
 MATRIX: dict[str, tuple[str | None, str | None, str | None]] = {
