@@ -1,29 +1,32 @@
 """Journal interactive requests' outcomes: who, which tier, where, how many tokens.
 
 Each API process hands the requests that ended in a window to one workflow
-(api/services/settlement.py); `journal_window` journals them all in one transaction: a
-`request_finished` event each, and in the quota ledger their reservations (unless the
-API's flusher has written them already), a settle row of exactly the tokens each event
-records (prompt_tokens, completion_tokens), and the refund of what a reservation held
-beyond them. So for every request the ledger's settled tokens are the journal's.
+(api/services/settlement.py); `journal_window` journals them all in one transaction: in
+the quota ledger their reservations (unless the API's flusher has written them already),
+a settle row each of exactly the tokens its outcome records (prompt_tokens,
+completion_tokens), and the refund of what a reservation held beyond them; in the journal
+one `request_finished` event per tenant, the list of their outcomes (read a row a request
+through the view `finished_requests`). So for every request the ledger's settled tokens
+are the journal's, and its settle (keyed by the request) says it was journaled.
 
 A request no API reported (its process died mid-stream, or its window's workflow never
 started) is journaled the same way from the engine worker's record of it
 (journal/served.py), by the quota reconciler's sweep; whichever of the two comes second
-finds the outcome journaled and leaves it.
+finds the request settled and leaves it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from temporalio import activity
 
 from journal import ledger, served
-from journal.events import IdempotencyConflict, NewEvent, append
+from journal.events import NewEvent, append
 from protocol import keys
 from protocol.events import EventType
 from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome, RequestWindowInput
@@ -37,50 +40,46 @@ class RequestActivities:
 
     @activity.defn
     async def journal_window(self, inp: RequestWindowInput) -> int:
-        """Every request of the window, in one transaction; where one of them was journaled
-        already from its engine's record (its outcome came too late), each in its own.
-        How many this call journaled or found journaled as it says."""
+        """Every request of the window, in one transaction. How many this call journaled
+        (the others were journaled already: by an earlier attempt, or from their engines'
+        records because their outcomes came too late)."""
         outcomes = [(dataclasses.replace(r, outcome=None), r.outcome) for r in inp.requests if r.outcome is not None]
-        try:
-            async with self.db.begin() as conn:
-                await journal_outcomes(conn, outcomes)
-            return len(outcomes)
-        except IdempotencyConflict as err:
-            activity.logger.warning("%d of %d requests of a window from %s were journaled from their engines' "
-                                    "records before their outcomes came", len(err.keys), len(outcomes), inp.holder)
-        done = 0
-        for request, outcome in outcomes:
-            try:
-                async with self.db.begin() as conn:
-                    await journal_outcomes(conn, [(request, outcome)])
-                done += 1
-            except IdempotencyConflict:
-                pass
-        return done
+        async with self.db.begin() as conn:
+            done = await journal_outcomes(conn, outcomes)
+        if late := sum(1 for r, _ in outcomes if keys.request(r.request_id) not in done):
+            activity.logger.warning("%d of %d requests of a window from %s were journaled before this attempt "
+                                    "(from their engines' records, or by an earlier attempt)", late, len(outcomes),
+                                    inp.holder)
+        return len(done)
 
     @activity.defn
     async def journal_request(self, inp: JournalRequestInput) -> None:
         """One request (the workflow older APIs started per request)."""
-        try:
-            async with self.db.begin() as conn:
-                await journal_outcomes(conn, [(inp.request, inp.outcome)])
-        except IdempotencyConflict:
-            # Journaled already, from the engine's record: this outcome came too late.
-            activity.logger.warning("request %s was journaled from its engine's record before its outcome came",
-                                    inp.request.request_id)
+        async with self.db.begin() as conn:
+            if not await journal_outcomes(conn, [(inp.request, inp.outcome)]):
+                # Journaled already, from the engine's record: this outcome came too late.
+                activity.logger.warning("request %s was journaled from its engine's record before its outcome came",
+                                        inp.request.request_id)
 
 
-async def journal_outcomes(conn: AsyncConnection, outcomes: list[tuple[InteractiveInput, RequestOutcome]]) -> None:
-    """Their `request_finished` events and ledger rows, in the caller's transaction: one
-    append and three ledger statements however many."""
-    events = []
+async def journal_outcomes(conn: AsyncConnection, outcomes: list[tuple[InteractiveInput, RequestOutcome]]) -> set[str]:
+    """In the caller's transaction: settle each in the ledger (writing its reservation if
+    the API's flusher has not), and journal the outcomes of those this call settled, one
+    `request_finished` event per tenant. A request already settled is left as it is: its
+    settle's key is the request's, so each is journaled once. The subjects settled now."""
+    done = await ledger.settle_all(conn, [ledger_rows(r, outcome) for r, outcome in outcomes])
+    by_tenant: dict[str, list[dict[str, Any]]] = {}
     for r, outcome in outcomes:
-        payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
-        payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
-        stream = keys.request(r.request_id)
-        events.append(NewEvent(stream, EventType.REQUEST_FINISHED, payload, f"{stream}:finished", r.tenant))
+        if keys.request(r.request_id) in done:
+            payload = dict(dataclasses.asdict(dataclasses.replace(r, outcome=None)), **dataclasses.asdict(outcome))
+            payload.pop("outcome", None)  # the workflow's input carries it; the event has its fields
+            by_tenant.setdefault(r.tenant, []).append(payload)
+    events = []
+    for tenant, requests in by_tenant.items():
+        stream = keys.finished_records(tenant, uuid.uuid4().hex[:16])
+        events.append(NewEvent(stream, EventType.REQUEST_FINISHED, dict(requests=requests), stream, tenant))
     await append(conn, events)
-    await ledger.settle_all(conn, [ledger_rows(r, outcome) for r, outcome in outcomes])
+    return done
 
 
 async def account_unreported(db: AsyncEngine, after_s: float) -> int:
@@ -95,12 +94,8 @@ async def account_unreported(db: AsyncEngine, after_s: float) -> int:
         except (KeyError, TypeError) as err:  # one unreadable record must not hold up the rest
             log.error("cannot account for the engine's record %s (%s): %r", record.get("request_id"), err, record)
             continue
-        try:
-            async with db.begin() as conn:
-                await journal_outcomes(conn, [(request, outcome)])
-            done += 1
-        except IdempotencyConflict:
-            pass  # its workflow journaled it meanwhile
+        async with db.begin() as conn:
+            done += len(await journal_outcomes(conn, [(request, outcome)]))
     return done
 
 

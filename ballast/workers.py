@@ -226,7 +226,7 @@ async def engine_worker(settings: Settings) -> None:
     from engine.trace import Trace
     from engine.vllm_engine import Engine, engine_args
     from journal.checkpointer import Checkpointer
-    from journal.served import served_event
+    from journal.served import ServedRecords
 
     token = engine_token(settings)  # before minutes of vLLM start-up, not after
     setup_tracing("ballast-engine", settings)  # before vLLM, whose spans then go the same way
@@ -266,12 +266,16 @@ async def engine_worker(settings: Settings) -> None:
         tracing = asyncio.create_task(trace.run(engine.load))
         stack.callback(tracing.cancel)
         checkpointer = await stack.enter_async_context(Checkpointer(db, settings.checkpoint_interval_s, trace=trace))
-        # Every request served is journaled from here too, on the checkpointer's next tick:
-        # the record that accounts for it if its API process dies (journal/served.py).
+        # Every request served is journaled from here too, on the checkpointer's ticks: the
+        # record that accounts for it if its API process dies (journal/served.py). What the
+        # last tick left goes with the checkpointer's last commit, once the server has stopped.
+        served = ServedRecords(engine_id)
+        stack.enter_context(checkpointer.track(served))
+        stack.callback(lambda: served.committed(checkpointer.submit(served.due())))
         engine_metrics.register(slots, fair, spec.name, settings.region)
         polling = asyncio.Event()  # set while its Temporal workers poll (its /readyz)
         app = create_app(engine, slots, fair, token=token,
-                         served=lambda record: _logged(checkpointer.submit([served_event(engine_id, record)])),
+                         served=served.add,
                          metrics_token=_secret(settings.metrics_token), polling=polling.is_set)
         server = EmbeddedServer(uvicorn.Config(app, host=settings.engine_host, port=port, log_level="warning",
                                                lifespan="off"))
@@ -377,15 +381,6 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile
             log.warning("could not announce engine %s: %s", engine_id, err)
         await asyncio.sleep(settings.announce_s)
-
-
-def _logged(commit: asyncio.Future) -> None:
-    """A commit nobody awaits: say so if it fails."""
-    def seen(f: asyncio.Future) -> None:
-        if not f.cancelled() and f.exception() is not None:
-            log.warning("could not journal a served request: %s", f.exception())
-
-    commit.add_done_callback(seen)
 
 
 async def _withdraw(db, engine_id: str, announcing: asyncio.Task) -> None:

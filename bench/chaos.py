@@ -674,11 +674,11 @@ class Chaos:
 
     def _check_chats(self) -> None:
         with psycopg.connect(libpq_url(self.stack.db_url)) as c:
-            keys = [f"request:{rid}:finished" for rid in self.seen_ids]
-            found = {k for (k,) in c.execute("SELECT idempotency_key FROM events WHERE idempotency_key = ANY(%s)",
-                                             (keys,))}
+            ids = list(self.seen_ids)
+            found = {r for (r,) in c.execute("SELECT request_id FROM finished_requests WHERE request_id = ANY(%s)",
+                                             (ids,))}
         self.report.chats_journaled = len(found)
-        if missing := [k for k in keys if k not in found]:
+        if missing := [i for i in ids if i not in found]:
             self.report.problems.append(f"{len(missing)} chats the client saw are not journaled: {missing[:5]}")
 
     def check_greedy(self, settings: Settings, workdir: Path) -> None:

@@ -419,12 +419,11 @@ def journaled_ttfts(db_url: str, request_ids: list[str]) -> dict[str, list[float
     its `request_finished` event): where the time went, before or inside the engine."""
     import psycopg
 
-    streams = [f"request:{r}" for r in request_ids]
     with psycopg.connect(db_url) as conn:
         for _ in range(100):  # journaled a moment after the response, in the background
-            rows = conn.execute("SELECT (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float FROM events"
-                                " WHERE stream = ANY(%s) AND type = 'request_finished'", (streams,)).fetchall()
-            if len(rows) >= len(streams):
+            rows = conn.execute("SELECT (record->>'ttft_ms')::float, (record->>'engine_ttft_ms')::float"
+                                " FROM finished_requests WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
+            if len(rows) >= len(request_ids):
                 break
             time.sleep(0.1)
     return dict(api=[r[0] for r in rows if r[0] is not None], engine=[r[1] for r in rows if r[1] is not None])

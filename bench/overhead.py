@@ -283,21 +283,26 @@ def rows_per_request(stack: Stack, ids: list[str], before: dict, background: tup
 
 def _rows_by_sql(db_url: str, ids: list[str]) -> dict[str, dict[str, int]]:
     """The journal's and the ledger's rows for these requests, counted in SQL: the events
-    on their streams (the workflow's record, the engine worker's: journal/served.py), the
-    ledger rows on their subjects (reserve, settle, refund: journal/ledger.py)."""
+    that list them (a window's outcomes, an engine worker's records of what it served:
+    journal/served.py; each event may list other requests too), the ledger rows on their
+    subjects (reserve, settle, refund: journal/ledger.py). Raises unless each request is
+    listed once as finished, once as served, and settled once."""
     import psycopg
 
-    streams = [f"request:{r}" for r in ids] + [f"served:{r}" for r in ids]
     with psycopg.connect(db_url) as conn:
-        events = conn.execute("SELECT type, count(*) FROM events WHERE stream = ANY(%s) GROUP BY type",
-                              (streams,)).fetchall()
+        events, listed = {}, {}
+        for view, kind in (("finished_requests", "request_finished"), ("served_requests", "request_served")):
+            row = conn.execute(f"SELECT count(*), count(DISTINCT position) FROM {view} WHERE request_id = ANY(%s)",
+                               (ids,)).fetchone()
+            assert row is not None
+            listed[kind], events[f"events.{kind}"] = row
         ledger = conn.execute("SELECT kind, count(*) FROM ledger WHERE subject = ANY(%s) GROUP BY kind",
                               ([f"request:{r}" for r in ids],)).fetchall()
-    per_kind = {f"events.{t}": c for t, c in events} | {f"ledger.{k}": c for k, c in ledger}
-    for kind in ("events.request_finished", "events.request_served", "ledger.settle"):
-        if per_kind.get(kind, 0) != len(ids):  # each request has exactly one
-            raise RuntimeError(f"{per_kind.get(kind, 0)} {kind} rows for {len(ids)} requests: {per_kind}")
-    return dict(inserted={"public.events": sum(c for _, c in events), "public.ledger": sum(c for _, c in ledger)},
+    per_kind = events | {f"ledger.{k}": c for k, c in ledger}
+    for kind, n in (*listed.items(), ("ledger.settle", per_kind.get("ledger.settle", 0))):
+        if n != len(ids):  # each request exactly once
+            raise RuntimeError(f"{n} {kind} for {len(ids)} requests: {per_kind}")
+    return dict(inserted={"public.events": sum(events.values()), "public.ledger": sum(c for _, c in ledger)},
                 per_kind=per_kind)
 
 
@@ -307,17 +312,15 @@ def _journaled_ttfts(db_url: str, request_ids: list[str], timeout_s: float = 120
     request's, or an error naming those missing."""
     import psycopg
 
-    streams = [f"request:{r}" for r in request_ids]
     deadline = time.monotonic() + timeout_s
     with psycopg.connect(db_url, autocommit=True) as conn:
         while True:
-            rows = conn.execute("SELECT stream, (payload->>'ttft_ms')::float, (payload->>'engine_ttft_ms')::float"
-                                " FROM events WHERE stream = ANY(%s) AND type = 'request_finished'",
-                                (streams,)).fetchall()
-            if len(rows) == len(streams):
+            rows = conn.execute("SELECT request_id, (record->>'ttft_ms')::float, (record->>'engine_ttft_ms')::float"
+                                " FROM finished_requests WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
+            if len(rows) == len(request_ids):
                 return [r[1] for r in rows], [r[2] for r in rows]
             if time.monotonic() > deadline:
-                missing = sorted(set(streams) - {r[0] for r in rows})
-                raise RuntimeError(f"{len(missing)} of {len(streams)} requests have no request_finished after "
+                missing = sorted(set(request_ids) - {r[0] for r in rows})
+                raise RuntimeError(f"{len(missing)} of {len(request_ids)} requests have no request_finished after "
                                    f"{timeout_s:.0f} s (e.g. {missing[:5]})")
             time.sleep(0.2)

@@ -128,8 +128,7 @@ def _engines(db_url: str) -> dict[str, dict]:
 def _served_on(db_url: str, ids: list[str], timeout_s: float = 30) -> dict[str, str]:
     """Where each request ran: its engine worker's own record (`request_served`, written
     a moment after the stream ends). Every request's, or an error naming those missing."""
-    q = ("SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served' "
-         "AND payload->>'request_id' = ANY(%s)")
+    q = "SELECT request_id, engine_id FROM served_requests WHERE request_id = ANY(%s)"
     deadline = time.monotonic() + timeout_s
     while True:
         with psycopg.connect(libpq_url(db_url)) as c:

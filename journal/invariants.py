@@ -1,15 +1,16 @@
 """The journal's invariants, each one SQL query that returns its violations, and one that
 counts the rows it examined.
 
-Plain SQL over `events`, `batch_items`, `batches`, `files` and `ledger` (what the auditor
-role may read too), on purpose: an auditor can run the same queries by hand (`ballast
+Plain SQL over `events`, `batch_items`, `batches`, `files` and `ledger`, and the views
+`served_requests` and `finished_requests` (a row per request of the events that list
+them; what the auditor role may read too), on purpose: an auditor can run the same queries by hand (`ballast
 verify` runs them), and none of them trusts the code that wrote the rows. Some hold at
 every moment; the rest (`at_rest`) only once nothing runs: no batch in flight, every
 request's stream ended and swept.
 
 The ledger is checked against figures written by someone else than the ledger's writer,
 or computed differently: a request's settle against what the engine worker recorded
-vLLM counted (`request_served`, written by the engine worker, not the API); a batch
+vLLM counted (`served_requests`, written by the engine worker, not the API); a batch
 item's settled completion tokens against the token ids its chunks journaled; a training
 checkpoint's settle against the job's epochs and the tokens an epoch holds (its
 checkpoint events, the job's hyperparameters) and the trained_tokens the job reported.
@@ -126,7 +127,7 @@ CHECKS = (
           "checkpoint's (ftjob:<id>:<step>, tier training)",
           """
           WITH j AS (
-            SELECT stream AS subject, 'request' AS what FROM events WHERE type = 'request_finished'
+            SELECT 'request:' || request_id AS subject, 'request' AS what FROM finished_requests
             UNION ALL
             SELECT stream, 'item' FROM events WHERE type IN ('item_completed', 'item_failed')
             UNION ALL
@@ -140,9 +141,8 @@ CHECKS = (
               OR (j.what = 'training') <> (l.tier = 'training')
           """,
           """
-          SELECT (SELECT count(*) FROM ledger WHERE kind = 'settle')
-               + (SELECT count(*) FROM events WHERE type IN ('request_finished', 'item_completed', 'item_failed',
-                                                             'ft_checkpoint'))
+          SELECT (SELECT count(*) FROM ledger WHERE kind = 'settle') + (SELECT count(*) FROM finished_requests)
+               + (SELECT count(*) FROM events WHERE type IN ('item_completed', 'item_failed', 'ft_checkpoint'))
           """, "settles and outcomes"),
     Check("request_tokens_match_engine",
           "a request's settled tokens are what its engine worker recorded vLLM counted (request_served): the "
@@ -150,19 +150,17 @@ CHECKS = (
           """
           WITH l AS (SELECT substr(subject, length('request:') + 1) AS rid, input_tokens AS i, output_tokens AS o
                        FROM ledger WHERE kind = 'settle' AND subject LIKE 'request:%'),
-               s AS (SELECT payload->>'request_id' AS rid, (payload->>'prompt_tokens')::bigint AS i,
-                            (payload->>'completion_tokens')::bigint AS o
-                       FROM events WHERE type = 'request_served'),
-               f AS (SELECT payload->>'request_id' AS rid, payload->>'status' AS status
-                       FROM events WHERE type = 'request_finished')
+               s AS (SELECT request_id AS rid, (record->>'prompt_tokens')::bigint AS i,
+                            (record->>'completion_tokens')::bigint AS o
+                       FROM served_requests),
+               f AS (SELECT request_id AS rid, status FROM finished_requests)
           SELECT l.rid, f.status, l.i AS settled_in, l.o AS settled_out, s.i AS served_in, s.o AS served_out
             FROM l JOIN s ON s.rid = l.rid LEFT JOIN f ON f.rid = l.rid
            WHERE l.i <> s.i OR l.o > s.o
               OR (l.o <> s.o AND coalesce(f.status, '') NOT IN ('cancelled', 'failed'))
           """,
           """
-          SELECT count(*) FROM ledger l JOIN events s ON s.type = 'request_served'
-                  AND l.subject = 'request:' || (s.payload->>'request_id')
+          SELECT count(*) FROM ledger l JOIN served_requests s ON l.subject = 'request:' || s.request_id
            WHERE l.kind = 'settle'
           """, "requests settled and served"),
     Check("item_tokens_match_chunks",
@@ -233,12 +231,10 @@ CHECKS = (
           "SELECT count(*) FROM batches", "batches", at_rest=True),
     Check("requests_accounted", "every request an engine served is journaled as finished",
           """
-          SELECT s.payload->>'request_id', s.committed_at FROM events s
-           WHERE s.type = 'request_served'
-             AND NOT EXISTS (SELECT FROM events f
-                              WHERE f.idempotency_key = 'request:' || (s.payload->>'request_id') || ':finished')
+          SELECT s.request_id, s.committed_at FROM served_requests s
+           WHERE NOT EXISTS (SELECT FROM finished_requests f WHERE f.request_id = s.request_id)
           """,
-          "SELECT count(*) FROM events WHERE type = 'request_served'", "served requests", at_rest=True),
+          "SELECT count(*) FROM served_requests", "served requests", at_rest=True),
     Check("reservations_closed", "every quota reservation is settled, refunded or expired",
           "SELECT subject, tier, holder, at FROM open_reservations",
           "SELECT count(*) FROM ledger WHERE kind = 'reserve'", "reservations", at_rest=True),

@@ -7,8 +7,9 @@ writes twice writes once; the first row stands):
   its max_tokens (absent: the rest of the context); written off the request path by the
   API's flusher, or by the journaling transaction below if that comes first.
   `batch:<id>` (tier batch): the batch's estimated tokens, at validation.
-- `settle`: what it used. A request's, in the transaction that journals its
-  `request_finished` event (prompt_tokens, completion_tokens as that event records them);
+- `settle`: what it used. A request's, in the transaction that journals its outcome in a
+  `request_finished` event (prompt_tokens, completion_tokens as that event records them):
+  its key is what says the request is journaled, once;
   a batch item's (`item:<id>:<idx>`, its journal stream, no reserve of its own), in the transaction that
   journals its result (the usage in the response; 0/0 for a failed item).
 - `refund`: what a reservation held beyond what settled (a request), or all of it (a
@@ -114,27 +115,30 @@ async def reserved(conn: AsyncConnection, subjects: Sequence[str]) -> dict[str, 
                              r.at) for r in rows}
 
 
-async def settle(conn: AsyncConnection, used: Entry, reservation: Entry | None = None) -> None:
-    await settle_all(conn, [(used, reservation)])
+async def settle(conn: AsyncConnection, used: Entry, reservation: Entry | None = None) -> bool:
+    return bool(await settle_all(conn, [(used, reservation)]))
 
 
-async def settle_all(conn: AsyncConnection, settles: Sequence[tuple[Entry, Entry | None]]) -> None:
+async def settle_all(conn: AsyncConnection, settles: Sequence[tuple[Entry, Entry | None]]) -> set[str]:
     """In the caller's transaction (the one that journals the outcomes), for each (`used`,
-    `reservation`): the reservation if nobody has written it yet, the settle `used`, and the
-    refund of what the reservation in the ledger held beyond it, dimension by dimension.
-    Three statements however many subjects."""
+    `reservation`): the reservation if nobody has written it yet, the settle `used` unless
+    the subject is settled already, and the refund of what the reservation in the ledger
+    held beyond what this call settled, dimension by dimension. Four statements however
+    many subjects. The subjects this call settled (the others were settled before)."""
     assert all(used.kind == SETTLE for used, _ in settles)
     await insert(conn, [r for _, r in settles if r is not None])
-    held = await reserved(conn, [used.subject for used, _ in settles])
-    rows = []
-    for used, _ in settles:
-        rows.append(used)
+    written = set(await insert(conn, [used for used, _ in settles]))
+    now = [used for used, _ in settles if used.key in written]
+    held = await reserved(conn, [used.subject for used in now])
+    refunds = []
+    for used in now:
         if (h := held.get(used.subject)) is not None:
             back_in = max(0, h.input_tokens - used.input_tokens)
             back_out = max(0, h.output_tokens - used.output_tokens)
             if back_in or back_out:
-                rows.append(used.closing(REFUND, back_in, back_out))
-    await insert(conn, rows)
+                refunds.append(used.closing(REFUND, back_in, back_out))
+    await insert(conn, refunds)
+    return {used.subject for used in now}
 
 
 _REFUND_OPEN = text(

@@ -2,10 +2,10 @@
 batch throughput, and which pools were surging. What the console's live timeline draws
 (GET /admin/timeline); one query.
 
-- Interactive requests: each `request_finished` event (its workflow, or the reconciler
-  from the engine's record) carries the request's outcome, `ttft_ms` among it (as the API
-  saw it: request received → first token out; none for a request abandoned before one).
-  A request counts in the bucket its event was committed in; percentiles are over the
+- Interactive requests: each request's outcome (`finished_requests`: the events its
+  window, or the reconciler from the engine's record, journaled), `ttft_ms` among it (as
+  the API saw it: request received → first token out; none for a request abandoned before
+  one). A request counts in the bucket its event was committed in; percentiles are over the
   requests that have a TTFT (`percentile_cont`: interpolated, as numpy's default).
 - Batch tokens: each `item_chunk` event's `token_ids` (their count survives an erasure,
   which masks the ids), summed per bucket and divided by the bucket's width.
@@ -85,12 +85,14 @@ win AS (
     FROM events e, lo
    WHERE e.position > lo.p
      AND e.committed_at >= to_timestamp(:start) AND e.committed_at < to_timestamp(:until)
-     AND e.type IN (:finished, :chunk, :started, :ended)),
+     AND e.type IN (:chunk, :started, :ended)),
 chat AS (
-  SELECT i, count(*) AS n,
-         percentile_cont(0.5) WITHIN GROUP (ORDER BY (payload->>'ttft_ms')::float8) AS p50,
-         percentile_cont(0.99) WITHIN GROUP (ORDER BY (payload->>'ttft_ms')::float8) AS p99
-    FROM win WHERE type = :finished GROUP BY i),
+  SELECT floor((extract(epoch FROM f.committed_at)::float8 - :start) / :step)::int AS i, count(*) AS n,
+         percentile_cont(0.5) WITHIN GROUP (ORDER BY (f.record->>'ttft_ms')::float8) AS p50,
+         percentile_cont(0.99) WITHIN GROUP (ORDER BY (f.record->>'ttft_ms')::float8) AS p99
+    FROM finished_requests f, lo
+   WHERE f.position > lo.p AND f.committed_at >= to_timestamp(:start) AND f.committed_at < to_timestamp(:until)
+   GROUP BY 1),
 tok AS (
   SELECT i, sum(CASE jsonb_typeof(payload->'token_ids') WHEN 'array' THEN jsonb_array_length(payload->'token_ids')
                      ELSE 0 END) AS n
@@ -127,7 +129,7 @@ async def timeline(conn: AsyncConnection, w: Window) -> list[Bucket]:
     """Every bucket of the window, oldest first, empty ones included."""
     rows = await conn.execute(_TIMELINE, dict(
         floor=float(w.start) - SLACK_S, start=float(w.start), until=float(w.until), step=float(w.step), n=w.n,
-        finished=EventType.REQUEST_FINISHED.value, chunk=EventType.ITEM_CHUNK.value,
+        chunk=EventType.ITEM_CHUNK.value,
         started=EventType.SURGE_STARTED.value, ended=EventType.SURGE_ENDED.value))
     out = []
     for i, n, p50, p99, tokens, surging in rows.all():

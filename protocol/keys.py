@@ -2,7 +2,9 @@
 subjects and Temporal workflow ids), object store keys, fine-tuned model names. Audits,
 workflows and SQL join on these, so each is built here and nowhere else.
 
-`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<id>`,
+`file:<id>`, `batch:<id>`, `item:<batch>:<index>`, `request:<id>`, `served:<engine>:<token>`
+(an engine worker's records of what it served), `finished:<tenant>:<token>` (a window's
+outcomes),
 `requests:<API process>:<n>` (the workflow that journals a window of requests), `ftjob:<id>`,
 `ftjob:<id>:<step>` (the ledger's subject of a checkpoint's trained tokens),
 `tenant:<id>` (what was done to the tenant as a whole: its erasures), and `webhook:<event id>` (a
@@ -31,9 +33,14 @@ def request_window(holder: str, n: int) -> str:
     return f"requests:{holder}:{n}"
 
 
-def served(request_id: str) -> str:
-    """What an engine worker recorded it served (journal/served.py)."""
-    return f"served:{request_id}"
+def served_records(engine_id: str, token: str) -> str:
+    """A tick's records of what an engine worker served, of one tenant (journal/served.py)."""
+    return f"served:{engine_id}:{token}"
+
+
+def finished_records(tenant: str, token: str) -> str:
+    """A window's outcomes of one tenant's requests (activities/interactive.py)."""
+    return f"finished:{tenant}:{token}"
 
 
 def tenant(tenant_id: str) -> str:

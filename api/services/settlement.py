@@ -2,9 +2,10 @@
 
 A request that has ended, its outcome known, is handed to this process's window (`add`,
 no I/O). Every `window_s`, or as soon as `max_requests` have gathered, the window starts
-ONE workflow (workflows/interactive.py) carrying them all, whose local activity journals
-each `request_finished` and settles it in the ledger in one transaction: 2 billed
-Temporal actions for the window, not 2 per request, and nothing on any request's path.
+ONE workflow (workflows/interactive.py) carrying them all, whose local activity settles
+each in the ledger and journals their outcomes (one `request_finished` event per tenant)
+in one transaction: 2 billed Temporal actions for the window, not 2 per request, and
+nothing on any request's path.
 
 The guarantee stays the per-request one: every request an engine served is journaled and
 settled exactly once. A window whose workflow cannot start (Temporal unreachable), or one

@@ -10,7 +10,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.interactive import RequestActivities, account_unreported
 from journal import ledger
 from journal.events import append
-from journal.served import served_event
+from journal.served import ServedRecords
 from protocol import keys
 from protocol.temporal import InteractiveInput, JournalRequestInput, RequestOutcome, RequestWindowInput
 from tests.helpers import uid
@@ -20,8 +20,15 @@ async def engine_served(db, rid: str, tenant: str, prompt: int = 5, completion: 
     """As the engine worker records a request when its stream ends (cut short here)."""
     record = dict(request_id=rid, tenant=tenant, tier="default", model="m", endpoint="/v1/chat/completions",
                   prompt_tokens=prompt, completion_tokens=completion, finish_reason=None)
+    await served_by_engine(db, record)
+
+
+async def served_by_engine(db, *records: dict) -> None:
+    served = ServedRecords("engine-1")
+    for r in records:
+        served.add(r)
     async with db.begin() as c:
-        await append(c, [served_event("engine-1", record)])
+        await append(c, served.due())
 
 
 async def reserved_by_api(db, rid: str, tenant: str, i: int = 5, o: int = 100) -> None:
@@ -32,8 +39,8 @@ async def reserved_by_api(db, rid: str, tenant: str, i: int = 5, o: int = 100) -
 
 async def finished(db, rid: str) -> list[dict]:
     async with db.connect() as c:
-        q = text("SELECT payload FROM events WHERE idempotency_key = :k")
-        return [r[0] for r in (await c.execute(q, dict(k=f"request:{rid}:finished"))).all()]
+        q = text("SELECT record FROM finished_requests WHERE request_id = :r")
+        return [r[0] for r in (await c.execute(q, dict(r=rid))).all()]
 
 
 async def ledger_rows(db, rid: str) -> list[tuple]:
@@ -85,8 +92,7 @@ async def test_an_unreadable_record_does_not_hold_up_the_others(db):
     """A record an engine did not write whole (hand-made, or from a broken worker) is
     skipped and logged; every other is still accounted for."""
     tenant, bad, good = uid("t"), uid("r"), uid("r")
-    async with db.begin() as c:
-        await append(c, [served_event("engine-1", dict(request_id=bad))])
+    await served_by_engine(db, dict(request_id=bad))
     await reserved_by_api(db, good, tenant)
     await engine_served(db, good, tenant)
     assert await account_unreported(db, after_s=0) >= 1
@@ -94,9 +100,9 @@ async def test_an_unreadable_record_does_not_hold_up_the_others(db):
 
 
 async def test_a_window_is_journaled_in_one_transaction_and_again_changes_nothing(db):
-    """A window's requests: a `request_finished` each and exactly their ledger rows, whether
-    or not the API's flusher wrote their reservation first; a retried activity writes nothing
-    more (its events are the same)."""
+    """A window's requests: one `request_finished` event listing them (one tenant) and
+    exactly their ledger rows, whether or not the API's flusher wrote their reservation
+    first; a retried activity writes nothing more (each request's settle is there)."""
     acts, env = RequestActivities(db), ActivityEnvironment()
     tenant, rids = uid("t"), [uid("r") for _ in range(5)]
     await reserved_by_api(db, rids[0], tenant)  # a long request: its reservation was flushed
@@ -104,7 +110,11 @@ async def test_a_window_is_journaled_in_one_transaction_and_again_changes_nothin
                 for o in (outcome_of(rid, tenant, completion=3 + i) for i, rid in enumerate(rids))]
     window = RequestWindowInput("api-1", requests)
     assert await env.run(acts.journal_window, window) == 5
-    assert await env.run(acts.journal_window, window) == 5  # retried: journaled as it says
+    assert await env.run(acts.journal_window, window) == 0  # retried: every one journaled already
+    async with db.connect() as c:
+        events = (await c.execute(text("SELECT count(*) FROM events WHERE tenant = :t AND type = 'request_finished'"),
+                                  dict(t=tenant))).scalar_one()
+    assert events == 1
     for i, rid in enumerate(rids):
         [got] = await finished(db, rid)
         assert (got["status"], got["completion_tokens"]) == ("completed", 3 + i)

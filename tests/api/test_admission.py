@@ -381,6 +381,6 @@ async def test_a_clients_request_id_reaches_the_engine_and_the_journal(harness, 
     await harness.journal_all()
     async with db.connect() as c:
         journaled = (await c.execute(text(
-            "SELECT payload->>'http_request_id' FROM events WHERE type = 'request_finished' "
-            "AND payload->>'request_id' = :r"), dict(r=r.json()["id"]))).scalar()
+            "SELECT record->>'http_request_id' FROM finished_requests WHERE request_id = :r"),
+            dict(r=r.json()["id"]))).scalar()
     assert journaled == mine

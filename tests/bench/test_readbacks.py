@@ -26,20 +26,20 @@ def url(pg_server_url) -> Iterator[str]:
         yield libpq_url(owner)
 
 
-def served(url: str, request_id: str, engine_id: str) -> None:
+def _event(url: str, type_: str, payload: dict) -> None:
+    key = f"{type_}:{uuid.uuid4().hex}"
     with psycopg.connect(url) as c:
         c.execute("INSERT INTO events (stream, version, type, payload, idempotency_key, tenant)"
-                  " VALUES (%s, 1, 'request_served', %s, %s, 'default')",
-                  (f"served:{request_id}", json.dumps(dict(request_id=request_id, engine_id=engine_id)),
-                   f"served:{request_id}"))
+                  " VALUES (%s, 1, %s, %s, %s, 'default')", (key, type_, json.dumps(payload), key))
+
+
+def served(url: str, request_id: str, engine_id: str) -> None:
+    _event(url, "request_served", dict(engine_id=engine_id, requests=[dict(request_id=request_id)]))
 
 
 def finished(url: str, request_id: str, ttft_ms: float) -> None:
-    with psycopg.connect(url) as c:
-        c.execute("INSERT INTO events (stream, version, type, payload, idempotency_key, tenant)"
-                  " VALUES (%s, 1, 'request_finished', %s, %s, 'default')",
-                  (f"request:{request_id}", json.dumps(dict(ttft_ms=ttft_ms, engine_ttft_ms=ttft_ms / 2)),
-                   f"request:{request_id}:finished"))
+    _event(url, "request_finished", dict(requests=[dict(request_id=request_id, ttft_ms=ttft_ms,
+                                                        engine_ttft_ms=ttft_ms / 2)]))
 
 
 def test_served_on_names_what_is_missing_instead_of_returning_part(url: str) -> None:

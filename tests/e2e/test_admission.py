@@ -92,18 +92,16 @@ def dropped_stream(stack, key: str, db_url: str, tenant: str) -> str:
 
 def wait_journaled(db_url: str, tenant: str, request_ids: list[str]) -> None:
     deadline = time.monotonic() + WAIT_S
-    streams = [f"request:{i}" for i in request_ids]
-    while _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished' AND stream = ANY(%(s)s)",
-               s=streams)[0][0] < len(streams):
+    while _sql(db_url, "SELECT count(*) FROM finished_requests WHERE request_id = ANY(%(s)s)",
+               s=request_ids)[0][0] < len(request_ids):
         assert time.monotonic() < deadline, "requests not journaled"
         time.sleep(0.1)
 
 
 # Independent of the code under test: the journal's figures and the ledger's, by subject.
 JOURNAL_REQUESTS = """
-  SELECT 'request:' || (payload->>'request_id'), (payload->>'prompt_tokens')::int,
-         (payload->>'completion_tokens')::int
-    FROM events WHERE type = 'request_finished' AND tenant = %(t)s
+  SELECT 'request:' || request_id, (record->>'prompt_tokens')::int, (record->>'completion_tokens')::int
+    FROM finished_requests WHERE tenant = %(t)s
 """
 JOURNAL_ITEMS = """
   SELECT stream,
@@ -144,7 +142,7 @@ def test_the_ledger_settles_exactly_what_the_journal_records(stack, db_url):
     assert journal[f"request:{three.id}"] == (three.usage.prompt_tokens, three.usage.completion_tokens)
     assert three.usage.completion_tokens > 5  # more than one choice's worth
     assert journal[f"item:{batch.id}:7"][1] == 16  # two choices of 8 each
-    dropped = _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{ids[-1]}")[0][0]
+    dropped = _sql(db_url, "SELECT record FROM finished_requests WHERE request_id = %(r)s", r=ids[-1])[0][0]
     # Cancelled, with what it had produced.
     assert (dropped["status"], dropped["completion_tokens"] >= 1) == ("cancelled", True), dropped
     assert settled[f"item:{batch.id}:6"] == (0, 0)
@@ -199,15 +197,15 @@ def test_a_request_whose_api_process_dies_mid_stream_is_still_accounted_for(stac
         doomed.proc.kill()
         doomed.proc.wait(10)
     rid = chunk["id"]
-    finished = "SELECT payload FROM events WHERE idempotency_key = %(k)s"
+    finished = "SELECT record FROM finished_requests WHERE request_id = %(r)s"
     # The unreported delay (15 s here), a sweep, the holder TTL (30 s); on a loaded machine the
     # reconciler's ticks wait on the shared control worker (bench/RESULTS.md, admission).
     deadline = time.monotonic() + 180
-    while not _sql(db_url, finished, k=f"{subject}:finished"):
+    while not _sql(db_url, finished, r=rid):
         assert time.monotonic() < deadline, f"never accounted for: ledger {_kinds(db_url, subject)}"
         time.sleep(0.5)
-    [(outcome,)] = _sql(db_url, finished, k=f"{subject}:finished")
-    [(record,)] = _sql(db_url, "SELECT payload FROM events WHERE idempotency_key = %(k)s", k=f"served:{rid}")
+    [(outcome,)] = _sql(db_url, finished, r=rid)
+    [(record,)] = _sql(db_url, "SELECT record FROM served_requests WHERE request_id = %(r)s", r=rid)
     # The engine's own count, journaled when its stream ended (the API gone, it stopped).
     assert outcome["status"] == "abandoned" and outcome["completion_tokens"] == record["completion_tokens"]
     assert outcome["tenant"] == tenant and outcome["prompt_tokens"] == record["prompt_tokens"] > 0
@@ -245,15 +243,13 @@ def test_requests_whose_api_process_dies_holding_their_window_are_still_accounte
         temperature=0) for i in range(3))}
     doomed.proc.kill()
     doomed.proc.wait(10)
-    streams = [f"request:{rid}" for rid in told]
     deadline = time.monotonic() + 180  # the unreported delay (15 s here), then a sweep
-    while (_sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished' AND stream = ANY(%(s)s)",
-                s=streams)[0][0] < len(told)):
+    while (_sql(db_url, "SELECT count(*) FROM finished_requests WHERE request_id = ANY(%(s)s)",
+                s=list(told))[0][0] < len(told)):
         assert time.monotonic() < deadline, "never accounted for"
         time.sleep(0.5)
     for rid, usage in told.items():
-        [(outcome,)] = _sql(db_url, "SELECT payload FROM events WHERE idempotency_key = %(k)s",
-                            k=f"request:{rid}:finished")
+        [(outcome,)] = _sql(db_url, "SELECT record FROM finished_requests WHERE request_id = %(r)s", r=rid)
         assert (outcome["status"], outcome["prompt_tokens"], outcome["completion_tokens"]) == (
             "abandoned", usage.prompt_tokens, usage.completion_tokens)  # no API reported it: the engine's record
         assert _sql(db_url, "SELECT input_tokens, output_tokens FROM ledger WHERE subject = %(s)s AND kind = 'settle'",

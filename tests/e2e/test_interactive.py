@@ -30,7 +30,7 @@ async def test_chat_completion_is_vllms_greedy_output_with_tier_and_usage(client
     assert r.usage.completion_tokens <= 20 and r.usage.prompt_tokens > 0
     # The request is journaled by its workflow, off the token path.
     deadline = time.monotonic() + 30
-    while not (rows := _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{r.id}")):
+    while not (rows := _sql(db_url, "SELECT record FROM finished_requests WHERE request_id = %(r)s", r=r.id)):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
     assert rows[0][0]["status"] == "completed" and rows[0][0]["completion_tokens"] == r.usage.completion_tokens
@@ -49,7 +49,7 @@ async def test_priority_is_granted_not_taken(stack, db_url):
         max_tokens=2, service_tier="priority")
     assert r.service_tier == "default"
     deadline = time.monotonic() + 30
-    while not (rows := _sql(db_url, "SELECT payload FROM events WHERE stream = %(s)s", s=f"request:{r.id}")):
+    while not (rows := _sql(db_url, "SELECT record FROM finished_requests WHERE request_id = %(r)s", r=r.id)):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
     assert rows[0][0]["tier"] == "default"
@@ -104,7 +104,7 @@ async def _requests_settled(stack, temporal_address: str, db_url: str) -> int:
     while (await tc.count_workflows(running)).count:
         assert time.monotonic() < deadline, "request workflows still running"
         await asyncio.sleep(0.1)
-    return _sql(db_url, "SELECT count(*) FROM events WHERE type = 'request_finished'")[0][0]
+    return _sql(db_url, "SELECT count(*) FROM finished_requests")[0][0]
 
 
 async def test_bad_interactive_requests_get_4xx_and_admit_nothing(stack, db_url, temporal_address):

@@ -60,7 +60,7 @@ class Pool:
 
     def served_on(self, ids: list[str]) -> list[str]:
         """The engine each request ran on, as its engine worker recorded it."""
-        q = "SELECT payload->>'request_id', payload->>'engine_id' FROM events WHERE type = 'request_served'"
+        q = "SELECT request_id, engine_id FROM served_requests"
         procs.wait_until(lambda: set(ids) <= {r for r, _ in sql(self.data, q)}, 60, "every request served recorded",
                          child=self.up)
         where = dict(sql(self.data, q))

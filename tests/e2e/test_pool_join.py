@@ -62,11 +62,11 @@ async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_mo
             time.sleep(0.5)
         assert r.status_code == 200, r.text
         rid = r.json()["id"]
-        q = "SELECT payload->>'engine_id' FROM events WHERE stream = %s AND type = 'request_served'"
+        q = "SELECT engine_id FROM served_requests WHERE request_id = %s"
 
         def served_by() -> str | None:
             with psycopg.connect(libpq_url(url)) as c:
-                row = c.execute(q, (f"served:{rid}",)).fetchone()
+                row = c.execute(q, (rid,)).fetchone()
             return row[0] if row else None
 
         procs.wait_until(lambda: served_by() is not None, 30, "the request's record", child=joined)

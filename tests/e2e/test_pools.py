@@ -13,7 +13,7 @@ other (two CPU cores). Every answer Ballast gives, chat or batch line, must be t
 answer of the model asked for, and A's and B's oracle answers must differ (else a test
 would pass with everything sent to one engine).
 
-Routing is also read from the records: each chat's `request_served` event names the engine
+Routing is also read from the records: each chat's `request_served` record names the engine
 worker that served it (journal/served.py), and the `engines` row of that id its model. A
 batch item's chunks name the generation attempt that wrote them (`runner`: the workflow
 run's tail, the activity id, the attempt); Temporal's history of that activity names the
@@ -334,10 +334,9 @@ def test_a_batch_line_naming_another_model_fails_alone(mixed_batch, oracles):
 
 
 def _served(url: str, request_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """request id → (engine id, model) from the engines' `request_served` records."""
-    rows = _sql(url, """SELECT payload->>'request_id', payload->>'engine_id', payload->>'model' FROM events
-                         WHERE type = 'request_served' AND stream = ANY(%(s)s)""",
-                s=[f"served:{rid}" for rid in request_ids])
+    """request id → (engine id, model) from the engines' records of what they served."""
+    rows = _sql(url, """SELECT request_id, engine_id, record->>'model' FROM served_requests
+                         WHERE request_id = ANY(%(s)s)""", s=request_ids)
     return {rid: (engine, model) for rid, engine, model in rows}
 
 

@@ -28,8 +28,8 @@ def test_a_clients_request_id_is_found_everywhere(stack, db_url, tiny_model):
         logs = {name: (stack.root / "logs" / f"{name}.log") for name in ("api", "engine-1")}
         seen = {name: mine in path.read_text(errors="replace") for name, path in logs.items()}
         with psycopg.connect(libpq_url(db_url)) as conn:
-            row = conn.execute("SELECT payload->>'http_request_id' FROM events WHERE stream = %s "
-                               "AND type = 'request_finished'", (f"request:{chat.id}",)).fetchone()
+            row = conn.execute("SELECT record->>'http_request_id' FROM finished_requests WHERE request_id = %s",
+                               (chat.id,)).fetchone()
         return dict(seen, journal=row is not None and row[0] == mine)
 
     deadline = time.monotonic() + 60
