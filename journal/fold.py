@@ -93,7 +93,9 @@ _SNAP = f"""
              pg_current_xact_id_if_assigned() AS own, {_NOW} AS folded_at
         FROM pg_current_snapshot() AS s
     )"""
-_RECORDED = "SELECT below, in_progress, own, (SELECT max(position) FROM ledger WHERE txid = own), folded_at FROM snap"
+# (OFFSET 0: read through the txid index, not backwards along every position for a match.)
+_RECORDED = ("SELECT below, in_progress, own, (SELECT max(position) FROM (SELECT position FROM ledger WHERE txid = own"
+             " OFFSET 0) o), folded_at FROM snap")
 _COLUMNS = "(below, in_progress, own, own_position, folded_at)"
 _RECORD_TICK = _SNAP + f", state AS (UPDATE quota_fold SET {_COLUMNS} = ({_RECORDED}))"
 _RECORD_FIRST = _SNAP + f", state AS (INSERT INTO quota_fold {_COLUMNS} {_RECORDED})"
