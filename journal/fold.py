@@ -33,12 +33,12 @@ _FOLD_LOCK = 0x0BA11A57  # pg_advisory_xact_lock key: one fold at a time
 #   transaction id, the column's default) ≥ the snapshot's xmax, or among its in-progress
 #   ids, unless it is the folding transaction's own (`own`, which may be at or above
 #   xmax) and was written before the tick (`own_position`: the highest position it had
-#   written then). Neither positions nor
-#   times alone would do: a bigserial is drawn at INSERT and commits whenever its
-#   transaction does, and a reserve row's `at` is the admitting process's clock at
-#   admission, written a flush or two later (much later after Postgres was unreachable).
-#   So no slack to guess: a transaction that had not ended when the snapshot was taken is
-#   new to every tick until one sees it ended, however long it runs.
+#   written then). Neither positions nor times alone would do: a bigserial is drawn at
+#   INSERT and commits whenever its transaction does, and a reserve row's `at` is the
+#   admitting process's clock at admission, written a flush or two later (much later
+#   after Postgres was unreachable). So no slack to guess: a transaction that had not
+#   ended when the snapshot was taken is new to every tick until one sees it ended,
+#   however long it runs.
 # - `quota_buckets`: per tenant × model × holder × minute and day (the current and later
 #   windows), what the reservations of that window count for; `quota_open_sums`: per
 #   tenant × model × holder, the horizon's open reservations (in_flight,

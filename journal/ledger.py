@@ -250,12 +250,12 @@ def standing(where: str, seen: str = "true", name: str = "x") -> str:
     how a reservation stood when it last read the ledger."""
     return f"""
     {name}_r AS (
-      SELECT position, subject, tenant, model, tier, coalesce(holder, '') AS holder, holder AS holder_or_null, at,
-             input_tokens AS ri, output_tokens AS ro
+      SELECT subject, tenant, model, tier, coalesce(holder, '') AS holder, at, input_tokens AS ri,
+             output_tokens AS ro
         FROM ledger l
        WHERE kind = 'reserve' AND ({where}) AND ({seen})
     ), {name} AS (
-      SELECT r.position, r.subject, r.tenant, r.model, r.tier, r.holder, r.holder_or_null, r.at, NOT c.closed AS open,
+      SELECT r.subject, r.tenant, r.model, r.tier, r.holder, r.at, NOT c.closed AS open,
              r.tier <> 'batch' AS interactive,
              CASE WHEN c.settled THEN c.si WHEN c.closed THEN 0 ELSE r.ri END AS i,
              CASE WHEN c.settled THEN c.so WHEN c.closed THEN 0 ELSE r.ro END AS o,

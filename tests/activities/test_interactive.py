@@ -138,3 +138,22 @@ async def test_a_window_holding_a_request_its_engine_record_settled_journals_the
     for rid in rest:
         assert [g["status"] for g in await finished(db, rid)] == ["completed"]
         assert await ledger_rows(db, rid) == [("settle", 5, 7)]
+
+
+async def test_an_engine_tick_journals_its_records_once_per_tenant(db):
+    """What an engine worker served in a tick: one `request_served` event per tenant, every
+    record once in `served_requests` (with the engine named), and nothing the next tick."""
+    a, b = uid("t"), uid("t")
+    rids = {rid: tenant for rid, tenant in ((uid("r"), t) for t in (a, a, a, b, b))}
+    served = ServedRecords("engine-7")
+    for rid, tenant in rids.items():
+        served.add(dict(request_id=rid, tenant=tenant, tier="default", model="m", prompt_tokens=3,
+                        completion_tokens=4))
+    events = served.due()
+    assert sorted(e.tenant for e in events) == sorted([a, b]) and served.due() == []
+    async with db.begin() as c:
+        await append(c, events)
+    async with db.connect() as c:
+        rows = (await c.execute(text("SELECT request_id, tenant, engine_id, (record->>'completion_tokens')::int "
+                                     "FROM served_requests WHERE tenant IN (:a, :b)"), dict(a=a, b=b))).all()
+    assert sorted(tuple(r) for r in rows) == sorted((rid, t, "engine-7", 4) for rid, t in rids.items())
