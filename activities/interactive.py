@@ -4,7 +4,7 @@ Each API process hands the requests that ended in a window to one workflow
 (api/services/settlement.py); `journal_window` journals them all in one transaction: in
 the quota ledger their reservations (unless the API's flusher has written them already),
 a settle row each of exactly the tokens its outcome records (prompt_tokens,
-completion_tokens), and the refund of what a reservation held beyond them; in the journal
+completion_tokens), which closes its reservation; in the journal
 one `request_finished` event per tenant, the list of their outcomes (read a row a request
 through the view `finished_requests`). So for every request the ledger's settled tokens
 are the journal's, and its settle (keyed by the request) says it was journaled.
@@ -101,7 +101,7 @@ async def account_unreported(db: AsyncEngine, after_s: float) -> int:
 
 def from_engine(record: dict[str, Any]) -> tuple[InteractiveInput, RequestOutcome]:
     """The request and its outcome as the engine recorded them; `abandoned`: no API
-    reported it. The reservation is left to the ledger (settle refunds what it held)."""
+    reported it. Its settle closes the reservation in the ledger, whatever it held."""
     names = {f.name for f in dataclasses.fields(InteractiveInput)}
     request = InteractiveInput(**{k: v for k, v in record.items() if k in names})
     return request, RequestOutcome("abandoned", record["completion_tokens"], record.get("finish_reason"))

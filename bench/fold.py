@@ -5,11 +5,11 @@ horizon, as the fold did before it was incremental and as the first tick after
 migration 0006 still does), side by side on the same ledger in one run.
 
 For each ledger size (50k, then grown to 200k rows): requests of the last day written as
-the API and the engine worker write them (`ledger.insert`, `ledger.settle`: a reserve, a
-settle and a refund each, some still open), across tenants, models and API processes
+the API and the engine worker write them (`ledger.insert`, `ledger.settle`: a reserve and a
+settle each, some still open), across tenants, models and API processes
 (holders, all alive), and a few batches; then one full fold and ANALYZE (as autovacuum
-keeps statistics), not timed. Then ticks: each first writes ~400 rows, not timed (134 new
-reservations, and the 134 of the tick before settled: a settle and a refund each), then
+keeps statistics), not timed. Then ticks: each first writes ~400 rows, not timed (200 new
+reservations, and the 200 of the tick before settled), then
 folds in one transaction, as the reconciler does (expire, then fold): every
 `FULL_EVERY`-th tick the full refold, the others the incremental fold. The figures:
 the fold's time (p50, p99; ms) in each arm and their ratio, full over incremental, with
@@ -54,7 +54,7 @@ from protocol.tiers import Tier
 SIZES = (50_000, 200_000)
 TICKS = 200  # per size, both arms
 FULL_EVERY = 5  # every 5th tick is a full refold: 40 of 200 (each ~1 s at 200k rows)
-PER_TICK = 134  # requests admitted (and settled a tick later) per tick: ~400 rows
+PER_TICK = 200  # requests admitted (and settled a tick later) per tick: ~400 rows
 TENANTS, MODELS, HOLDERS = 20, 3, 8
 OPEN_SHARE = 0.02  # of the built ledger's requests, still open
 BATCH_EVERY = 1_000  # about one open batch reservation per this many rows built
@@ -78,14 +78,13 @@ class Ledger:
                      f"model-{r.randrange(MODELS)}", r.choice(("default", "priority", "flex")),
                      r.randint(20, 2_000), r.randint(16, 1_024), r.choice(self.holders), at)
 
-    def settled(self, e: Entry) -> list[Entry]:
-        """The settle and the refund `ledger.settle` writes for `e` (used less than held)."""
+    def settled(self, e: Entry) -> Entry:
+        """The settle of `e` (used no more than held)."""
         i, o = self.rng.randint(0, e.input_tokens), self.rng.randint(0, e.output_tokens)
-        used = Entry(ledger.SETTLE, e.subject, e.tenant, e.model, e.tier, i, o, e.holder, e.at)
-        return [used, e.closing(ledger.REFUND, e.input_tokens - i, e.output_tokens - o)]
+        return Entry(ledger.SETTLE, e.subject, e.tenant, e.model, e.tier, i, o, e.holder, e.at)
 
     def built(self, rows: int, now: datetime) -> list[Entry]:
-        """About `rows` rows of the last day: requests reserved, settled and refunded, a
+        """About `rows` rows of the last day: requests reserved and settled, a
         share still open, and open batches."""
         out: list[Entry] = []
         while len(out) < rows:
@@ -98,8 +97,9 @@ class Ledger:
             e = self.request(at)
             out.append(e)
             if self.rng.random() >= OPEN_SHARE:
-                out += [Entry(x.kind, x.subject, x.tenant, x.model, x.tier, x.input_tokens, x.output_tokens,
-                              x.holder, at + timedelta(seconds=self.rng.uniform(0.2, 5))) for x in self.settled(e)]
+                x = self.settled(e)
+                out.append(Entry(x.kind, x.subject, x.tenant, x.model, x.tier, x.input_tokens, x.output_tokens,
+                                 x.holder, at + timedelta(seconds=self.rng.uniform(0.2, 5))))
         return out
 
     async def tick_writes(self, db: AsyncEngine) -> int:
@@ -113,8 +113,8 @@ class Ledger:
             written += len(await ledger.insert(conn, fresh))
         async with db.begin() as conn:
             for e in self.pending:
-                await ledger.settle(conn, self.settled(e)[0])
-        written += 2 * len(self.pending)
+                await ledger.settle(conn, self.settled(e))
+        written += len(self.pending)
         self.pending = fresh
         return written
 

@@ -7,15 +7,20 @@ writes twice writes once; the first row stands):
   its max_tokens (absent: the rest of the context); written off the request path by the
   API's flusher, or by the journaling transaction below if that comes first.
   `batch:<id>` (tier batch): the batch's estimated tokens, at validation.
-- `settle`: what it used. A request's, in the transaction that journals its outcome in a
+- `settle`: what it used, and it closes the reservation: what was reserved beyond it is
+  released by the settle itself (`reserved_vs_settled` counts it as refunded), no row of
+  its own. A request's, in the transaction that journals its outcome in a
   `request_finished` event (prompt_tokens, completion_tokens as that event records them):
   its key is what says the request is journaled, once;
   a batch item's (`item:<id>:<idx>`, its journal stream, no reserve of its own), in the transaction that
   journals its result (the usage in the response; 0/0 for a failed item).
-- `refund`: what a reservation held beyond what settled (a request), or all of it (a
-  batch at its end, a request that never reached an engine).
+- `refund`: all of a reservation that closes unsettled (a batch at its end, a request that
+  never reached an engine). Journals from before settles released the rest also hold
+  a settled request's refund of what its reservation held beyond the settle.
 - `expire`: a reservation whose admitting process (`holder`) has not been seen for the
   TTL; written by the reconciler. A settle that lands later still counts.
+
+So a request that ran writes two rows, whatever it used.
 
 The fold of these rows into `quota_usage` is journal/fold.py.
 """
@@ -106,39 +111,19 @@ async def insert(conn: AsyncConnection, entries: Sequence[Entry]) -> list[str]:
     return list((await conn.execute(_INSERT, cols)).scalars())
 
 
-async def reserved(conn: AsyncConnection, subjects: Sequence[str]) -> dict[str, Entry]:
-    """The reserve rows of these subjects (those that have one), by subject."""
-    rows = await conn.execute(
-        text("SELECT subject, tenant, model, tier, input_tokens, output_tokens, holder, at FROM ledger "
-             "WHERE idempotency_key = ANY(:k)"), dict(k=[key(RESERVE, s) for s in subjects]))
-    return {r.subject: Entry(RESERVE, r.subject, r.tenant, r.model, r.tier, r.input_tokens, r.output_tokens, r.holder,
-                             r.at) for r in rows}
-
-
 async def settle(conn: AsyncConnection, used: Entry, reservation: Entry | None = None) -> bool:
     return bool(await settle_all(conn, [(used, reservation)]))
 
 
 async def settle_all(conn: AsyncConnection, settles: Sequence[tuple[Entry, Entry | None]]) -> set[str]:
     """In the caller's transaction (the one that journals the outcomes), for each (`used`,
-    `reservation`): the reservation if nobody has written it yet, the settle `used` unless
-    the subject is settled already, and the refund of what the reservation in the ledger
-    held beyond what this call settled, dimension by dimension. Four statements however
-    many subjects. The subjects this call settled (the others were settled before)."""
+    `reservation`): the reservation if nobody has written it yet, and the settle `used`
+    unless the subject is settled already. Two statements however many subjects. The
+    subjects this call settled (the others were settled before)."""
     assert all(used.kind == SETTLE for used, _ in settles)
     await insert(conn, [r for _, r in settles if r is not None])
     written = set(await insert(conn, [used for used, _ in settles]))
-    now = [used for used, _ in settles if used.key in written]
-    held = await reserved(conn, [used.subject for used in now])
-    refunds = []
-    for used in now:
-        if (h := held.get(used.subject)) is not None:
-            back_in = max(0, h.input_tokens - used.input_tokens)
-            back_out = max(0, h.output_tokens - used.output_tokens)
-            if back_in or back_out:
-                refunds.append(used.closing(REFUND, back_in, back_out))
-    await insert(conn, refunds)
-    return {used.subject for used in now}
+    return {used.subject for used, _ in settles if used.key in written}
 
 
 _REFUND_OPEN = text(

@@ -64,10 +64,10 @@ async def test_a_request_no_api_reported_is_journaled_and_settled_from_the_engin
     [got] = await finished(db, rid)
     assert (got["status"], got["prompt_tokens"], got["completion_tokens"], got["engine_id"]) == \
         ("abandoned", 5, 7, "engine-1")
-    # Settled for exactly what the engine served; the rest of the reservation refunded.
-    assert await ledger_rows(db, rid) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    # Settled for exactly what the engine served, which closes the reservation.
+    assert await ledger_rows(db, rid) == [("reserve", 5, 100), ("settle", 5, 7)]
     await account_unreported(db, after_s=0)  # a second sweep: nothing more
-    assert len(await finished(db, rid)) == 1 and len(await ledger_rows(db, rid)) == 3
+    assert len(await finished(db, rid)) == 1 and len(await ledger_rows(db, rid)) == 2
 
 
 async def test_a_reported_request_is_left_alone_and_a_late_outcome_changes_nothing(db):
@@ -80,12 +80,12 @@ async def test_a_reported_request_is_left_alone_and_a_late_outcome_changes_nothi
     await account_unreported(db, after_s=0)
     [got] = await finished(db, reported)
     assert got["status"] == "completed"
-    assert await ledger_rows(db, reported) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    assert await ledger_rows(db, reported) == [("reserve", 5, 100), ("settle", 5, 7)]
     # The sweep came first for `late`; its workflow's outcome arrives after: journaled once.
     await env.run(acts.journal_request, outcome_of(late, tenant, "abandoned", completion=0))
     [got] = await finished(db, late)
     assert (got["status"], got["completion_tokens"]) == ("abandoned", 7)
-    assert await ledger_rows(db, late) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    assert await ledger_rows(db, late) == [("reserve", 5, 100), ("settle", 5, 7)]
 
 
 async def test_an_unreadable_record_does_not_hold_up_the_others(db):
@@ -120,7 +120,7 @@ async def test_a_window_is_journaled_in_one_transaction_and_again_changes_nothin
         assert (got["status"], got["completion_tokens"]) == ("completed", 3 + i)
         # The flusher's reservation stands where it wrote one; the window's where it had not.
         held = 100 if i == 0 else 50
-        assert await ledger_rows(db, rid) == [("reserve", 5, held), ("settle", 5, 3 + i), ("refund", 0, held - 3 - i)]
+        assert await ledger_rows(db, rid) == [("reserve", 5, held), ("settle", 5, 3 + i)]
 
 
 async def test_a_window_holding_a_request_its_engine_record_settled_journals_the_rest(db):
@@ -134,7 +134,7 @@ async def test_a_window_holding_a_request_its_engine_record_settled_journals_the
     assert await env.run(acts.journal_window, window) == 3
     [got] = await finished(db, swept)
     assert got["status"] == "abandoned"  # the engine's record stands: journaled once
-    assert await ledger_rows(db, swept) == [("reserve", 5, 100), ("settle", 5, 7), ("refund", 0, 93)]
+    assert await ledger_rows(db, swept) == [("reserve", 5, 100), ("settle", 5, 7)]
     for rid in rest:
         assert [g["status"] for g in await finished(db, rid)] == ["completed"]
         assert await ledger_rows(db, rid) == [("settle", 5, 7)]

@@ -1,6 +1,6 @@
 """Admission at the API: a tenant over a limit gets OpenAI's 429 with Retry-After before
-any engine work; concurrency is capped; a finished request's unused reservation is
-refunded in the ledger; flex is shed before default. And the local view itself: another
+any engine work; concurrency is capped; a finished request's settle closes its
+reservation in the ledger; flex is shed before default. And the local view itself: another
 process's admissions are seen once folded, a dead process's reservations expire, the
 synchronous baseline agrees.
 
@@ -189,7 +189,7 @@ async def test_a_failed_request_releases_its_reservation_at_once(harness):
     assert (await harness.chat(tier="priority")).status_code == 200
 
 
-async def test_the_unused_reservation_is_refunded_when_the_request_settles(harness, db):
+async def test_the_settle_closes_the_reservation_with_what_was_used(harness, db):
     harness.engine.tokens = 4
     r = await harness.chat(max_tokens=50)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -199,8 +199,7 @@ async def test_the_unused_reservation_is_refunded_when_the_request_settles(harne
     assert (record.reserved_input, record.reserved_output, record.holder) == (PROMPT_TOKENS, 50,
                                                                                 harness.admission.holder)
     assert await ledger_rows(db, keys.request(record.request_id)) == [
-        ("reserve", "default", PROMPT_TOKENS, 50), ("settle", "default", PROMPT_TOKENS, 4),
-        ("refund", "default", 0, 46)]
+        ("reserve", "default", PROMPT_TOKENS, 50), ("settle", "default", PROMPT_TOKENS, 4)]
 
 
 async def test_a_counted_reservation_is_written_at_the_next_flush(harness, db):

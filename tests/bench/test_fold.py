@@ -28,7 +28,7 @@ async def test_the_fold_bench_measures_both_arms_on_the_ledger_it_builds(pg_serv
     assert 1_500 <= small["ledger_rows"] < 1_510 and 8_000 <= large["ledger_rows"] < 8_010
     assert large["ledger_rows_end"] == total and kinds.get("expire", 0) == 0
     for f in (small, large):
-        # 134 reservations a tick, and the tick before's settled and refunded: ~400 rows
+        # 200 reservations a tick, and the tick before's settled: ~400 rows
         # (the first tick settles none).
         per_tick = (f["ledger_rows_end"] - f["ledger_rows"]) / 10
         assert 360 <= per_tick <= 3 * fold.PER_TICK and f["new_rows_per_tick"] == round(per_tick)

@@ -31,7 +31,7 @@ async def rows(db, subject: str) -> list[tuple]:
         return [tuple(r) for r in (await c.execute(q, dict(s=subject))).all()]
 
 
-async def test_reserve_settle_refund_are_idempotent(db):
+async def test_reserve_and_settle_are_idempotent_and_the_settle_closes_the_reservation(db):
     t, s = uid("t"), keys.request(uid("r"))
     r = reserve(s, t, 100, 50)
     used = Entry(ledger.SETTLE, s, t, "m", "default", 80, 20, "h-live")
@@ -40,22 +40,37 @@ async def test_reserve_settle_refund_are_idempotent(db):
             await ledger.insert(c, [r])
         async with db.begin() as c:
             await ledger.settle(c, used, r)
-    assert await rows(db, s) == [("reserve", 100, 50), ("settle", 80, 20), ("refund", 20, 30)]
+    assert await rows(db, s) == [("reserve", 100, 50), ("settle", 80, 20)]
     async with db.begin() as c:  # settled: nothing left to refund
         assert not await ledger.refund(c, s)
-    assert len(await rows(db, s)) == 3
+    assert len(await rows(db, s)) == 2
 
 
-async def test_the_reservation_in_the_ledger_decides_the_refund(db):
-    """The flusher wrote the estimate before the engine's figures were known: the settle
-    refunds against what the ledger holds, and the later reserve with other figures is
-    no second reservation."""
-    t, s = uid("t"), keys.request(uid("r"))
-    async with db.begin() as c:
-        await ledger.insert(c, [reserve(s, t, 40, 200)])
-    async with db.begin() as c:
-        await ledger.settle(c, Entry(ledger.SETTLE, s, t, "m", "default", 12, 250), reserve(s, t, 12, 200))
-    assert await rows(db, s) == [("reserve", 40, 200), ("settle", 12, 250), ("refund", 28, 0)]
+async def test_what_a_settle_releases_is_refunded_in_the_audit_view_as_a_refund_row_said(db):
+    """The same reservations closed as the ledger closes them now (the settle alone, a
+    whole refund where nothing settled) and as journals before it did (a refund row of
+    what each held beyond its settle): `reserved_vs_settled` gives both the same
+    figures, worked out here by hand. A reservation written as an estimate, settled for
+    more output than it held, released only what it over-held (its input)."""
+    new, old = uid("t"), uid("t")
+    closed = [((40, 200), (12, 250), (28, 0)), ((10, 100), (10, 7), (0, 93)), ((5, 5), None, (5, 5))]
+    for tenant in (new, old):
+        for held, used, back in closed:
+            s = keys.request(uid("r"))
+            async with db.begin() as c:
+                await ledger.insert(c, [reserve(s, tenant, *held)])
+            async with db.begin() as c:
+                if used is None:
+                    assert await ledger.refund(c, s)
+                    continue
+                await ledger.settle(c, Entry(ledger.SETTLE, s, tenant, "m", "default", *used), reserve(s, tenant, 1, 1))
+                if tenant == old:
+                    await ledger.insert(c, [Entry(ledger.REFUND, s, tenant, "m", "default", *back, "h-live")])
+    async with db.connect() as c:
+        got = {r.tenant: (r.reserved, r.settled, r.refunded, r.expired) for r in (await c.execute(text(
+            "SELECT * FROM reserved_vs_settled WHERE tenant = ANY(:t)"), dict(t=[new, old]))).all()}
+    assert got == {new: (360, 279, 28 + 93 + 10, None), old: (360, 279, 131, None)}
+    assert [k for k, *_ in await rows(db, s)] == ["reserve", "refund"]
 
 
 async def test_a_settle_without_a_reservation_writes_one_first(db):
@@ -210,7 +225,7 @@ async def test_a_dead_holders_open_reservations_expire_and_a_late_settle_still_c
     result = await env.run(QuotaActivities(db).reconcile_quota, ReconcileInput(holder_ttl_s=30))
     assert result.expired >= 1
     assert await rows(db, s_dead) == [("reserve", 10, 20), ("expire", 10, 20)]
-    assert [k for k, *_ in await rows(db, s_done)] == ["reserve", "settle", "refund"]
+    assert [k for k, *_ in await rows(db, s_done)] == ["reserve", "settle"]
     assert [k for k, *_ in await rows(db, s_live)] == ["reserve"]
     again = await env.run(QuotaActivities(db).reconcile_quota, ReconcileInput(holder_ttl_s=30))
     assert len(await rows(db, s_dead)) == 2 and again.rows >= 1  # expired once
