@@ -2,7 +2,8 @@
 engine token: another working directory, another data dir, its own model cache (it builds
 the tiny model itself), its own region. It serves: a tenant fenced to its region is placed
 there, and gets vLLM's own greedy output (the engine fixture's, on the model the test
-session built), so the model it built is the same model."""
+session built), so the model it built is the same model. Stopped, it journals the record
+of what it served that its checkpointer's next tick would have (here: not before an hour)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_mo
     env = {k: v for k, v in os.environ.items() if not k.startswith("BALLAST_") and k != "DATABASE_URL"}
     env.update({k: stack.env[k] for k in keep}, BALLAST_DATABASE_URL=stack.db_urls["engine"],
                BALLAST_DATA_DIR=str(elsewhere / "data"), BALLAST_REGION="far",
-               BALLAST_ENGINE_PORT=str(procs.free_port()))
+               BALLAST_ENGINE_PORT=str(procs.free_port()), BALLAST_CHECKPOINT_INTERVAL_S="3600")
     joined = procs.spawn("joined", [sys.executable, "-m", "ballast.cli", "worker", "engine"],
                          env=env, cwd=elsewhere, log_path=elsewhere / "engine.log")
     try:
@@ -69,10 +70,13 @@ async def test_an_engine_worker_from_another_host_joins_and_serves(pool, tiny_mo
                 row = c.execute(q, (rid,)).fetchone()
             return row[0] if row else None
 
-        procs.wait_until(lambda: served_by() is not None, 30, "the request's record", child=joined)
-        assert live()[served_by()] == "far"
+        [far] = [e for e, region in live().items() if region == "far"]
         assert r.json()["choices"][0]["message"]["content"] == await greedy(engine, prompt, 24)
         assert json.loads(r.text)["model"] == "ballast-tiny"
+        time.sleep(2)  # the engine's stream has ended; its record waits for the next tick
+        assert served_by() is None
+        assert joined.stop(60) == 0
+        assert served_by() == far  # journaled on the way out
     finally:
         joined.stop(30)
         shutil.rmtree(elsewhere, ignore_errors=True)
