@@ -59,14 +59,13 @@ PREEMPTED = "preempted"  # _on_engine's word for "yielded, every token journaled
 class GenerationActivities:
     def __init__(self, db: AsyncEngine, engine, checkpointer: Checkpointer, slots: EngineSlots, *,
                  checkpoint_tokens: int = 256, retry_delay_s: float = 1.0, trace: Trace = OFF,
-                 leaders: PrefixLeaders | None = None, stream_interval: int = 1):
+                 leaders: PrefixLeaders | None = None):
         self.db = db
         self.engine = engine
         self.checkpointer = checkpointer
         self.slots = slots
         self.leaders = leaders or PrefixLeaders()
         self.checkpoint_tokens = checkpoint_tokens
-        self.stream_interval = stream_interval  # tokens a Step from vLLM (config: batch_stream_interval)
         self.retry_delay_s = retry_delay_s
         self.trace = trace
 
@@ -252,7 +251,6 @@ class GenerationActivities:
                     async for step in self.engine.generate(
                         request_id, prompt + tokens, rest, resumed=len(tokens),
                         priority=BATCH_PRIORITY, item=at.key, resumed_from=at.saved,  # for engine/gate.py
-                        **({"stream_interval": self.stream_interval} if self.stream_interval > 1 else {}),
                     ):
                         if first:
                             first = False

@@ -288,7 +288,6 @@ async def engine_worker(settings: Settings) -> None:
                                                    draining))
         stack.push_async_callback(_withdraw, db, engine_id, announcing)
         acts = GenerationActivities(db, engine, checkpointer, slots, checkpoint_tokens=settings.checkpoint_tokens,
-                                    stream_interval=settings.batch_stream_interval,
                                     trace=trace, leaders=PrefixLeaders(
                                         settings.batch_prefix_wait_s,
                                         min_blocks=engine.prefill_step_tokens // engine.block_size))

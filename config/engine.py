@@ -93,11 +93,6 @@ class EngineSettings(Section):
     # commit: one interval and one commit, and at most checkpoint_tokens plus one commit.
     checkpoint_interval_s: float = Field(1.0, gt=0)
     checkpoint_tokens: int = Field(256, ge=1)
-    # vLLM hands a batch generation's tokens to the engine worker batch_stream_interval at
-    # a time (its first token and its last at once): the journal takes them by the
-    # checkpoint anyway, so a per-token hand-off is Python work per token for nothing. A
-    # preempted generation's abort still carries every token it had. 1: every token.
-    batch_stream_interval: int = Field(16, ge=1)
 
     # A failpoint for tests and drills, off when unset: the path of a JSON control file
     # whose token budgets hold this engine's batch generations (engine/gate.py).

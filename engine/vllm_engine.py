@@ -310,7 +310,6 @@ class Engine:
         item: str | None = None,
         resumed_from: int = 0,
         resumed: int = 0,
-        stream_interval: int = 1,
         trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Step]:
         """Yield Steps until one has a finish_reason.
@@ -329,10 +328,6 @@ class Engine:
 
         `sampling.adapter`: a fine-tuned model's name; its LoRA adapter runs on the base
         model (AdapterMissing where this engine has no adapters or the job trained none).
-
-        `stream_interval`: a Step per that many tokens (vLLM's per-request stream interval;
-        the first and the last token each come at once, and an abort's Step carries what
-        was not handed on yet).
 
         `trace_headers`: the W3C headers of the span that vLLM's own span of the request
         continues, where its tracing is on (telemetry/tracing.py); none given, the current
@@ -363,7 +358,6 @@ class Engine:
             skip_special_tokens=sampling.skip_special_tokens,
             spaces_between_special_tokens=sampling.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
-            stream_interval=stream_interval if stream_interval > 1 else None,
             # Text is only needed to stream it or to match stop strings.
             detokenize=detokenize or bool(sampling.stop) or sampling.prompt_logprobs is not None,
         ), sampling.grammar, prompt_token_ids[len(prompt_token_ids) - resumed:] if resumed else ()))

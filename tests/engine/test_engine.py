@@ -159,31 +159,6 @@ async def test_abort_and_resume_continues_exactly(engine, k):
 
 
 @pytest.mark.engine
-async def test_a_stream_interval_hands_tokens_on_in_runs_and_an_abort_keeps_them(engine):
-    """A batch generation's stream interval: vLLM's first token at once, then a Step per
-    `interval` tokens, the same tokens as one a token at a time; aborted, what it had
-    generated and not handed on yet comes with the abort, and a resume from everything
-    handed on continues exactly."""
-    n, interval = 64, 8
-    prompt = engine.render_chat([{"role": "user", "content": "stream me in runs"}])
-    reference, _ = await _run(engine, prompt, n)
-    steps = [s async for s in engine.generate(_rid(), prompt, Sampling(n, temperature=0.0), stream_interval=interval)]
-    assert [t for s in steps for t in s.token_ids] == reference
-    assert len(steps[0].token_ids) == 1 and steps[-1].finish_reason is not None
-    assert all(len(s.token_ids) <= interval for s in steps) and len(steps) <= 2 + len(reference) // interval
-
-    rid, produced, last = _rid(), [], None
-    async for step in engine.generate(rid, prompt, Sampling(n, temperature=0.0), stream_interval=interval):
-        produced += step.token_ids
-        last = step
-        if len(produced) >= 2 * interval and step.finish_reason is None:
-            await engine.abort(rid)
-    assert last.finish_reason == "abort" and produced == reference[: len(produced)]
-    rest, _ = await _run(engine, prompt + produced, n - len(produced))
-    assert produced + rest == reference
-
-
-@pytest.mark.engine
 async def test_cancelling_the_iterator_aborts(engine):
     gen = engine.generate(_rid(), engine.render_text("cancel me"), Sampling(500, temperature=0.0))
     first = await anext(gen)
