@@ -89,10 +89,12 @@ class GenerationActivities:
                                    f"({self.engine.spec.name!r}) does not serve", type="ForeignModel")
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
         progress: dict[str, int] = {}
+        running = set(group.idxs)
         beat = asyncio.create_task(self._heartbeat(progress))
         try:
             async with asyncio.TaskGroup() as tg:  # on cancel: every item flushes, then we return
-                tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx], progress)))
+                tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx], progress,
+                                                               running=running)))
                          for idx in group.idxs]
         finally:
             beat.cancel()
@@ -109,6 +111,26 @@ class GenerationActivities:
 
     async def _isolated(self, at: Attempt) -> GenerateResult:
         """Run one item; whatever goes wrong with it stays with it."""
+        try:
+            return await self._tries(at)
+        finally:
+            if at.idx in at.running:  # it ended with no result of its own (superseded, settled before)
+                self._ended(at)
+
+    async def _result(self, at: Attempt, events: list[NewEvent]) -> None:
+        """Journal an item's result: at the checkpointer's next tick, or at once once no
+        item of its activity still runs, as the activity's end (and the batch's next group,
+        or its finalization) would otherwise wait up to a tick for it."""
+        commit = self.checkpointer.submit(events)
+        self._ended(at)
+        await commit
+
+    def _ended(self, at: Attempt) -> None:
+        at.running.discard(at.idx)
+        if not at.running:  # the last: commit what its activity waits on now
+            self.checkpointer.soon()
+
+    async def _tries(self, at: Attempt) -> GenerateResult:
         for tries in range(1, ITEM_TRIES + 1):
             at.tries = tries
             try:
@@ -123,7 +145,7 @@ class GenerationActivities:
                 failure = _failure(err)
                 log.warning("%s: try %d failed: %s", at.stream, tries, failure.message)
                 if failure.status_code < 500 or tries == ITEM_TRIES:
-                    await self.checkpointer.submit([at.failed(failure)])
+                    await self._result(at, [at.failed(failure)])
                     self._count(at, "failed")
                     return GenerateResult("failed", idx=at.idx)
                 await asyncio.sleep(self.retry_delay_s * tries)
@@ -138,7 +160,7 @@ class GenerationActivities:
             return GenerateResult(item["status"], idx=idx)  # a retry after it settled
         spec = self.engine.spec
         if (wrong := embeddings.wrong_task(spec.name, spec.embeds, endpoint)) is not None:
-            await self.checkpointer.submit([at.failed(wrong.at_line(item["line"]))])
+            await self._result(at, [at.failed(wrong.at_line(item["line"]))])
             self._count(at, "failed")
             return GenerateResult("failed", idx=idx)
         if endpoint == EMBEDDINGS:
@@ -147,7 +169,7 @@ class GenerationActivities:
                                                    any_adapter=True), batch=True)
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(self.engine, req)
         if isinstance(ready, ProtocolError):
-            await self.checkpointer.submit([at.failed(ready.at_line(item["line"]))])
+            await self._result(at, [at.failed(ready.at_line(item["line"]))])
             self._count(at, "failed")
             return GenerateResult("failed", idx=idx)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
@@ -180,7 +202,7 @@ class GenerationActivities:
         kind = "chatcmpl" if req.endpoint == sampling.CHAT else "cmpl"
         meta = dict(id=f"{kind}-{batch_store.stable_id('', at.stream)}", created=int(time.time()), model=req.model)
         body = responses.completion(endpoint, meta, choices, len(prompt), used, cached_tokens=at.cached)
-        await self.checkpointer.submit([*(e for run in runs for e in run.due()), at.completed(body)])
+        await self._result(at, [*(e for run in runs for e in run.due()), at.completed(body)])
         tokens = sum(len(run.tokens) for run in runs)
         self._count(at, "completed", tokens - resumed_from)
         return GenerateResult("completed", tokens=tokens, resumed_from=resumed_from, idx=idx)
@@ -192,7 +214,7 @@ class GenerationActivities:
         req = embeddings.parse(at.item["body"], RequestLimits(self.engine.spec.name, self.engine.spec.max_model_len))
         ids = req if isinstance(req, ProtocolError) else embedding.inputs(self.engine, req)
         if isinstance(ids, ProtocolError):
-            await self.checkpointer.submit([at.failed(ids.at_line(at.item["line"]))])
+            await self._result(at, [at.failed(ids.at_line(at.item["line"]))])
             self._count(at, "failed")
             return GenerateResult("failed", idx=at.idx)
         assert not isinstance(req, ProtocolError)  # else `ids` is that error
@@ -203,7 +225,7 @@ class GenerationActivities:
         async with self.slots.batch(at.key, BATCH_PRIORITY, whole):
             vectors = await self.engine.embed(f"{at.key}:{at.fence}:{at.tries}", ids, dimensions=req.dimensions,
                                               priority=BATCH_PRIORITY)
-        await self.checkpointer.submit([at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
+        await self._result(at, [at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
                                                                          req.base64))])
         self._count(at, "completed")
         return GenerateResult("completed", idx=at.idx)
@@ -324,7 +346,7 @@ class Attempt:
     carries the fence."""
 
     def __init__(self, batch: dict[str, Any], item: dict[str, Any], runner: str, fence: int,
-                 progress: dict[str, int] | None = None, index: int = 0):
+                 progress: dict[str, int] | None = None, index: int = 0, *, running: set[int] | None = None):
         self.batch, self.item, self.runner, self.fence = batch, item, runner, fence
         self.idx: int = item["idx"]
         self.index = index  # the choice
@@ -337,11 +359,13 @@ class Attempt:
         self.saved = 0  # tokens[:saved] are journaled, or in a commit on its way
         self.cached: int | None = None  # prompt tokens the engine had cached (usage.prompt_tokens_details)
         self.progress = progress if progress is not None else {}  # heartbeat details, by key
+        # The items of its activity still running (this one until it has its result).
+        self.running = running if running is not None else {self.idx}
         self._refused: BaseException | None = None
 
     def choice(self, index: int) -> Attempt:
         """Another of the item's choices, under the same lease."""
-        other = Attempt(self.batch, self.item, self.runner, self.fence, self.progress, index)
+        other = Attempt(self.batch, self.item, self.runner, self.fence, self.progress, index, running=self.running)
         other.tries = self.tries
         return other
 

@@ -130,3 +130,16 @@ async def test_a_stale_attempt_is_refused_once_a_newer_one_holds_the_lease(db, e
     # Attempt 1's chunks all precede attempt 2's; none of attempt 1 came after the takeover.
     assert runners and runners == sorted(runners, key=lambda r: r.endswith(":2"))
     assert any(r.endswith(":1") for r in runners) and any(r.endswith(":2") for r in runners)
+
+
+async def test_a_group_returns_once_its_last_result_commits_not_at_the_next_tick(db, engine):
+    """Results wait for the checkpointer's tick (here an hour away), but the last of a
+    group's items to end commits at once: the group, and the batch's next step, wait for
+    no tick. Every result is journaled when the activity returns."""
+    bodies = [_body(f"tick {i}", max_tokens=4 + 12 * i) for i in range(4)]
+    batch_id = await _batch(db, bodies)
+    async with Checkpointer(db, interval_s=3600) as cp:
+        acts = GenerationActivities(db, engine, cp, EngineSlots(64), checkpoint_tokens=10_000)
+        results = await asyncio.wait_for(_env().run(acts.generate, GenerateInput(batch_id, list(range(4)))), 60)
+        assert [r.status for r in results] == ["completed"] * 4
+        assert {i: t for i, (t, _) in (await _results(db, batch_id)).items()} == {i: "item_completed" for i in range(4)}
