@@ -118,9 +118,9 @@ class GenerationActivities:
                 self._ended(at)
 
     async def _result(self, at: Attempt, events: list[NewEvent]) -> None:
-        """Journal an item's result: at the checkpointer's next tick, or at once once no
-        item of its activity still runs, as the activity's end (and the batch's next group,
-        or its finalization) would otherwise wait up to a tick for it."""
+        """Journal an item's result: at the checkpointer's next tick, or right away where
+        it is the last of its activity's items to end, as the activity's end (and the
+        batch's next group, or its finalization) would otherwise wait up to a tick for it."""
         commit = self.checkpointer.submit(events)
         self._ended(at)
         await commit
@@ -226,7 +226,7 @@ class GenerationActivities:
             vectors = await self.engine.embed(f"{at.key}:{at.fence}:{at.tries}", ids, dimensions=req.dimensions,
                                               priority=BATCH_PRIORITY)
         await self._result(at, [at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
-                                                                         req.base64))])
+                                                                 req.base64))])
         self._count(at, "completed")
         return GenerateResult("completed", idx=at.idx)
 

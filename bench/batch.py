@@ -338,13 +338,19 @@ def ballast_arm(settings: Settings, batches: dict[str, list[dict]], log=print, o
                 with CpuSampler(stack.pid, root_role="ballast up") as cpu, \
                         (CpuSampler(prom.pid, root_role="prometheus") if prom else contextlib.nullcontext()) as pcpu:
                     got = run_batch(stack, reqs, settings)
-                got.update(cpu=cpu.totals(), timeline=dict(_trace(trace, got["t0"], got["t0"] + got["seconds"]),
-                                                           t0=got["t0"], cpu=cpu.samples))
+                time.sleep(TRACE_FLUSH_S)  # the engine worker writes its trace out once a second
+                timeline = _trace(trace, got["t0"], got["t0"] + got["seconds"])
+                # From the last item leaving vLLM to the batch completed in the journal.
+                last = max((end for _, end in timeline["items"]), default=None)
+                got.update(cpu=cpu.totals(), timeline=dict(timeline, t0=got["t0"], cpu=cpu.samples),
+                           tail_s=None if last is None else round(got["t0"] + got["seconds"] - last, 3))
                 if prom is not None and pcpu is not None:
                     got.update(prometheus_cpu_s=round(sum(pcpu.totals().values()), 2), scrapes=prom.scrapes())
                 out[name] = got
             return out
 
+
+TRACE_FLUSH_S = 1.2  # engine/trace.py writes its buffer every second
 
 SCRAPE_S = 2  # every process, every 2 s: 7 times Prometheus' usual 15 s, for a batch of seconds
 
@@ -514,6 +520,8 @@ def summarise(rounds: list[dict[str, dict]], size: str, lora_on: str = "ballast"
         ratios_per_round={arm: [round(x["tps"] / r["tps"], 3) for r, x in zip(raw, xs, strict=False)]
                           for arm, xs in runs.items() if arm != "raw"},
         seconds={arm: [round(x["seconds"], 2) for x in xs] for arm, xs in runs.items()},
+        # Ballast's: from its last item leaving vLLM to the batch completed in the journal.
+        tail_s={arm: [x.get("tail_s") for x in xs] for arm, xs in runs.items() if arm.startswith("ballast")},
         run_batch_seconds_with_start=[round(x["seconds_with_start"], 2) for x in rb],
         run_batch_start_s=[round(x["start_s"], 2) for x in rb],
         # CPU per 1,000 output tokens (medians over the rounds): vLLM's own processes (engine
@@ -574,6 +582,8 @@ def main(settings: Settings, requests: int = 256, runs: int = 3, long_s: float =
             for name in batches:
                 r = got[arm][name]
                 extra = f", {r['seconds_with_start']:.2f} s with its start" if "seconds_with_start" in r else ""
+                if r.get("tail_s") is not None:
+                    extra += f"; completed {r['tail_s']:.2f} s after its last item left vLLM"
                 print(f"  {name}: {r['tokens']} tokens in {r['seconds']:.2f} s ({r['tps']:.0f} tok/s{extra})",
                       flush=True)
         rounds.append(got)
