@@ -15,8 +15,8 @@ writes twice writes once; the first row stands):
   a batch item's (`item:<id>:<idx>`, its journal stream, no reserve of its own), in the transaction that
   journals its result (the usage in the response; 0/0 for a failed item).
 - `refund`: all of a reservation that closes unsettled (a batch at its end, a request that
-  never reached an engine). Journals from before settles released the rest also hold
-  a settled request's refund of what its reservation held beyond the settle.
+  never reached an engine). Journals written before migration 0026 also hold, after a
+  request's settle, a refund of what its reservation held beyond it.
 - `expire`: a reservation whose admitting process (`holder`) has not been seen for the
   TTL; written by the reconciler. A settle that lands later still counts.
 
