@@ -7,8 +7,10 @@ Quota: validation estimates the batch's tokens (each item's input estimate + max
 `policy.admission.estimate`) and, if the tenant's open batches plus this one would pass
 its `batch_queue_tokens` limit, fails the batch with `token_limit_exceeded`; else it
 reserves them in the ledger (`batch:<id>`) in the transaction that puts the batch in
-progress. Items are never refused for capacity: they wait. Each item settles as its
-result is journaled (journal/projections.py); the batch's end refunds the reservation.
+progress. In that transaction too, its completion window is promised, or the batch fails
+with `completion_window_unattainable` (policy/promises.py) and nothing of it is kept.
+Items are never refused for capacity: they wait. Each item settles as its result is
+journaled (journal/projections.py); the batch's end refunds the reservation.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from journal import batch_store, engine_registry, finetune_store, ledger
+from journal import batch_store, engine_registry, finetune_store, ledger, promises
 from journal.leases import acquire
 from policy.admission import Refuse, admit_batch, describe_batch, estimate, estimate_embedding
 from policy.grouping import assign, own_queue
 from policy.lifecycle import finalize_plan
 from policy.placement import region_queue
+from policy.promises import Unattainable, describe
 from protocol import batch as batch_file
 from protocol import keys
 from protocol.embeddings import EmbeddingRequest
@@ -57,11 +60,14 @@ LIVE_S = 10.0  # an engine worker that has not announced itself for this long ge
 
 
 class BatchActivities:
-    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: RequestLimits, max_lines: int):
+    def __init__(self, db: AsyncEngine, store: ObjectStore, limits: RequestLimits, max_lines: int,
+                 windows: dict[str, int] | None = None, promise_share: float = 0.8):
         self.db = db
         self.store = store
         self.limits = limits
         self.max_lines = max_lines
+        self.windows = windows or {"24h": 86_400}  # the completion windows offered
+        self.promise_share = promise_share
 
     @activity.defn
     async def validate_batch(self, ref: ValidateInput) -> ValidateResult:
@@ -91,8 +97,8 @@ class BatchActivities:
             return await self._journal_items(ref, batch, limits, file["object_key"], errors)
         except DataError as err:  # what Postgres will never take: retrying cannot help
             raise ApplicationError(storable(f"Postgres refused the input: {err.orig}"), non_retryable=True) from err
-        except OverQuota as over:  # nothing of the items was kept: the batch fails whole
-            error = dict(code="token_limit_exceeded", message=over.message, param=None, line=None)
+        except Refused as refused:  # nothing of the items was kept: the batch fails whole
+            error = dict(code=refused.code, message=refused.message, param=None, line=None)
             async with self.db.begin() as conn:
                 await batch_store.move_status(conn, ref.batch_id, "failed", time.time(),
                                               errors=dict(object="list", data=[error]))
@@ -114,8 +120,7 @@ class BatchActivities:
                     for item in page:
                         i, o = self._estimate(batch["endpoint"], item, limits.request)
                         input_tokens, output_tokens = input_tokens + i, output_tokens + o
-            await self._enqueue(conn, ref.batch_id, batch["tenant"], limits.request.model, input_tokens,
-                                output_tokens)
+            await self._enqueue(conn, batch, limits.request.model, input_tokens, output_tokens)
             # Unless a cancel came first (then the lifecycle refuses the move).
             await batch_store.move_status(conn, ref.batch_id, "in_progress", time.time())
         activity.logger.info("batch %s: %d requests", ref.batch_id, total)
@@ -147,10 +152,11 @@ class BatchActivities:
             return estimate_embedding(req, limits.max_model_len), 0
         return estimate(req, limits.max_model_len)
 
-    async def _enqueue(self, conn, batch_id: str, tenant: str, model: str, input_tokens: int,
-                       output_tokens: int) -> None:
-        """Reserve the batch's tokens, or raise OverQuota past the tenant's enqueued-token
-        limit. Serialised per tenant, so two batches cannot both take the last room."""
+    async def _enqueue(self, conn, batch: dict[str, Any], model: str, input_tokens: int, output_tokens: int) -> None:
+        """Reserve the batch's tokens and promise its window, or raise Refused: past the
+        tenant's enqueued-token limit, or a window its pool cannot meet. Serialised per
+        tenant and per pool, so two batches cannot both take the last room."""
+        batch_id, tenant = batch["id"], batch["tenant"]
         await ledger.lock_tenant(conn, tenant)
         sets = [s for s in (await ledger.load_limits(conn, tenant)).get(tenant, ())
                 if s.model in (ANY_MODEL, model) and s.batch_queue_tokens is not None]
@@ -160,7 +166,16 @@ class BatchActivities:
                       for s in sets]
             decision = admit_batch(input_tokens + output_tokens, scopes)
             if isinstance(decision, Refuse):
-                raise OverQuota(describe_batch(decision, tenant, model))
+                raise Refused("token_limit_exceeded", describe_batch(decision, tenant, model))
+        await promises.lock_pool(conn, model)
+        window = batch["completion_window"]
+        # A window no longer offered (the deployment's set changed) is still the batch's own.
+        windows = {**self.windows, window: batch["expires_at"] - batch["created_at"]}
+        promised = await promises.check(conn, batch_id, model, output_tokens, window, windows, batch["created_at"],
+                                        self.promise_share, time.time())
+        if isinstance(promised, Unattainable):
+            raise Refused("completion_window_unattainable", describe(promised, output_tokens, model))
+        await promises.record(conn, batch_id, tenant, window, promised)
         await ledger.insert(conn, [ledger.Entry(ledger.RESERVE, keys.batch(batch_id), tenant, model,
                                                 Tier.BATCH, input_tokens, output_tokens)])
 
@@ -271,9 +286,12 @@ class BatchActivities:
         return ("output" if status == 200 else "error"), line.encode()
 
 
-class OverQuota(Exception):
-    def __init__(self, message: str):
+class Refused(Exception):
+    """The batch cannot be taken: `code` and `message` are its error, as OpenAI's."""
+
+    def __init__(self, code: str, message: str):
         super().__init__(message)
+        self.code = code
         self.message = message
 
 

@@ -17,10 +17,11 @@ from temporalio.service import RPCError, RPCStatusCode
 from api.deps import Services, ServicesDep, TenantDep
 from api.errors import APIError, check_metadata, not_found, possible_id, require_id
 from api.files import EXPIRES_AFTER_S
-from journal import batch_store, tenant_store
+from journal import batch_store, promises, tenant_store
 from policy.lifecycle import cancellable, estimated_completion, pace_end
 from policy.placement import batch_regions, region_queue
 from policy.pools import base_model, pool_queue
+from policy.promises import Unattainable, describe, priority_key
 from protocol import keys
 from protocol.requests import ENDPOINTS
 from protocol.schema import errors
@@ -31,7 +32,6 @@ from workflows.batch import BatchWorkflow
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/batches")
 
-WINDOWS = {"24h": 24 * 3600}
 FIRST_LINE_BYTES = 1 << 20  # read to find a batch's model: ample for any first request's head
 
 
@@ -68,8 +68,9 @@ async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, An
         "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
         "failed_at", "expired_at", "cancelling_at", "cancelled_at", "metadata")}
     # Extension fields, beside OpenAI's: how the batch yielded to interactive traffic, the
-    # tokens of its completed items and their pace, when it should end at that pace, and its
-    # workflow in the Temporal UI (BALLAST_TEMPORAL_UI_URL).
+    # tokens of its completed items and their pace, when it should end at that pace, its
+    # workflow in the Temporal UI (BALLAST_TEMPORAL_UI_URL), and what its window was
+    # promised on (policy/promises.py; None before validation, or for a batch refused).
     now = time.time()
     started = row["in_progress_at"]
     ran_s = pace_end(row, now) - started if started else 0.0
@@ -78,7 +79,8 @@ async def batch_object(conn, row: dict[str, Any], svc: Services) -> dict[str, An
                    output_tokens_per_s=round(done.output_tokens / ran_s, 3) if ran_s > 0 else None,
                    estimated_completion=estimated_completion(row["status"], started, done.completed + done.failed,
                                                              done.total, now),
-                   workflow_url=svc.settings.workflow_url(keys.batch(row["id"])))
+                   workflow_url=svc.settings.workflow_url(keys.batch(row["id"])),
+                   promise=await promises.get(conn, row["id"]))
     return dict(object="batch", **out, request_counts=done.request_counts(), usage=usage(done), ballast=ballast)
 
 
@@ -102,16 +104,17 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     if body.endpoint not in ENDPOINTS:
         raise APIError(400, f"Unsupported endpoint {body.endpoint!r}; use one of {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_value")
-    if body.completion_window not in WINDOWS:
-        raise APIError(400, f"Unsupported completion_window {body.completion_window!r}; use '24h'.",
-                       param="completion_window", code="invalid_value")
+    windows = svc.settings.windows
+    if body.completion_window not in windows:
+        raise APIError(400, f"Unsupported completion_window {body.completion_window!r}; use one of "
+                       f"{', '.join(repr(w) for w in windows)}.", param="completion_window", code="invalid_value")
     check_metadata(body.metadata)
     require_id("file", body.input_file_id, "input_file_id")
     now = int(time.time())
     row: dict[str, Any] = dict(id="batch_" + uuid.uuid4().hex[:24], tenant=tenant, endpoint=body.endpoint,
                                input_file_id=body.input_file_id, completion_window=body.completion_window,
                                metadata=body.metadata, status="validating", created_at=now,
-                               expires_at=now + WINDOWS[body.completion_window])
+                               expires_at=now + windows[body.completion_window])
     async with svc.db.connect() as conn:
         f = await batch_store.get_file(conn, body.input_file_id, tenant, now=now)
     if f is None:
@@ -127,6 +130,14 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
     first = await asyncio.to_thread(first_model, svc.store, f["object_key"])
     named = base_model(first, await svc.models())
     model = named or s.model_name
+    # Whether the window is open at all, behind what is promised on the pool already; its
+    # validation promises it, or refuses, once the batch's own tokens are known.
+    async with svc.db.connect() as conn:
+        open_ = await promises.check(conn, row["id"], model, 0, body.completion_window, windows, now,
+                                     s.batch_promise_share, now)
+    if isinstance(open_, Unattainable):
+        raise APIError(400, describe(open_, 0, model), param="completion_window",
+                       code="completion_window_unattainable")
     async with svc.db.begin() as conn:
         # Held until the batch is journaled: a DELETE of the file waits for it, then sees the
         # batch (409); one that came first leaves nothing to hold (404).
@@ -148,7 +159,8 @@ async def create(body: CreateBatch, svc: ServicesDep, tenant: TenantDep):
             BatchInput(row["id"], row["expires_at"], queues[0], s.batch_concurrency, s.heartbeat_timeout_s,
                        s.batch_items_per_run, s.batch_group_size, tenant=tenant,
                        fairness_weight=float(owner["weight"] if owner else 1), spill_queues=queues[1:],
-                       spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s, model=named or ""),
+                       spill_after_s=s.batch_spill_after_s, sticky_wait_s=s.batch_sticky_wait_s, model=named or "",
+                       priority_key=priority_key(windows[body.completion_window], windows)),
             id=keys.batch(row["id"]),
             task_queue=s.control_queue,
             search_attributes=svc.attributes("batch", tenant, model, "batch"),

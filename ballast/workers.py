@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from datetime import timedelta
@@ -142,6 +143,7 @@ async def control_worker(settings: Settings) -> None:
         db,
         ObjectStore(settings.object_store_url),
         RequestLimits(settings.model_name, settings.max_model_len), settings.max_batch_lines,
+        settings.windows, settings.batch_promise_share,
     )
     fleet = FleetActivities(db)
     quota = QuotaActivities(db, settings.unreported_after_s, ObjectStore(settings.object_store_url))
@@ -361,21 +363,26 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                     draining: Draining) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back, and
-    whether an operator is draining this engine."""
+    whether an operator is draining this engine; and its batch pace, which completion
+    windows are promised on (policy/promises.py)."""
     from dataclasses import asdict
 
     from journal import engine_registry
+    from policy.promises import Pace, paced
 
+    pace = Pace()
     while True:
         try:
+            report = slots.report()
+            pace = paced(pace, time.monotonic(), int(families.total(families.BATCH_TOKENS)), report["batch"] > 0)
             async with db.begin() as conn:
                 cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
-                    EngineStats(**slots.report(), **asdict(engine.load), max_seqs=settings.max_num_seqs,
+                    EngineStats(**report, **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
                                 max_model_len=spec.max_model_len, model_source=spec.path, task=spec.task,
-                                batch_tokens=int(families.total(families.BATCH_TOKENS))).to_json())
+                                batch_tokens=pace.tokens, batch_rate=round(pace.rate, 3)).to_json())
             await slots.direct(cap)
             draining.set(drained)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile

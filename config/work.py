@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from config.section import Section
+from policy.promises import parse_window
 
 
 class WorkSettings(Section):
@@ -12,6 +13,15 @@ class WorkSettings(Section):
     batch_concurrency: int = 256
     batch_items_per_run: int = 1000  # a batch workflow continues as new after this many items
     batch_group_size: int = 16  # items per generation activity
+
+    # The completion windows a batch may ask for (OpenAI offers `24h`): `<n>s|m|h|d`, at most
+    # 24h. A batch is accepted only when its window can be met: behind the work promised on
+    # its model's pool, at batch_promise_share of the pace the pool's engine workers
+    # measured (policy/promises.py); otherwise it is refused with the shortest window that
+    # could be. A pool that has measured no pace yet promises its longest window only, as
+    # best effort. Shorter windows run ahead of the longest (Temporal priority).
+    batch_windows: list[str] = ["1h", "24h"]
+    batch_promise_share: float = Field(0.8, gt=0, le=1)
 
     # A fenced tenant's batch moves to the next region of its fence when a group waits
     # this long with no engine worker claiming it.
@@ -38,3 +48,19 @@ class WorkSettings(Section):
     fine_tune_chunk_steps: int = Field(10, ge=1)
     fine_tune_checkpoint_overhead: float = Field(0.03, ge=0)
     fine_tune_chunk_max_s: float = Field(300.0, gt=0)
+
+    @field_validator("batch_windows")
+    @classmethod
+    def _windows(cls, v: list[str]) -> list[str]:
+        for w in v:
+            seconds = parse_window(w)
+            if seconds is None or seconds > 86_400:
+                raise ValueError(f"{w!r} is not a completion window: write <n>s, <n>m, <n>h or <n>d, at most 24h")
+        if not v:
+            raise ValueError("at least one completion window, e.g. [\"24h\"]")
+        return v
+
+    @property
+    def windows(self) -> dict[str, int]:
+        """Each completion window offered, in seconds."""
+        return {w: int(parse_window(w) or 0) for w in self.batch_windows}

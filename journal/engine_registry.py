@@ -9,6 +9,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.schema import engines
+from protocol.engine_wire import EngineStats
 
 
 async def announce(conn: AsyncConnection, id: str, url: str, model: str, queue: str,
@@ -52,3 +53,10 @@ async def context_lengths(conn: AsyncConnection) -> dict[str, int]:
         if length:
             out[model] = min(out.get(model, length), length)
     return out
+
+
+async def batch_pace(conn: AsyncConnection, model: str, within_s: float = 10.0) -> float:
+    """The pool's batch pace, output tokens a second: what its live engine workers that
+    take new work measured (EngineStats.batch_rate); 0 where none has measured it."""
+    return sum(EngineStats.from_json(e["stats"]).batch_rate for e in await live(conn, within_s)
+               if e["model"] == model and not e["draining"])

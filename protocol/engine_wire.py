@@ -174,6 +174,8 @@ class EngineStats:
     model_source: str = ""
     task: str = "generate"  # what its model serves: "generate" (chat, completions) or "embed" (embeddings)
     batch_tokens: int = 0  # batch tokens generated and journaled here since it started (its pace, read twice)
+    # Its batch pace: tokens a second while it held batch work (policy/promises.py); 0: unmeasured.
+    batch_rate: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
 
     def to_json(self) -> dict[str, Any]:

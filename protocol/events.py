@@ -22,6 +22,9 @@ class EventType(StrEnum):
     # Beside batch_created: the model the batch runs (its input file's first request's),
     # projected into its row. Batches created before it have none.
     BATCH_MODEL = "batch_model"  # batch_id, model
+    # batch_id, window, deadline, estimated_at (None: pace not measured), ahead (output
+    # tokens due no later, its own included), rate (the pace promised on, tokens a second)
+    BATCH_PROMISED = "batch_promised"
     ITEM_CREATED = "item_created"  # batch_id, idx, custom_id, the request body
     # A generation's attempt (fenced: the database refuses them without the current lease).
     ITEM_CHUNK = "item_chunk"  # offset, token_ids: tokens generated since the last chunk

@@ -39,6 +39,8 @@ class BatchInput:
     # The model its lines name (its pool's queue is `engine_queue`); "": the control
     # worker's own model (a batch from before pools).
     model: str = ""
+    # Its generations' Temporal priority: a shorter completion window's go first (policy/promises.py).
+    priority_key: int = 4
     # Carried across continue-as-new.
     validated: bool = False
     after_idx: int = -1

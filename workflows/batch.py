@@ -52,9 +52,6 @@ INPUT_STEP: dict[str, Any] = dict(
 )
 # A generation that keeps killing its worker is failed after this many attempts, not forever.
 GENERATION_ATTEMPTS = 8
-# Temporal priority keys run 1 (first) to 5; unset is 3. Batch generations yield to anything
-# queued at the default.
-BATCH_PRIORITY_KEY = 4
 
 
 @workflow.defn(name="Batch")
@@ -224,7 +221,7 @@ class BatchWorkflow:
             # Behind any higher-priority work on the engine queue; between tenants' batches,
             # shared by weight (matching's fairness), so one tenant's huge batch does not
             # hold every engine until it drains.
-            priority=Priority(priority_key=BATCH_PRIORITY_KEY, fairness_key=inp.tenant,
+            priority=Priority(priority_key=inp.priority_key, fairness_key=inp.tenant,
                               fairness_weight=inp.fairness_weight),
         )
 

@@ -22,6 +22,7 @@ from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.finetune import FineTuneActivities
+    from policy.promises import BATCH_PRIORITY_KEY
     from protocol import keys
     from protocol.temporal import (
         FineTuneInput,
@@ -31,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
         TrainChunkResult,
         ValidateTrainingResult,
     )
-    from workflows.batch import BATCH_PRIORITY_KEY, GENERATION_ATTEMPTS, INPUT_STEP
+    from workflows.batch import GENERATION_ATTEMPTS, INPUT_STEP
     from workflows.reasons import told
     from workflows.webhooks import announce
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from api.app import create_app
@@ -140,6 +141,14 @@ async def temporal_client(temporal_address):
 async def temporal_api(settings, db, temporal_client, default_key):
     async with build(settings, db, temporal_client, default_key) as client:
         yield client
+
+
+@pytest.fixture
+async def client(temporal_api):
+    """The official `openai` client over the API with a Temporal client (`temporal_api`)."""
+    async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],
+                                  max_retries=0, http_client=temporal_api) as c:
+        yield c
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:

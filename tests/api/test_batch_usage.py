@@ -14,7 +14,6 @@ import json
 import os
 import uuid
 
-import openai
 import psycopg
 import pytest
 from sqlalchemy import text
@@ -60,13 +59,6 @@ async def settle(db, batch_id: str, idx: int, body: dict | None) -> None:
                                              fence=fence))
     async with db.begin() as conn:
         await batch_store.append_one(conn, ev)
-
-
-@pytest.fixture
-async def client(temporal_api):
-    async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],
-                                  max_retries=0, http_client=temporal_api) as c:
-        yield c
 
 
 @pytest.fixture

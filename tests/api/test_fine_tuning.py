@@ -23,13 +23,6 @@ LINES = "".join(json.dumps(dict(messages=[dict(role="user", content=f"q{i}"), di
                 + "\n" for i in range(10)).encode()
 
 
-@pytest.fixture
-async def client(temporal_api):
-    async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],
-                                  max_retries=0, http_client=temporal_api) as c:
-        yield c
-
-
 async def upload(client, purpose: str = "fine-tune") -> str:
     return (await client.files.create(file=("train.jsonl", io.BytesIO(LINES)), purpose=purpose)).id
 

@@ -216,6 +216,7 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_QUEUE=f"engine-{tag}",
         BALLAST_INTERACTIVE_QUEUE=f"interactive-{tag}",
         BALLAST_BATCH_COOL_DOWN_S="0.5",
+        BALLAST_BATCH_WINDOWS='["1m", "1h", "24h"]',  # a window short enough to refuse on this engine's pace
         # Requests no API reported are journaled from the engine's record this soon (not
         # sooner: a slow workflow's outcome must not be beaten to it on a busy machine).
         BALLAST_UNREPORTED_AFTER_S="15",

@@ -31,9 +31,9 @@ def jsonl(lines) -> bytes:
     return "".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines).encode()
 
 
-def submit(client, lines, endpoint="/v1/chat/completions", **kw):
+def submit(client, lines, endpoint="/v1/chat/completions", window="24h", **kw):
     f = client.files.create(file=("input.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h", **kw)
+    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window=window, **kw)
 
 
 def wait_for(client, batch_id, statuses=("completed", "failed", "cancelled", "expired"), timeout=300, until=None):
@@ -297,3 +297,47 @@ def _sql(url: str, sql: str, **params):
 
     with psycopg.connect(libpq_url(url)) as conn:
         return [tuple(r) for r in conn.execute(sql, params).fetchall()]
+
+
+async def _generation_priorities(temporal_address: str, batch_id: str) -> set[int]:
+    from temporalio.client import Client
+
+    tc = await Client.connect(temporal_address)
+    history = await tc.get_workflow_handle(f"batch:{batch_id}").fetch_history()  # 8 items: one run
+    return {e.activity_task_scheduled_event_attributes.priority.priority_key for e in history.events
+            if e.activity_task_scheduled_event_attributes.activity_type.name == "generate"}
+
+
+def test_a_short_window_is_promised_on_the_engines_measured_pace_kept_and_refused_past_it(client, stack, db_url,
+                                                                                          temporal_address):
+    """The engine worker measures its batch pace while it runs a batch; a 1 h batch is then
+    promised on it, runs ahead of the 24 h ones, and is kept; a 1 min batch past what that
+    pace can do in a minute fails validation naming the window that could be promised."""
+    lines = [chat_line(f"warm-{i}", f"Warm up {i}: {TOPICS[i % len(TOPICS)]}", 48, ignore_eos=True) for i in range(64)]
+    assert wait_for(client, submit(client, lines).id).status == "completed"
+    deadline = time.monotonic() + 30
+    while not (paces := [r[0] for r in _sql(db_url, "SELECT (stats->>'batch_rate')::float FROM engines "
+                                                    "WHERE seen_at > now() - interval '5 seconds'")]) or not max(paces):
+        assert time.monotonic() < deadline, "no engine announced a batch pace after running a batch"
+        time.sleep(0.5)
+    pace = sum(paces)
+
+    short = submit(client, [chat_line(f"s-{i}", f"Short {i}", 16) for i in range(8)], window="1h")
+    done = wait_for(client, short.id)
+    assert done.status == "completed" and done.completed_at <= done.expires_at == done.created_at + 3600
+    promise = client.batches.retrieve(short.id).model_extra["ballast"]["promise"]
+    assert promise["window"] == "1h" and 0 < promise["rate"] and promise["estimated_at"] <= done.expires_at
+    assert _sql(db_url, "SELECT kept, completion_window FROM batch_promises WHERE batch_id = %(b)s",
+                b=short.id) == [(True, "1h")]
+    # Its generations went ahead of the 24 h batches' (4), at Temporal's default priority.
+    assert asyncio.run(_generation_priorities(temporal_address, short.id)) == {3}
+
+    # Twice what a minute of that pace can promise (its 0.8), at 1,000 output tokens a line.
+    n = int(2 * pace * 0.8 * 60 / 1000) + 1
+    assert n <= 1500, f"the engine's pace ({pace:.0f} tokens/s) is beyond what this test's file can overflow"
+    over = submit(client, [chat_line(f"o-{i}", f"Over {i}", 1000) for i in range(n)], window="1m")
+    refused = wait_for(client, over.id)
+    assert refused.status == "failed" and refused.errors and refused.errors.data
+    error = refused.errors.data[0]
+    assert error.code == "completion_window_unattainable" and "promised now is 1h" in (error.message or ""), error
+    assert _sql(db_url, "SELECT count(*) FROM batch_items WHERE batch_id = %(b)s", b=over.id) == [(0,)]

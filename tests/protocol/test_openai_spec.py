@@ -43,6 +43,7 @@ from schemathesis.generation.jsonschema.context import Alphabet
 
 from api.batches import CreateBatch, create
 from api.errors import APIError
+from config import Settings
 from protocol import embeddings
 from protocol.embeddings import EmbeddingRequest
 from protocol.errors import ProtocolError, bad_char
@@ -375,7 +376,7 @@ def answer(endpoint: str, body: dict[str, Any]) -> Answer:
         return ProtocolError(400, "invalid_request", first["msg"], ".".join(str(p) for p in first["loc"]) or None)
     # Stepped by hand, not on an event loop: everything it checks comes before its first
     # await, and a test's loop is pytest-asyncio's to keep.
-    route = create(checked, SimpleNamespace(db=_NoDatabase()), "tenant")  # type: ignore[arg-type]
+    route = create(checked, SimpleNamespace(db=_NoDatabase(), settings=Settings()), "tenant")  # type: ignore[arg-type]
     try:
         route.send(None)
     except _Checked:
