@@ -237,3 +237,25 @@ async def test_a_dead_holders_open_reservations_expire_and_a_late_settle_still_c
                                     "WHERE tenant = :t AND \"window\" = 'day' AND holder = :h"),
                                dict(t=t, h=dead))).one()
     assert tuple(got) == (2, 20, 7, 0)
+
+
+async def test_cost_by_tenant_apportions_a_pools_hour_by_tokens_and_kv_occupancy(db):
+    """`cost_by_tenant` against figures worked out by hand: the same 110 tokens cost a
+    long answer to a short prompt far more KV-time than a short answer to a long one
+    (p prompt tokens and n generated hold n·p + n(n+1)/2 token-steps); a training chunk's
+    tokens count in the token share only."""
+    model, a, b = uid("m"), uid("t"), uid("t")
+    used = [(a, "default", 100, 10), (b, "default", 10, 100), (b, "training", 500, 0)]
+    for tenant, tier, i, o in used:
+        s = keys.request(uid("r"))
+        async with db.begin() as c:
+            await ledger.settle(c, Entry(ledger.SETTLE, s, tenant, model, tier, i, o),
+                                reserve(s, tenant, i, o, model=model, tier=tier))
+    async with db.connect() as c:
+        got = {r.tenant: r for r in (await c.execute(text(
+            "SELECT * FROM cost_by_tenant WHERE model = :m"), dict(m=model))).all()}
+    kv_a, kv_b = 100 * 10 + 10 * 11 // 2, 10 * 100 + 100 * 101 // 2  # 1,055 and 6,050
+    assert (got[a].input_tokens, got[a].output_tokens, got[a].kv_token_steps) == (100, 10, kv_a)
+    assert (got[b].input_tokens, got[b].output_tokens, got[b].kv_token_steps) == (510, 100, kv_b)
+    assert got[a].token_share == pytest.approx(110 / 720) and got[b].token_share == pytest.approx(610 / 720)
+    assert got[a].kv_share == pytest.approx(kv_a / (kv_a + kv_b)) and got[b].kv_share == pytest.approx(kv_b / 7105)

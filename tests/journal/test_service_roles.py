@@ -25,7 +25,7 @@ from tests.conftest import role_url_for
 R, W = "r", "rw"  # read only; read and write (insert or update, as the service does)
 _QUOTA = ("quota_usage", "quota_open_sums", "quota_buckets", "quota_fold")
 _VIEWS = ("usage_by_minute", "usage_by_hour", "usage_by_day", "open_reservations", "reserved_vs_settled",
-          "served_requests", "finished_requests", "batch_promises")
+          "served_requests", "finished_requests", "batch_promises", "cost_by_tenant")
 # table: (api, control, engine); None: no access at all.
 MATRIX: dict[str, tuple[str | None, str | None, str | None]] = {
     "events": (W, W, W),  # append-only for everyone (tests/journal/test_roles.py); the engine's kinds only
