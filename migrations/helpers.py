@@ -48,3 +48,13 @@ def grant_role(service: str, privileges: str, *tables: str) -> None:
     """Grant service `service`'s own role `privileges` (e.g. "SELECT, INSERT") on `tables`."""
     role = SERVICE_ROLES[service]
     op.execute(f"GRANT {privileges} ON {', '.join(tables)} TO {role}")
+
+
+def grant_audit_view(view: str) -> None:
+    """Who reads an audit view: the services (their role and each one's API and control
+    logins) and the auditor (migration 0005's role), whose row policies the view keeps
+    when it is `security_invoker`."""
+    grant_services("SELECT", view)
+    op.execute(f"GRANT SELECT ON {view} TO ballast_auditor")
+    grant_role("api", "SELECT", view)
+    grant_role("control", "SELECT", view)

@@ -21,9 +21,8 @@ Revises: 0026
 
 from alembic import op
 
-from migrations.helpers import grant_role, grant_services
+from migrations.helpers import grant_audit_view
 
-AUDITOR = "ballast_auditor"  # 0005
 revision = "0027"
 down_revision = "0026"
 branch_labels = None
@@ -45,10 +44,7 @@ def upgrade() -> None:
           FROM batches b
           LEFT JOIN events p ON p.idempotency_key = 'batch:' || b.id || ':' || 'promised'
     """)
-    grant_services("SELECT", "batch_promises")
-    op.execute(f"GRANT SELECT ON batch_promises TO {AUDITOR}")
-    grant_role("api", "SELECT", "batch_promises")
-    grant_role("control", "SELECT", "batch_promises")
+    grant_audit_view("batch_promises")
 
 
 def downgrade() -> None:

@@ -23,9 +23,8 @@ Revises: 0027
 
 from alembic import op
 
-from migrations.helpers import grant_role, grant_services
+from migrations.helpers import grant_audit_view
 
-AUDITOR = "ballast_auditor"  # 0005
 revision = "0028"
 down_revision = "0027"
 branch_labels = None
@@ -50,10 +49,7 @@ def upgrade() -> None:
           FROM used
         WINDOW pool AS (PARTITION BY model, hour)
     """)
-    grant_services("SELECT", "cost_by_tenant")
-    op.execute(f"GRANT SELECT ON cost_by_tenant TO {AUDITOR}")
-    grant_role("api", "SELECT", "cost_by_tenant")
-    grant_role("control", "SELECT", "cost_by_tenant")
+    grant_audit_view("cost_by_tenant")
 
 
 def downgrade() -> None:
