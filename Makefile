@@ -55,6 +55,7 @@ bench: install
 	$(VENV)/bin/ballast bench grouping
 	$(VENV)/bin/ballast bench training
 	$(VENV)/bin/ballast bench fold
+	$(VENV)/bin/ballast bench promises
 
 # Ballast as seven hosts in network namespaces (root): bench/hosts.py.
 hosts: install test-deps

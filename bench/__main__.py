@@ -89,6 +89,12 @@ def _fold(s: Settings, a: argparse.Namespace) -> int:
     return main(s, ticks=a.ticks)
 
 
+def _promises(s: Settings, a: argparse.Namespace) -> int:
+    from bench.promises import main
+
+    return main(s, seconds=a.seconds, load=a.load, windows=tuple(a.windows.split(",")))
+
+
 def _chaos(s: Settings, a: argparse.Namespace) -> int:
     from bench.chaos import main
 
@@ -149,6 +155,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, default=3, help="fine-tuning jobs per arm")
     b = bench("fold", _fold, "the quota fold's cost: incremental against a full refold")
     b.add_argument("--ticks", type=int, default=200, help="reconciler ticks per ledger size")
+    b = bench("promises", _promises, "mixed completion windows asked of a fleet beyond its pace: kept, and each "
+                                     "refusal replayed")
+    b.add_argument("--seconds", type=float, default=150.0, help="seconds of arrivals")
+    b.add_argument("--load", type=float, default=2.0, help="arrivals' work over the pace's promised share")
+    b.add_argument("--windows", default="30s,60s,120s", help="the completion windows offered, comma-separated")
     b = bench("chaos", _chaos, "faults injected into a fresh `ballast up` under load; the client's record and "
                                "the journal's invariants judged at the end")
     b.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")
