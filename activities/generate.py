@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -222,7 +223,7 @@ class GenerationActivities:
         async def whole() -> None:  # a preemption's abort: the pass ends on its own within a step
             pass
 
-        async with self.slots.batch(at.key, BATCH_PRIORITY, whole):
+        async with self.slots.batch(at.key, BATCH_PRIORITY, whole, at.deadline):
             vectors = await self.engine.embed(f"{at.key}:{at.fence}:{at.tries}", ids, dimensions=req.dimensions,
                                               priority=BATCH_PRIORITY)
         await self._result(at, [at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
@@ -244,7 +245,7 @@ class GenerationActivities:
     async def _prompt_logprobs(self, at: Attempt, prompt: list[int], params: sampling.Sampling) -> list[Any]:
         """An echo's prompt logprobs, under a batch slot like any run of the item."""
         request_id = f"{at.stream}:{at.fence}:{at.tries}:echo"
-        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id)):
+        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id), at.deadline):
             return await sampling.prompt_logprobs(self.engine, request_id, prompt, params)
 
     def _count(self, at: Attempt, outcome: str, tokens: int = 0) -> None:
@@ -266,7 +267,8 @@ class GenerationActivities:
         blocks = block_hashes(prompt + tokens, self.engine.block_size, seed=root(params.adapter))
         first, resuming = True, bool(tokens)
         await self.leaders.wait(blocks)
-        async with self.slots.batch(at.key, BATCH_PRIORITY, lambda: self.engine.abort(request_id)) as hold:
+        async with self.slots.batch(at.key, BATCH_PRIORITY, lambda: self.engine.abort(request_id),
+                                    at.deadline) as hold:
             self.trace("submit", item=at.key)
             try:
                 with self.checkpointer.track(at), self.leaders.lead(blocks) as prefilled:
@@ -362,6 +364,8 @@ class Attempt:
         # The items of its activity still running (this one until it has its result).
         self.running = running if running is not None else {self.idx}
         self._refused: BaseException | None = None
+        # Its batch's completion window ends: engine slots go earliest deadline first.
+        self.deadline = float(batch.get("expires_at") or math.inf)
 
     def choice(self, index: int) -> Attempt:
         """Another of the item's choices, under the same lease."""

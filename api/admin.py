@@ -1,5 +1,5 @@
-"""/admin: tenants, their API keys, limits, tiers and regions and the erasure of their
-content; the admin keys; the engine workers (list, drain, undrain). Every route needs
+"""/admin: tenants, their API keys, limits, tiers, regions and reserved capacity, and the
+erasure of their content; the admin keys; the engine workers (list, drain, undrain). Every route needs
 an admin key. An admin key belongs to no tenant (it administers, and has no /v1 of its own);
 one made before that rule keeps its tenant until revoked.
 
@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.deps import AdminDep, Services, ServicesDep
 from api.errors import APIError, check_text, not_found, possible_id
-from journal import engine_registry, erasure, tenant_store
+from journal import engine_registry, erasure, reservations, tenant_store
 from protocol.engine_wire import EngineStats
 from protocol.limits import ANY_MODEL, LIMITS
 from protocol.schema import errors
@@ -72,6 +72,14 @@ class Limits(BaseModel):
     tokens_per_day: int | None = _LIMIT
     batch_queue_tokens: int | None = _LIMIT
     concurrent_fine_tunes: int | None = _LIMIT
+
+
+class Reservation(BaseModel):
+    """Sequence slots of `model`'s pool kept for the tenant, spread over its engine workers
+    (0: none). What the tenant does not use is lent to batch work, which yields it back."""
+
+    model: str = Field(min_length=1, max_length=256)
+    slots: int = Field(ge=0, le=1_000_000)
 
 
 def _epoch(at: datetime | None) -> int | None:
@@ -267,6 +275,57 @@ async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep
         except tenant_store.UnknownTenant:
             raise _unknown(tenant_id) from None
     return limits_object(row)
+
+
+# -- reserved capacity -----------------------------------------------------------------
+
+
+def reservation_object(row: dict[str, Any], engines: list[EngineStats] | None = None) -> dict[str, Any]:
+    out = dict(object="reservation", tenant=row["tenant"], model=row["model"], slots=row["slots"],
+               set_at=row.get("set_at", row.get("at")))
+    if engines is not None:  # as its pool's engine workers last said: kept for it, held by its requests
+        out.update(on_engines=sum(e.reserved.get(row["tenant"], 0) for e in engines),
+                   used=sum(e.reserved_used.get(row["tenant"], 0) for e in engines))
+    return out
+
+
+@router.put("/tenants/{tenant_id}/reservations", operation_id="setReservation", responses=errors(400, 404))
+async def set_reservation(tenant_id: str, body: Reservation, svc: ServicesDep, admin: AdminDep):
+    check_text(body.model, "model")
+    if body.model == ANY_MODEL:
+        raise APIError(400, "A reservation is on one model's pool: name the model.", param="model",
+                       code="invalid_value")
+    async with svc.db.begin() as conn:
+        if await tenant_store.get_tenant(conn, tenant_id) is None:
+            raise _unknown(tenant_id)
+        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots, admin.key_id)
+    return reservation_object(change)
+
+
+@router.get("/tenants/{tenant_id}/reservations", operation_id="getReservations", responses=errors(404))
+async def get_reservations(tenant_id: str, svc: ServicesDep, _: AdminDep):
+    """The tenant's reservations in force, and every change to them, oldest first."""
+    async with svc.db.connect() as conn:
+        if await tenant_store.get_tenant(conn, tenant_id) is None:
+            raise _unknown(tenant_id)
+        rows = await reservations.in_force(conn, tenant=tenant_id)
+        changes = await reservations.history(conn, tenant_id)
+    return dict(object="list", data=[reservation_object(r) for r in rows],
+                history=[dict(reservation_object(c), by=c["by"]) for c in changes])
+
+
+@router.get("/reservations", operation_id="listReservations", responses=errors())
+async def list_reservations(svc: ServicesDep, _: AdminDep):
+    """Every reservation in force with what its pool's engine workers keep and its requests
+    use now; per pool, the reserved slots batch holds meanwhile (lent)."""
+    async with svc.db.connect() as conn:
+        rows = await reservations.in_force(conn)
+        live = [e for e in await engine_registry.live(conn, LISTED_WITHIN_S) if not e["draining"]]
+    pools: dict[str, list[EngineStats]] = {}
+    for e in live:
+        pools.setdefault(e["model"], []).append(EngineStats.from_json(e["stats"]))
+    return dict(object="list", data=[reservation_object(r, pools.get(r["model"], [])) for r in rows],
+                lent={m: sum(e.lent for e in es) for m, es in sorted(pools.items())})
 
 
 # -- engine workers ---------------------------------------------------------------------

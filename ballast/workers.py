@@ -363,11 +363,13 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                     draining: Draining) -> None:
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back, and
-    whether an operator is draining this engine; and its batch pace, which completion
-    windows are promised on (policy/promises.py)."""
+    whether an operator is draining this engine; its batch pace, which completion windows
+    are promised on (policy/promises.py); and its part of its pool's reservations, which
+    it keeps for their tenants (policy/reservations.py)."""
     from dataclasses import asdict
 
-    from journal import engine_registry
+    from journal import engine_registry, reservations
+    from policy import reservations as reserving
     from policy.promises import Pace, paced
 
     pace = Pace()
@@ -375,14 +377,21 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
         try:
             report = slots.report()
             pace = paced(pace, time.monotonic(), int(families.total(families.BATCH_TOKENS)), report["batch"] > 0)
+            reserved, used = fair.reserved, reserving.used(fair.reserved, fair.running_of)
+            lent = min(report["batch"], sum(reserved.values()) - sum(used.values()))
             async with db.begin() as conn:
+                pool = {r["tenant"]: r["slots"] for r in await reservations.in_force(conn, model=spec.name)}
+                peers = [e["id"] for e in await engine_registry.live(conn, settings.announce_s * 5)
+                         if e["model"] == spec.name and not e["draining"]]
                 cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
                     EngineStats(**report, **asdict(engine.load), max_seqs=settings.max_num_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
                                 max_model_len=spec.max_model_len, model_source=spec.path, task=spec.task,
-                                batch_tokens=pace.tokens, batch_rate=round(pace.rate, 3)).to_json())
+                                batch_tokens=pace.tokens, batch_rate=round(pace.rate, 3), reserved=reserved,
+                                reserved_used=used, lent=lent).to_json())
+            fair.reserve(reserving.shares(pool, peers, engine_id))
             await slots.direct(cap)
             draining.set(drained)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile

@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "alembic"):
+    for noisy in ("httpx", "httpx2", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         settings = Settings()

@@ -29,6 +29,12 @@ Floors: a tier with a minimum share (flex) whose oldest request has waited
 `starve_after_s` goes first until it holds its share, so continuous chat slows flex but
 never stops it, as batch's floor does for batch (policy/preemption.py).
 
+Reservations (`reserve`: tenant → slots on this engine, policy/reservations.py) come
+before all three: a tenant's request inside its reservation goes first, at the highest
+vLLM priority, and the part of each reservation its tenant is not using is held back from
+every other tenant's requests, so it is free the moment its tenant asks (batch, which sees
+only interactive work, runs there meanwhile and yields).
+
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
 tier's), served by arrival within a tier, as before; the counters are still kept, so
 `/stats` shows what each tenant got either way.
@@ -46,7 +52,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from policy import fairness as vtc
-from protocol.tiers import RANK
+from policy import reservations
+from protocol.tiers import RANK, Tier
 
 Mode = Literal["vtc", "fcfs"]
 _TIER_OF = {v: k for k, v in RANK.items()}
@@ -112,7 +119,18 @@ class FairShare:
         self.waiting = 0
         self.queued_total = 0  # requests that ever waited here for a slot
         self.queued_by: dict[str, int] = {}  # … by tenant
+        self.reserved: dict[str, int] = {}  # tenant → slots of this engine reserved for it
         self._seq = itertools.count()
+
+    def reserve(self, reserved: Mapping[str, int]) -> None:
+        """The reservations in force on this engine now (tenant → slots)."""
+        if reserved != self.reserved:
+            self.reserved = dict(reserved)
+            self._dispatch()
+
+    def _room(self, tenant: str) -> bool:
+        """A slot `tenant` may take now: one not held back for another's reservation."""
+        return self.running < self.limit - reservations.held_back(self.reserved, self.running_of, tenant)
 
     def charge(self, tenant: str, weight: float, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
         before = self.state.counter(tenant)
@@ -147,11 +165,13 @@ class FairShare:
     def _grant(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool) -> int:
         """Dispatch: a slot taken, the prompt charged at once (before the next pick), and
         the vLLM priority from the tenant's rank as it was."""
+        reserved = reservations.within(self.reserved, self.running_of, tenant)
         self.running += 1
         self.prefilling_long += long
         self.running_of[tenant] = self.running_of.get(tenant, 0) + 1
         self.running_in[tier] = self.running_in.get(tier, 0) + 1
-        priority = vtc.engine_priority(tier, vtc.rank(self.state, tenant, self.quantum))
+        priority = (vtc.engine_priority(Tier.PRIORITY) if reserved
+                    else vtc.engine_priority(tier, vtc.rank(self.state, tenant, self.quantum)))
         mine = self.state.counter(tenant)
         if any(t != tenant and t not in self.queued_of and self.state.counter(t) < mine for t in self.load):
             self.out_of_turn[tenant] = self.out_of_turn.get(tenant, 0) + 1
@@ -177,7 +197,7 @@ class FairShare:
 
     async def _wait(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool) -> int:
         now = self.clock()
-        if (self.running < self.limit and not self.waiting and tenant not in self._capped(now)
+        if (self._room(tenant) and not self.waiting and tenant not in self._capped(now)
                 and not (long and self._long_held())):
             return self._grant(tenant, tier, weight, prompt_tokens, long)
         w = _Waiter(tenant, tier, weight, prompt_tokens, next(self._seq), now, long,
@@ -238,8 +258,9 @@ class FairShare:
             now = self.clock()
             long_held = self._long_held()
             heads = (vtc.Head(t, tier, q[0].seq) for (tier, t), q in self.queues.items()
-                     if not (q[0].long and long_held))
-            head = vtc.pick(self.state, heads, first=self._starved(now), capped=self._capped(now))
+                     if not (q[0].long and long_held) and self._room(t))
+            inside = frozenset(t for t in self.reserved if reservations.within(self.reserved, self.running_of, t))
+            head = vtc.pick(self.state, heads, first=self._starved(now), capped=self._capped(now), reserved=inside)
             if head is None:  # only capped tenants, or held long prompts, wait
                 return
             q = self.queues[(head.tier, head.tenant)]
@@ -288,4 +309,5 @@ class FairShare:
                     active=sorted(self.state.active),
                     counters={t: round(c, 1) for t, c in sorted(self.state.counters.items())},
                     served={t: round(c, 1) for t, c in sorted(self.served.items())},
-                    out_of_turn=dict(sorted(self.out_of_turn.items())), prefilling_long=self.prefilling_long)
+                    out_of_turn=dict(sorted(self.out_of_turn.items())), prefilling_long=self.prefilling_long,
+                    reserved=dict(sorted(self.reserved.items())))

@@ -10,11 +10,18 @@ what its resumptions cost (`policy.preemption.resume_after`). The fleet
 controller may cap batch lower still while the engine's pool surges (`direct`). Neither
 keeps batch below its minimum share (`min_share` of the slots) for longer than
 `starve_after_s`: continuous chat slows batch down, it never stops it.
+
+Generations waiting for a slot take them earliest deadline first (their batch's
+completion window's end; then arrival), as completion windows are promised
+(policy/promises.py): a batch due in an hour is not stuck behind one due tomorrow.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -90,6 +97,9 @@ class EngineSlots:
         self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
         self.stats = SlotStats()
         self._changed = asyncio.Condition()
+        self._waiting: list[tuple[float, int]] = []  # (deadline, arrival) of the waiters, a heap
+        self._gave_up: set[tuple[float, int]] = set()  # waiters cancelled while in the heap
+        self._arrivals = itertools.count()
 
     @asynccontextmanager
     async def interactive_request(self, source: str = "", seqs: int = 1) -> AsyncIterator[None]:
@@ -116,14 +126,18 @@ class EngineSlots:
             await self._rebalance()
 
     @asynccontextmanager
-    async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]]) -> AsyncIterator[BatchHold]:
-        """Wait for a batch slot, hold it for the block. Cancellable while waiting."""
+    async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]],
+                    deadline: float = math.inf) -> AsyncIterator[BatchHold]:
+        """Wait for a batch slot, hold it for the block. Cancellable while waiting. Waiters
+        go by `deadline` (unix seconds), then arrival."""
         async with self._changed:
             self.queued += 1
+            me = (deadline, next(self._arrivals))
+            heapq.heappush(self._waiting, me)
             try:
                 while True:
                     self._update_cap()
-                    if len(self.holds) < self.cap or not self.preemption:
+                    if not self.preemption or (len(self.holds) < self.cap and self._first() == me):
                         break
                     # Re-check on every change, and when the cool-down or the floor's grace
                     # ends: hundreds of waiters must not poll while chat holds the engine.
@@ -131,8 +145,17 @@ class EngineSlots:
                         await asyncio.wait_for(self._changed.wait(), timeout=self._next_change())
                     except TimeoutError:
                         pass
+            except BaseException:
+                self._gave_up.add(me)
+                self._changed.notify_all()  # it may have been the first: the next one goes
+                raise
             finally:
                 self.queued -= 1
+            if self._first() == me:
+                heapq.heappop(self._waiting)
+            else:  # no caps (preemption off): taken out of turn
+                self._gave_up.add(me)
+            self._changed.notify_all()  # the next waiter may take the next slot
             hold = BatchHold(id, tier, self.clock(), abort)
             self.holds[id] = hold
         try:
@@ -143,6 +166,12 @@ class EngineSlots:
                 self.stats.yields.append((id, self.clock() - hold.preempted_at))
             async with self._changed:
                 self._changed.notify_all()
+
+    def _first(self) -> tuple[float, int] | None:
+        """The waiter whose turn it is."""
+        while self._waiting and self._waiting[0] in self._gave_up:
+            self._gave_up.discard(heapq.heappop(self._waiting))
+        return self._waiting[0] if self._waiting else None
 
     def resumed(self, hold: BatchHold) -> None:
         """A resumed generation's first token is out: what its resumption cost (its slot to

@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.projections import project
-from journal.schema import batch_items, batches, events, files, fine_tuning_jobs
+from journal.schema import batch_items, batches, events, files, fine_tuning_jobs, reservations
 from telemetry import families
 
 
@@ -264,7 +264,7 @@ def _event(r) -> Event:
 
 async def rebuild(conn: AsyncConnection, page: int = 5000) -> None:
     """Every read model emptied and projected again from the whole journal."""
-    for table in (batch_items, batches, files, fine_tuning_jobs):
+    for table in (batch_items, batches, files, fine_tuning_jobs, reservations):
         await conn.execute(delete(table))
     after = 0
     while True:

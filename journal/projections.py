@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal import ledger
-from journal.schema import batch_items, batches, files, fine_tuning_jobs
+from journal.schema import batch_items, batches, files, fine_tuning_jobs, reservations
 from protocol.events import EventType, ItemPayload, item_payload, item_result
 
 if TYPE_CHECKING:
@@ -76,6 +76,20 @@ async def _batch_created(conn, evs):
 async def _batch_model(conn, evs):
     stmt = update(batches).where(batches.c.id == bindparam("b_id")).values(model=bindparam("b_model"))
     await conn.execute(stmt, [dict(b_id=e.payload["batch_id"], b_model=e.payload["model"]) for e in evs])
+
+
+@projects(EventType.RESERVATION_SET)
+async def _reservation_set(conn, evs):
+    for e in evs:  # in journal order: the last change of a tenant's model wins
+        p = e.payload
+        key = (reservations.c.tenant == p["tenant"]) & (reservations.c.model == p["model"])
+        if not p["slots"]:
+            await conn.execute(delete(reservations).where(key, reservations.c.position < e.position))
+            continue
+        row = dict(tenant=p["tenant"], model=p["model"], slots=p["slots"], set_at=p["at"], position=e.position)
+        stmt = insert(reservations).values(row)
+        await conn.execute(stmt.on_conflict_do_update(index_elements=[reservations.c.tenant, reservations.c.model],
+                                                      set_=row, where=reservations.c.position < e.position))
 
 
 # A status change carries its own timestamp (`at`) so replay reproduces it exactly.

@@ -220,6 +220,18 @@ limits = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+# A tenant's sequence slots reserved on a model's pool (migration 0029): the projection of
+# its `reservation_set` events, the one in force; none where slots went to 0.
+reservations = Table(
+    "reservations",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("model", Text, primary_key=True),
+    Column("slots", Integer, nullable=False),
+    Column("set_at", BigInteger, nullable=False),
+    Column("position", BigInteger, nullable=False),
+)
+
 # -- the quota ledger (migration 0005; journal/ledger.py) ------------------------------
 # Append-only, like `events`: one row per reserve / settle / refund / expire of a subject
 # (request:<id>, batch:<id>, item:<id>:<idx>); `idempotency_key` is `<kind>:<subject>`.

@@ -117,14 +117,16 @@ def tier_order(tier: str) -> int:
 
 
 def pick(v: Vtc, heads: Iterable[Head], *, first: frozenset[str] = frozenset(),
-         capped: frozenset[str] = frozenset()) -> Head | None:
+         capped: frozenset[str] = frozenset(), reserved: frozenset[str] = frozenset()) -> Head | None:
     """The request to dispatch next, None when every head is held back:
-    1. heads of `capped` tenants wait (they hold all the slots one tenant may hold);
-    2. tiers in `first` (starved below their minimum share) go before the others;
-    3. then the highest tier (lowest RANK value), the tenant with the least counter, the
+    1. heads of `reserved` tenants (inside their reservation) go first, by arrival;
+    2. heads of `capped` tenants wait (they hold all the slots one tenant may hold);
+    3. tiers in `first` (starved below their minimum share) go before the others;
+    4. then the highest tier (lowest RANK value), the tenant with the least counter, the
        earliest arrival, the tenant id."""
-    return min((h for h in heads if h.tenant not in capped),
-               key=lambda h: (h.tier not in first, tier_order(h.tier), v.counter(h.tenant), h.seq, h.tenant),
+    return min((h for h in heads if h.tenant in reserved or h.tenant not in capped),
+               key=lambda h: (h.tenant not in reserved, h.tier not in first, tier_order(h.tier),
+                              0.0 if h.tenant in reserved else v.counter(h.tenant), h.seq, h.tenant),
                default=None)
 
 

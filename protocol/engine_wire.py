@@ -176,6 +176,11 @@ class EngineStats:
     batch_tokens: int = 0  # batch tokens generated and journaled here since it started (its pace, read twice)
     # Its batch pace: tokens a second while it held batch work (policy/promises.py); 0: unmeasured.
     batch_rate: float = 0.0
+    # Its part of its pool's reservations (tenant → slots, policy/reservations.py), the slots
+    # of each its tenant's requests hold, and the unused ones batch holds meanwhile (lent).
+    reserved: dict[str, int] = field(default_factory=dict)
+    reserved_used: dict[str, int] = field(default_factory=dict)
+    lent: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # anything else it reports, for operators
 
     def to_json(self) -> dict[str, Any]:

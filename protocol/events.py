@@ -25,6 +25,9 @@ class EventType(StrEnum):
     # batch_id, window, deadline, estimated_at (None: pace not measured), ahead (output
     # tokens due no later, its own included), rate (the pace promised on, tokens a second)
     BATCH_PROMISED = "batch_promised"
+    # tenant, model, slots (0: none), by (the admin key's id), at (unix seconds); projected
+    # into `reservations`, the one in force: the journal keeps every change.
+    RESERVATION_SET = "reservation_set"
     ITEM_CREATED = "item_created"  # batch_id, idx, custom_id, the request body
     # A generation's attempt (fenced: the database refuses them without the current lease).
     ITEM_CHUNK = "item_chunk"  # offset, token_ids: tokens generated since the last chunk

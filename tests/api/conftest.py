@@ -144,6 +144,20 @@ async def temporal_api(settings, db, temporal_client, default_key):
 
 
 @pytest.fixture
+async def owner(db_url):
+    """The test database as its owner: what the services' roles may not do, done by hand."""
+    async with engine_at(db_url) as engine:
+        yield engine
+
+
+@pytest.fixture
+async def admin(settings, db):
+    """The API with an admin key; Temporal must not be reached."""
+    async with build(settings, db, Untouchable("temporal"), await new_key(db, None, admin=True)) as client:
+        yield client
+
+
+@pytest.fixture
 async def client(temporal_api):
     """The official `openai` client over the API with a Temporal client (`temporal_api`)."""
     async with openai.AsyncOpenAI(base_url="http://ballast.test/v1", api_key=temporal_api.headers["Authorization"][7:],

@@ -47,12 +47,6 @@ def client_with(settings, db):
     return lambda key: build(settings, db, Untouchable("temporal"), key)
 
 
-@pytest.fixture
-async def admin(settings, db):
-    async with build(settings, db, Untouchable("temporal"), await new_key(db, None, admin=True)) as client:
-        yield client
-
-
 def refused(r: httpx.Response, code: str | None) -> dict:
     err = assert_openai_error(r, 401, code=code)
     assert err["type"] == "invalid_request_error" and err["param"] is None and err["code"] == code

@@ -15,21 +15,8 @@ import pytest
 from sqlalchemy import text
 
 from tests.api.conftest import Untouchable, assert_openai_error, build, new_key
-from tests.conftest import engine_at
 
 HOUR = 3600
-
-
-@pytest.fixture
-async def owner(db_url):
-    async with engine_at(db_url) as engine:
-        yield engine
-
-
-@pytest.fixture
-async def admin(settings, db):
-    async with build(settings, db, Untouchable("temporal"), await new_key(db, None, admin=True)) as client:
-        yield client
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ def test_a_refusal_is_false_only_when_it_fits_without_costing_an_accepted_batch(
     too_big = Job(0, 200, 25)  # 300 tokens by 30 s
     crowds = Job(0, 50, 8)  # meets its own 8 s by going first, but A then ends at 15 s
     assert false_refusals(accepted, [fits, too_big, crowds], 10) == [True, False, False]
-    # An accepted batch that missed anyway does not make the refusal true.
-    assert false_refusals([Job(0, 200, 12)], [Job(0, 10, 30)], 10) == [True]
+    # Where the accepted batches miss already, the fleet was overcommitted: no refusal is false.
+    assert false_refusals([Job(0, 200, 12)], [Job(0, 10, 30)], 10) == [False]
 
 
 def test_busy_seconds_count_overlaps_once():

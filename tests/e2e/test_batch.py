@@ -313,7 +313,9 @@ def test_a_short_window_is_promised_on_the_engines_measured_pace_kept_and_refuse
     """The engine worker measures its batch pace while it runs a batch; a 1 h batch is then
     promised on it, runs ahead of the 24 h ones, and is kept; a 1 min batch past what that
     pace can do in a minute fails validation naming the window that could be promised."""
-    lines = [chat_line(f"warm-{i}", f"Warm up {i}: {TOPICS[i % len(TOPICS)]}", 48, ignore_eos=True) for i in range(64)]
+    # Long enough for the engine's once-a-second readings to find it busy more than once.
+    lines = [chat_line(f"warm-{i}", f"Warm up {i}: {TOPICS[i % len(TOPICS)]}", 128, ignore_eos=True)
+             for i in range(256)]
     assert wait_for(client, submit(client, lines).id).status == "completed"
     deadline = time.monotonic() + 30
     while not (paces := [r[0] for r in _sql(db_url, "SELECT (stats->>'batch_rate')::float FROM engines "

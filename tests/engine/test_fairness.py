@@ -423,3 +423,66 @@ def test_shell_one_long_prompt_prefills_at_a_time_while_another_tenant_is_about(
         assert share.prefilling_long == 0 and share.running == 0 and share.waiting == 0
 
     asyncio.run(run())
+
+
+def test_reservations_split_over_the_pool_and_hold_back_only_what_is_unused():
+    from policy import reservations as r
+
+    # 5 slots over 3 engines: 2, 2, 1 by id; an engine the list has not seen yet counts too.
+    assert [r.share(5, ["e1", "e2", "e3"], e) for e in ("e1", "e2", "e3")] == [2, 2, 1]
+    assert r.share(5, ["e2"], "e1") == 3 and r.share(0, ["e1"], "e1") == 0
+    assert r.shares({"gold": 5, "tin": 1}, ["e1", "e2", "e3"], "e3") == {"gold": 1}
+    reserved, running = {"gold": 3, "silver": 2}, {"gold": 1, "silver": 4, "x": 9}
+    assert r.unused(reserved, running) == {"gold": 2}
+    assert (r.held_back(reserved, running, "x"), r.held_back(reserved, running, "gold")) == (2, 0)
+    assert r.within(reserved, running, "gold") and not r.within(reserved, running, "silver")
+
+
+def test_pick_puts_heads_inside_their_reservation_first_even_when_capped():
+    v = f.charge(f.activate(f.activate(f.Vtc(), "gold"), "b"), "gold", input_tokens=10_000)
+    heads = [f.Head("b", "priority", 0), f.Head("gold", "flex", 5)]
+    assert f.pick(v, heads, reserved=frozenset({"gold"}), capped=frozenset({"gold"})) == f.Head("gold", "flex", 5)
+    assert f.pick(v, heads) == f.Head("b", "priority", 0)
+
+
+def test_shell_a_reservation_is_kept_free_of_others_and_taken_at_once_at_the_top_priority():
+    async def run():
+        share = FairShare("vtc", limit=4)
+        share.reserve({"gold": 2})
+        hold = asyncio.Event()
+        started: list[tuple[str, int]] = []
+
+        async def request(tenant: str, tier: str = "default", wait: asyncio.Event | None = None):
+            async with share.turn(tenant, tier, 1, 10, 1) as turn:
+                started.append((tenant, turn.priority))
+                await (wait or hold).wait()
+
+        # 1. another tenant's backlog takes the 2 shared slots, never gold's 2
+        others = [asyncio.create_task(request("b", "priority")) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert share.running_of == {"b": 2} and share.waiting == 3
+        # 2. gold's requests start at once, ahead of b's waiting priority ones, at the top priority
+        gold_done = asyncio.Event()
+        golds = [asyncio.create_task(request("gold", "flex", gold_done)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert share.running_of == {"b": 2, "gold": 2}
+        top = f.engine_priority("priority")
+        assert [p for t, p in started if t == "gold"] == [top, top]
+        # its third is beyond the reservation: shared, behind b's priority backlog
+        assert share.snapshot()["waiting"] == {"b": 3, "gold": 1}
+        # 3. gold's requests end (its third went inside the reservation as the first two
+        #    left): its slots are held back again, b's backlog takes neither
+        gold_done.set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert all(g.done() for g in golds) and [t for t, _ in started].count("gold") == 3
+        assert share.running_of == {"b": 2} and share.waiting == 3
+        # 4. the reservation withdrawn: b takes every slot
+        share.reserve({})
+        await asyncio.sleep(0)
+        assert share.running == 4
+        hold.set()
+        await asyncio.gather(*others, *golds)
+        assert share.running == 0 and share.waiting == 0
+
+    asyncio.run(run())

@@ -182,3 +182,36 @@ async def test_batch_comes_back_at_once_after_chat_on_an_engine_whose_calm_spell
             assert slots.cap == 0
             clock.now += 0.5
         assert (slots.wait_s, slots.cap) == (wait, 4 if priced else 0), slots.spells
+
+
+async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_cancelled_one_passes_its_turn():
+    slots = EngineSlots(1)
+    order: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+
+    async def run(id: str, deadline: float):
+        async def abort():
+            pass
+
+        release[id] = asyncio.Event()
+        async with slots.batch(id, 10, abort, deadline):
+            order.append(id)
+            await release[id].wait()
+
+    first = asyncio.create_task(run("holder", 500.0))
+    await asyncio.sleep(0)
+    tasks = {id: asyncio.create_task(run(id, d)) for id, d in
+             (("tomorrow", 86_400.0), ("in-an-hour", 3600.0), ("gone", 60.0), ("also-in-an-hour", 3600.0))}
+    await asyncio.sleep(0)
+    assert slots.queued == 4
+    tasks["gone"].cancel()  # the earliest deadline, cancelled while it waits: the next goes
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks["gone"]
+    for id in ("holder", "in-an-hour", "also-in-an-hour", "tomorrow"):
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order[-1] == id
+        release[id].set()
+    await asyncio.gather(first, *(t for k, t in tasks.items() if k != "gone"))
+    assert order == ["holder", "in-an-hour", "also-in-an-hour", "tomorrow"] and slots.queued == 0
+    assert not slots._waiting and not slots._gave_up

@@ -41,6 +41,7 @@ MATRIX: dict[str, tuple[str | None, str | None, str | None]] = {
     "ledger": (W, W, W),
     "admission_holders": (W, W, None),
     "webhooks": (W, R, None),  # the API: every column but `secret`; control: with it, to sign (0021)
+    "reservations": (W, R, R),  # the API projects the admin's changes; the others read them
     **{t: (R, W, R) for t in _QUOTA},
     **{t: (R, R, None) for t in _VIEWS},
     "alembic_version": (None, None, None),

@@ -1,0 +1,44 @@
+"""Reserved capacity: a tenant's sequence slots on a model's pool, set by an admin. Every
+change is a `reservation_set` event (the history); `reservations` holds the ones in force."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from journal.events import NewEvent, append_one
+from journal.schema import events, reservations
+from protocol.events import EventType
+
+
+def _stream(tenant: str, model: str) -> str:
+    return f"reservation:{tenant}:{model}"
+
+
+async def set_slots(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None) -> dict[str, Any]:
+    """Journal `tenant`'s reservation on `model` as `slots` (0: none); returns the change."""
+    stream = _stream(tenant, model)
+    change = dict(tenant=tenant, model=model, slots=slots, by=by, at=int(time.time()))
+    await append_one(conn, NewEvent(stream, EventType.RESERVATION_SET, change, f"{stream}:{uuid.uuid4().hex}",
+                                    tenant))
+    return change
+
+
+async def in_force(conn: AsyncConnection, *, tenant: str | None = None, model: str | None = None) -> list[dict]:
+    q = select(reservations).order_by(reservations.c.model, reservations.c.tenant)
+    if tenant is not None:
+        q = q.where(reservations.c.tenant == tenant)
+    if model is not None:
+        q = q.where(reservations.c.model == model)
+    return [dict(r._mapping) for r in (await conn.execute(q)).all()]
+
+
+async def history(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
+    """Every change to `tenant`'s reservations, oldest first."""
+    q = (select(events.c.payload).where(events.c.type == EventType.RESERVATION_SET, events.c.tenant == tenant)
+         .order_by(events.c.position))
+    return [dict(p) for p in (await conn.execute(q)).scalars().all()]
