@@ -56,6 +56,7 @@ bench: install
 	$(VENV)/bin/ballast bench training
 	$(VENV)/bin/ballast bench fold
 	$(VENV)/bin/ballast bench promises
+	$(VENV)/bin/ballast bench reserved
 
 # Ballast as seven hosts in network namespaces (root): bench/hosts.py.
 hosts: install test-deps

@@ -261,6 +261,7 @@ async def engine_worker(settings: Settings) -> None:
                      floors=dict(flex=min_slots(settings.flex_min_share, settings.max_num_seqs)),
                      starve_after_s=settings.flex_starve_after_s, long_prompt=settings.fair_long_prompt,
                      long_prefills=settings.fair_long_prefills)
+    fair.lending = slots.lend  # reserved slots left unused: batch's until asked for
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)
         stack.push_async_callback(db.dispose)

@@ -95,6 +95,12 @@ def _promises(s: Settings, a: argparse.Namespace) -> int:
     return main(s, seconds=a.seconds, load=a.load, windows=tuple(a.windows.split(",")))
 
 
+def _reserved(s: Settings, a: argparse.Namespace) -> int:
+    from bench.reserved import main
+
+    return main(s, seconds=a.seconds, rate=a.rate, slots=a.slots, streams=a.streams)
+
+
 def _chaos(s: Settings, a: argparse.Namespace) -> int:
     from bench.chaos import main
 
@@ -160,6 +166,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=150.0, help="seconds of arrivals")
     b.add_argument("--load", type=float, default=2.0, help="arrivals' work over the pace's promised share")
     b.add_argument("--windows", default="30s,60s,120s", help="the completion windows offered, comma-separated")
+    b = bench("reserved", _reserved, "a tenant's reserved slots with the engine full of others' chats and batch: "
+                                     "its TTFT against alone and unreserved, and the reservation lent while idle")
+    b.add_argument("--seconds", type=float, default=60.0, help="seconds of the reserved tenant's chats per phase")
+    b.add_argument("--rate", type=float, default=4.0, help="its chats a second (Poisson)")
+    b.add_argument("--slots", type=int, default=2, help="slots reserved for it")
+    b.add_argument("--streams", type=int, default=24, help="the other tenant's chats in flight")
     b = bench("chaos", _chaos, "faults injected into a fresh `ballast up` under load; the client's record and "
                                "the journal's invariants judged at the end")
     b.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")

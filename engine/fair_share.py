@@ -46,10 +46,10 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, KeysView, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, KeysView, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from policy import fairness as vtc
 from policy import reservations
@@ -120,6 +120,10 @@ class FairShare:
         self.queued_total = 0  # requests that ever waited here for a slot
         self.queued_by: dict[str, int] = {}  # … by tenant
         self.reserved: dict[str, int] = {}  # tenant → slots of this engine reserved for it
+        # Told the reserved slots left unused after every change (EngineSlots.lend): batch's meanwhile.
+        self.lending: Callable[[int], Coroutine[Any, Any, None]] | None = None
+        self._lent = 0
+        self._lends: set[asyncio.Task] = set()
         self._seq = itertools.count()
 
     def reserve(self, reserved: Mapping[str, int]) -> None:
@@ -127,6 +131,17 @@ class FairShare:
         if reserved != self.reserved:
             self.reserved = dict(reserved)
             self._dispatch()
+            self._lend()
+
+    def _lend(self) -> None:
+        """Tell the slots what is left unused of the reservations, when it changed."""
+        unused = sum(reservations.unused(self.reserved, self.running_of).values())
+        if self.lending is None or unused == self._lent:
+            return
+        self._lent = unused
+        task = asyncio.get_running_loop().create_task(self.lending(unused))
+        self._lends.add(task)
+        task.add_done_callback(self._lends.discard)
 
     def _room(self, tenant: str) -> bool:
         """A slot `tenant` may take now: one not held back for another's reservation."""
@@ -176,6 +191,8 @@ class FairShare:
         if any(t != tenant and t not in self.queued_of and self.state.counter(t) < mine for t in self.load):
             self.out_of_turn[tenant] = self.out_of_turn.get(tenant, 0) + 1
         self.charge(tenant, weight, input_tokens=prompt_tokens)
+        if reserved:
+            self._lend()
         return priority
 
     def _release(self, tenant: str, tier: str) -> None:
@@ -185,6 +202,8 @@ class FairShare:
             if not counts[k]:
                 del counts[k]
         self._dispatch()
+        if tenant in self.reserved:
+            self._lend()
 
     def long_prefill_done(self) -> None:
         self.prefilling_long -= 1

@@ -88,6 +88,7 @@ class EngineSlots:
         self._cap = max_seqs
         self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
+        self.lendable = 0  # reserved slots their tenants leave unused: batch's while they do
         self.interactive_peak = 0  # most in flight at once since the last report
         # In flight now by the API process that sent them: each API places by its own
         # streams (current) plus the others' (as of this report), not by the peak.
@@ -184,6 +185,13 @@ class EngineSlots:
         not below batch's floor once it has starved for `starve_after_s`."""
         return self._cap
 
+    async def lend(self, slots: int) -> None:
+        """Reserved slots now unused (engine/fair_share.py): lent to batch; asked for, batch
+        yields them at once (the cap falls, its victims are aborted)."""
+        if slots != self.lendable:
+            self.lendable = slots
+            await self._rebalance()
+
     async def direct(self, fleet_cap: int | None) -> None:
         """Apply the fleet controller's cap (None lifts it)."""
         if fleet_cap != self.fleet_cap:
@@ -215,7 +223,7 @@ class EngineSlots:
         return min(5.0, max(0.01, min(pending))) if pending else None
 
     def _update_cap(self) -> None:
-        demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max)
+        demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max, self.lendable)
         now = self.clock()
         self.state = batch_slots(demand, self.state, now, self.wait_s)
         cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)

@@ -55,6 +55,9 @@ class SlotDemand:
     max_seqs: int  # the engine's sequence slots (vLLM max_num_seqs)
     busy_cap: int = 0  # batch sequences allowed while interactive work is in flight
     batch_max: int | None = None  # a static partition: batch never holds more, busy or not
+    # Reserved slots their tenants are not using, which no other interactive request may
+    # take (policy/reservations.py): batch may hold them, busy or not, until they are asked for.
+    lendable: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ def batch_slots(d: SlotDemand, prev: SlotState, now: float, cool_down_s: float =
     room = d.max_seqs - d.interactive
     if d.interactive:
         room = min(room, d.busy_cap)
+    room = max(room, d.lendable)
     if d.batch_max is not None:
         room = min(room, d.batch_max)
     wanted = max(0, room)

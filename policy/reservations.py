@@ -4,9 +4,10 @@ preempted with every token journaled). Pure.
 
 A pool's reservation is spread over its live engine workers (`share`); on each, the part
 its tenant is not using is held back from the others' interactive requests (`held_back`),
-so the tenant's next request finds a slot at once whatever the load. Batch sees only the
-interactive work in flight, so it runs in the slots held back and gives them up as any
-interactive arrival takes them: within an engine step (engine/slots.py).
+so the tenant's next request finds a slot at once whatever the load. The engine's batch
+work is lent them (EngineSlots.lend), even while other tenants' chats keep batch out of the
+rest, and gives one up the moment the tenant's request takes it: its victim is aborted
+within an engine step, every token it had journaled (engine/slots.py).
 """
 
 from __future__ import annotations

@@ -486,3 +486,33 @@ def test_shell_a_reservation_is_kept_free_of_others_and_taken_at_once_at_the_top
         assert share.running == 0 and share.waiting == 0
 
     asyncio.run(run())
+
+
+def test_shell_tells_the_slots_what_its_reservations_leave_unused_as_it_changes():
+    async def run():
+        share = FairShare("vtc", limit=4)
+        told: list[int] = []
+
+        async def lend(n: int) -> None:
+            told.append(n)
+
+        share.lending = lend
+        share.reserve({"gold": 2})
+        hold = asyncio.Event()
+
+        async def request(tenant: str):
+            async with share.turn(tenant, "default", 1, 10, 1):
+                await hold.wait()
+
+        tasks = [asyncio.create_task(request("gold")) for _ in range(3)] + [asyncio.create_task(request("b"))]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        hold.set()
+        await asyncio.gather(*tasks)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        # 2 unused; 1, then 0 as gold's requests take them (its third and b's change nothing);
+        # back to 2 as they end
+        assert told == [2, 1, 0, 1, 2]
+
+    asyncio.run(run())

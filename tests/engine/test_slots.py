@@ -215,3 +215,19 @@ async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_canc
     await asyncio.gather(first, *(t for k, t in tasks.items() if k != "gone"))
     assert order == ["holder", "in-an-hour", "also-in-an-hour", "tomorrow"] and slots.queued == 0
     assert not slots._waiting and not slots._gave_up
+
+
+async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_asked_for_at_once():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=0, cool_down_s=2.0, clock=clock)
+    await slots.lend(2)  # two reserved slots nobody uses: no other chat may take them
+    tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)
+    async with slots.interactive_request():  # another tenant's chat: batch keeps the lent two
+        assert slots.cap == 2 and aborted == ["c"]
+        await slots.lend(1)  # the reserved tenant's request takes one: batch yields it at once
+        assert slots.cap == 1 and aborted == ["c", "b"]
+        await asyncio.gather(*tasks[1:])
+    await slots.lend(0)
+    tasks[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks[0]

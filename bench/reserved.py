@@ -1,0 +1,175 @@
+"""`ballast bench reserved`: a tenant's reserved slots, with the engine full of other work.
+
+One `ballast up` whose engine has few sequence slots (BALLAST_MAX_NUM_SEQS, 8), so that
+other work fills it. Tenant `gold` sends short streamed chats, open loop (Poisson,
+`--rate` a second, for `--seconds`), in three phases on the same stack:
+
+1. alone: nothing else runs;
+2. reserved: gold holds a reservation of `--slots` slots (`PUT /admin/tenants/gold/
+   reservations`), while tenant `crowd` keeps `--streams` streamed chats in flight (a closed
+   loop, more than the engine's slots) and a batch backlog of its own;
+3. shared: the same load without the reservation (what gold gets without one), run
+   before the reserved phase, both after the crowd's batch is validated and running.
+
+Gold's TTFT is measured at the client (its first content token). The engine worker's
+/stats, sampled every 100 ms in phase 2, says how many of the reserved slots gold left
+unused and how many batch generations and interactive requests held slots: the unused
+reserved slots batch held (lent) over those it could have held is the share of the
+reservation's idle time lent out. Targets: gold's TTFT p99 reserved ≤ 1.10 × alone; lent
+≥ 0.9.
+
+Prints a table, then one JSON line with the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.fairness import make_tenants, owner_url
+from bench.stack import ballast_up
+from bench.stats import p50, pct
+from config import Settings
+
+SEED = 5
+MODEL = "ballast-tiny"
+MAX_SEQS = 8
+
+
+async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> float | None:
+    """One streamed chat: seconds to its first content token (None: it failed)."""
+    body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
+                ignore_eos=True, temperature=0)
+    t0 = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return None
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"content":' in line:
+                first = time.perf_counter() - t0
+        return first
+
+
+async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[float]:
+    tasks: list[asyncio.Task[float | None]] = []
+    t, start = 0.0, time.perf_counter()
+    while (t := t + rng.expovariate(rate)) < seconds:
+        await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+        tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?")))
+    return [x for x in await asyncio.gather(*tasks) if x is not None]
+
+
+async def _crowd(http: httpx.AsyncClient, key: str, streams: int, stop: asyncio.Event) -> None:
+    async def loop(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            await _chat(http, key, 64, f"Crowd {i}.{n}: tell me more.")
+            n += 1
+
+    await asyncio.gather(*(loop(i) for i in range(streams)))
+
+
+async def _sample(http: httpx.AsyncClient, engine_url: str, headers: dict[str, str], stop: asyncio.Event,
+                  out: list[dict]) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(httpx.HTTPError):
+            out.append((await http.get(f"{engine_url}/stats", headers=headers)).json())
+        await asyncio.sleep(0.1)
+
+
+def lent_share(samples: list[dict], max_seqs: int = MAX_SEQS) -> tuple[float, int]:
+    """(Σ unused reserved slots batch held ÷ Σ unused reserved slots, samples with any unused)."""
+    held = idle = n = 0
+    for s in samples:
+        fair = s["fairness"]
+        unused = sum(max(0, r - fair["running_of"].get(t, 0)) for t, r in fair.get("reserved", {}).items())
+        if not unused:
+            continue
+        n += 1
+        idle += unused
+        held += min(unused, max(0, s["batch"] + fair["running"] + unused - max_seqs))
+    return (held / idle if idle else float("nan")), n
+
+
+def _backlog(lines: int) -> bytes:
+    return b"".join(json.dumps(dict(custom_id=f"b{i}", method="POST", url="/v1/chat/completions", body=dict(
+        model=MODEL, messages=[dict(role="user", content=f"Backlog {i}")], max_tokens=256, ignore_eos=True))
+    ).encode() + b"\n" for i in range(lines))
+
+
+async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int) -> dict:
+    rng = random.Random(SEED)
+    with tempfile.TemporaryDirectory() as d, ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(MAX_SEQS)) as stack:
+        keys, engine_url = await make_tenants(owner_url(stack.db_url, Path(d)), ["gold", "crowd"])
+        admin = {"Authorization": "Bearer " + (Path(d) / "admin-key").read_text().strip()}
+        base = str(stack.api.base_url).rstrip("/")
+        async with httpx.AsyncClient(base_url=base, timeout=300) as http:
+            async def reserve(n: int) -> None:
+                r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, slots=n), headers=admin)
+                assert r.status_code == 200, r.text
+                for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
+                    got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
+                    if got["fairness"].get("reserved", {}).get("gold", 0) == n:
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"the engine never kept gold's {n} slots")
+
+            await _chat(http, keys["gold"], 4, "warm up")
+            alone = await _paced(http, keys["gold"], rate, seconds, rng)
+
+            f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
+                                data=dict(purpose="batch"), headers={"Authorization": f"Bearer {keys['crowd']}"})
+            assert f.status_code == 200, f.text
+            crowd_key = {"Authorization": f"Bearer {keys['crowd']}"}
+            batch = await http.post("/v1/batches", headers=crowd_key, json=dict(
+                input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window="24h"))
+            assert batch.status_code == 200, batch.text
+            for _ in range(600):  # validated and running before either phase: its start's CPU in neither
+                got = (await http.get(f"/v1/batches/{batch.json()['id']}", headers=crowd_key)).json()
+                if got["status"] == "in_progress" and got["request_counts"]["completed"]:
+                    break
+                await asyncio.sleep(0.1)
+            figures: dict = {}
+            for phase, n in (("shared", 0), ("reserved", slots)):
+                await reserve(n)
+                stop, samples = asyncio.Event(), list[dict]()
+                crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
+                sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
+                await asyncio.sleep(3)  # the crowd fills the engine
+                ttft = await _paced(http, keys["gold"], rate, seconds, rng)
+                stop.set()
+                await asyncio.gather(crowd, sampler)
+                figures[phase] = dict(ttft=ttft, samples=samples)
+            await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
+    lent, n = lent_share(figures["reserved"]["samples"])
+    out: dict = dict(seconds=seconds, rate=rate, slots=slots, streams=streams, max_seqs=MAX_SEQS,
+                     lent_share=round(lent, 3), lent_samples=n)
+    for phase, xs in (("alone", alone), ("reserved", figures["reserved"]["ttft"]),
+                      ("shared", figures["shared"]["ttft"])):
+        out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1))
+    out["reserved_over_alone_p99"] = round(out["reserved"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
+    out["shared_over_alone_p99"] = round(out["shared"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
+    return out
+
+
+def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24) -> int:
+    f = asyncio.run(_run(settings, seconds, rate, slots, streams))
+    print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}")
+    for phase in ("alone", "reserved", "shared"):
+        r = f[phase]
+        print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms")
+    print(f"reserved ÷ alone p99 {f['reserved_over_alone_p99']}, shared ÷ alone {f['shared_over_alone_p99']}; "
+          f"reserved slots lent while unused {f['lent_share']}")
+    print(json.dumps(f))
+    return 0 if f["reserved_over_alone_p99"] <= 1.10 and f["lent_share"] >= 0.9 else 1
