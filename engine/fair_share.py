@@ -32,8 +32,9 @@ never stops it, as batch's floor does for batch (policy/preemption.py).
 Reservations (`reserve`: tenant → slots on this engine, policy/reservations.py) come
 before all three: a tenant's request inside its reservation goes first, at the highest
 vLLM priority, and the part of each reservation its tenant is not using is held back from
-every other tenant's requests, so it is free the moment its tenant asks (batch, which sees
-only interactive work, runs there meanwhile and yields).
+every other tenant's requests, so it is free the moment its tenant asks. Meanwhile it is
+lent to batch (`lending`: EngineSlots.lend), which yields it when the tenant's request
+takes it.
 
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
 tier's), served by arrival within a tier, as before; the counters are still kept, so
