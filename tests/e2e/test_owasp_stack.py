@@ -46,7 +46,9 @@ def test_another_tenants_ids_and_the_admin_api_on_the_real_stack(stack, db_url, 
     # Enough examples to pass validation: a job that failed it could no longer be cancelled.
     train_id = a.post("/v1/files", files={"file": ("train.jsonl", (json.dumps(chat) + "\n") * MIN_EXAMPLES)},
                       data={"purpose": "fine-tune"}).json()["id"]
-    job = a.post("/v1/fine_tuning/jobs", json=dict(model=tiny_model.name, training_file=train_id))
+    # Fifty epochs: far longer than the cancel takes to land, so it never races the last step.
+    job = a.post("/v1/fine_tuning/jobs", json=dict(model=tiny_model.name, training_file=train_id,
+                                                   hyperparameters=dict(n_epochs=50)))
     assert job.status_code == 200, job.text
     job_id = job.json()["id"]
     assert a.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").status_code == 200
