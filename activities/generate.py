@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -365,7 +364,7 @@ class Attempt:
         self.running = running if running is not None else {self.idx}
         self._refused: BaseException | None = None
         # Its batch's completion window ends: engine slots go earliest deadline first.
-        self.deadline = float(batch.get("expires_at") or math.inf)
+        self.deadline: float | None = float(batch["expires_at"]) if batch.get("expires_at") else None
 
     def choice(self, index: int) -> Attempt:
         """Another of the item's choices, under the same lease."""

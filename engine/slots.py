@@ -13,7 +13,9 @@ keeps batch below its minimum share (`min_share` of the slots) for longer than
 
 Generations waiting for a slot take them earliest deadline first (their batch's
 completion window's end; then arrival), as completion windows are promised
-(policy/promises.py): a batch due in an hour is not stuck behind one due tomorrow.
+(policy/promises.py): a batch due in an hour is not stuck behind one due tomorrow. Work
+with no window (a fine-tuning chunk) takes its place as a batch of the longest window
+created as it asks would, so a backlog of batches cannot keep it waiting for ever.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import math
 import statistics
 import time
 from collections import Counter, deque
@@ -41,6 +42,7 @@ from policy.preemption import (
     victims,
 )
 
+NO_WINDOW_S = 86_400.0  # what work without a completion window is ordered as: OpenAI's 24h
 SPELLS = 32  # the calm spells between chats that price the next wait: about the last minute's
 PENALTY_S = 0.5  # a resumption's cost until this engine has measured some
 
@@ -128,9 +130,11 @@ class EngineSlots:
 
     @asynccontextmanager
     async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]],
-                    deadline: float = math.inf) -> AsyncIterator[BatchHold]:
+                    deadline: float | None = None) -> AsyncIterator[BatchHold]:
         """Wait for a batch slot, hold it for the block. Cancellable while waiting. Waiters
-        go by `deadline` (unix seconds), then arrival."""
+        go by `deadline` (unix seconds; None: NO_WINDOW_S from now), then arrival."""
+        if deadline is None:
+            deadline = time.time() + NO_WINDOW_S
         async with self._changed:
             self.queued += 1
             me = (deadline, next(self._arrivals))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from engine.slots import EngineSlots
 from tests.helpers import Clock
@@ -231,3 +232,33 @@ async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_ask
     tasks[0].cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tasks[0]
+
+
+async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_would_not_for_ever():
+    slots = EngineSlots(1)
+    order: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+
+    async def run(id: str, deadline: float | None):
+        async def abort():
+            pass
+
+        release[id] = asyncio.Event()
+        async with slots.batch(id, 10, abort, deadline):
+            order.append(id)
+            await release[id].wait()
+
+    now = time.time()
+    tasks = [asyncio.create_task(run("holder", now))]
+    await asyncio.sleep(0)
+    # A fine-tuning chunk asks now; a day's batch created after it, and one due in an hour.
+    for id, deadline in (("chunk", None), ("day-later", now + 86_400 + 60), ("hour", now + 3600)):
+        tasks.append(asyncio.create_task(run(id, deadline)))
+        await asyncio.sleep(0)
+    for id in ("holder", "hour", "chunk", "day-later"):
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order[-1] == id
+        release[id].set()
+    await asyncio.gather(*tasks)
+    assert order == ["holder", "hour", "chunk", "day-later"]
