@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from datetime import timedelta
@@ -377,7 +376,8 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
     while True:
         try:
             report = slots.report()
-            pace = paced(pace, time.monotonic(), int(families.total(families.BATCH_TOKENS)), report["batch"] > 0)
+            batch_tokens = int(families.total(families.BATCH_TOKENS))
+            pace = paced(pace, slots.busy_s(), batch_tokens)
             reserved, used = fair.reserved, reserving.used(fair.reserved, fair.running_of)
             lent = min(report["batch"], sum(reserved.values()) - sum(used.values()))
             async with db.begin() as conn:
@@ -390,7 +390,7 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
                                 max_model_len=spec.max_model_len, model_source=spec.path, task=spec.task,
-                                batch_tokens=pace.tokens, batch_rate=round(pace.rate, 3), reserved=reserved,
+                                batch_tokens=batch_tokens, batch_rate=round(pace.rate, 3), reserved=reserved,
                                 reserved_used=used, lent=lent).to_json())
             fair.reserve(reserving.shares(pool, peers, engine_id))
             await slots.direct(cap)

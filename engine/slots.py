@@ -97,6 +97,8 @@ class EngineSlots:
         self.by_source: Counter[str] = Counter()
         self._peaks: deque[int] = deque(maxlen=report_window)  # of the last few reports
         self.holds: dict[str, BatchHold] = {}
+        self._busy_s = 0.0  # seconds batch work held a slot, up to `_busy_since`
+        self._busy_since: float | None = None  # while some does
         self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
         self.stats = SlotStats()
         self._changed = asyncio.Condition()
@@ -163,10 +165,15 @@ class EngineSlots:
             self._changed.notify_all()  # the next waiter may take the next slot
             hold = BatchHold(id, tier, self.clock(), abort)
             self.holds[id] = hold
+            if self._busy_since is None:
+                self._busy_since = hold.started_at
         try:
             yield hold
         finally:
             self.holds.pop(id, None)
+            if not self.holds and self._busy_since is not None:
+                self._busy_s += self.clock() - self._busy_since
+                self._busy_since = None
             if hold.preempted_at is not None:
                 self.stats.yields.append((id, self.clock() - hold.preempted_at))
             async with self._changed:
@@ -177,6 +184,10 @@ class EngineSlots:
         while self._waiting and self._waiting[0] in self._gave_up:
             self._gave_up.discard(heapq.heappop(self._waiting))
         return self._waiting[0] if self._waiting else None
+
+    def busy_s(self) -> float:
+        """Seconds so far that batch work held a slot here: the time a batch pace is over."""
+        return self._busy_s + (self.clock() - self._busy_since if self._busy_since is not None else 0.0)
 
     def resumed(self, hold: BatchHold) -> None:
         """A resumed generation's first token is out: what its resumption cost (its slot to

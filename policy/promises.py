@@ -126,19 +126,23 @@ def _fits(batch_id: str, tokens: int, deadline: float, promised: list[Promised],
 @dataclass(frozen=True)
 class Pace:
     """An engine's batch pace: output tokens a second over the seconds it had batch work
-    in hand (idle seconds say nothing of what it can do), averaged over about `memory_s`.
-    An engine that holds few batch items measures less than it could do: promises err
-    short."""
+    in hand (idle seconds say nothing of what it can do), averaged over about `memory_s`
+    of them. Tokens are counted as items finish, so a sample spans at least `min_busy_s`
+    of busy time and the first waits for a finished item. An engine that holds few batch
+    items measures less than it could do: promises err short."""
 
     rate: float = 0.0  # 0: not measured yet
-    at: float = 0.0
-    tokens: int = 0  # its batch tokens so far, at `at`
-    busy: bool = False  # batch generations held slots at `at`
+    busy_s: float = 0.0  # the engine's busy seconds at the last sample
+    tokens: int = 0  # its batch tokens at the last sample
 
 
-def paced(prev: Pace, now: float, tokens: int, busy: bool, memory_s: float = 60.0) -> Pace:
-    rate = prev.rate
-    if prev.at and prev.busy and busy and now > prev.at and tokens >= prev.tokens:
-        sample = (tokens - prev.tokens) / (now - prev.at)
-        rate = sample if rate == 0 else rate + min(1.0, (now - prev.at) / memory_s) * (sample - rate)
-    return Pace(rate, now, tokens, busy)
+def paced(prev: Pace, busy_s: float, tokens: int, memory_s: float = 60.0, min_busy_s: float = 1.0) -> Pace:
+    """`busy_s`: seconds so far that batch work held a slot; `tokens`: batch tokens so far."""
+    if tokens < prev.tokens or busy_s < prev.busy_s:  # counters restarted: read afresh
+        return Pace(prev.rate, busy_s, tokens)
+    spent = busy_s - prev.busy_s
+    if spent < min_busy_s or (prev.rate == 0 and tokens == prev.tokens):
+        return prev
+    sample = (tokens - prev.tokens) / spent
+    rate = sample if prev.rate == 0 else prev.rate + min(1.0, spent / memory_s) * (sample - prev.rate)
+    return Pace(rate, busy_s, tokens)

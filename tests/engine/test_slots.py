@@ -262,3 +262,26 @@ async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_woul
         release[id].set()
     await asyncio.gather(*tasks)
     assert order == ["holder", "hour", "chunk", "day-later"]
+
+
+async def test_busy_seconds_count_only_while_batch_work_holds_a_slot():
+    """The time a batch pace is measured over (policy/promises.py): overlapping holds count
+    once, idle gaps not at all."""
+    clock = Clock()
+    slots = EngineSlots(4, clock=clock)
+
+    async def nothing():
+        pass
+
+    clock.now = 10.0
+    async with slots.batch("a", 10, nothing):
+        clock.now = 11.0
+        async with slots.batch("b", 10, nothing):
+            clock.now = 12.0
+        clock.now = 13.0
+        assert slots.busy_s() == 3.0  # counted while held, too
+    clock.now = 50.0  # idle
+    async with slots.batch("c", 10, nothing):
+        clock.now = 50.5
+    clock.now = 99.0
+    assert slots.busy_s() == 3.5

@@ -87,14 +87,20 @@ def test_shorter_windows_run_ahead_of_the_longest():
 
 
 def test_pace_counts_only_seconds_with_batch_work_in_hand():
-    p = paced(Pace(), 10.0, 0, busy=True)
-    assert p.rate == 0  # one reading: no interval yet
-    p = paced(p, 11.0, 500, busy=True)
-    assert p.rate == 500  # the first interval is the measure
-    idle = paced(paced(p, 12.0, 500, busy=False), 100.0, 500, busy=False)
-    assert idle.rate == 500  # idle seconds say nothing of the pace
-    # One busy second at 800 moves a 60 s average by 1/60 of the gap.
-    q = paced(paced(idle, 101.0, 500, busy=True), 102.0, 1300, busy=True)
+    p = paced(Pace(), 0.5, 0)
+    assert p == Pace()  # under a busy second: no sample yet
+    p = paced(p, 1.5, 0)
+    assert p == Pace()  # nothing finished yet: the first sample waits for a finished item
+    p = paced(p, 2.0, 1000)
+    assert p.rate == 500  # 1,000 tokens over two busy seconds
+    # Idle time does not move the busy seconds: nothing changes, however long.
+    assert paced(p, 2.0, 1000) == p
+    # Tokens counted just after the last slot was let go wait for the next busy second.
+    late = paced(p, 2.0, 1200)
+    assert late == p
+    # One busy second more at (200 + 600) tokens moves a 60 s average by 1/60 of the gap.
+    q = paced(late, 3.0, 1800)
     assert abs(q.rate - (500 + (800 - 500) / 60)) < 1e-9
     # A restarted counter (lower) is read afresh, not as a negative pace.
-    assert paced(q, 103.0, 10, busy=True).rate == q.rate
+    r = paced(q, 0.2, 10)
+    assert r.rate == q.rate and (r.busy_s, r.tokens) == (0.2, 10)
