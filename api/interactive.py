@@ -146,7 +146,7 @@ async def admit(svc: Services, tenant: str, req: GenerationRequest | EmbeddingRe
     as the engine will (else an estimate, corrected once the engine reports it)."""
     if svc.admission is None:
         return None
-    busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc, pool)
+    busy = req.service_tier == Tier.FLEX.value and await _fleet_busy(svc, pool, tenant)
     got = await svc.admission.reserve(rid, tenant, pool, req.service_tier, input_tokens, max_tokens,
                                       fleet_busy=busy, counted=counted, choices=choices)
     if isinstance(got, Refuse):
@@ -158,14 +158,16 @@ async def admit(svc: Services, tenant: str, req: GenerationRequest | EmbeddingRe
     return got
 
 
-async def _fleet_busy(svc: Services, pool: str) -> bool:
+async def _fleet_busy(svc: Services, pool: str, tenant: str = "") -> bool:
     """Every engine serving the model is busy with interactive work (at the fleet's surge
     threshold) and already holds flex's floor in flex requests: flex yields first, but
     continuous chat cannot shut it out (below its floor it is admitted, and waits its turn
-    at the engine, which gives flex its minimum share back)."""
+    at the engine, which gives flex its minimum share back). Never for a tenant with a
+    reserved slot unused in the pool: placement sends it there."""
     s = svc.settings
     views = [v for v in await svc.engines.live() if v.model == pool]
-    return bool(views) and all(v.interactive >= s.surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views)
+    return (bool(views) and not any(tenant in v.reserved_free for v in views)
+            and all(v.interactive >= s.surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views))
 
 
 # -- 3. placement and the engine's stream -------------------------------------------
@@ -338,7 +340,7 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     # Where traces are on, the request's span's traceparent: the engine worker's span is its child.
     headers.update(tracing.headers())
-    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt, pool)
+    ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt, pool, job.tenant)
     for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job.to_json(), headers=headers)

@@ -3,6 +3,9 @@
 1. Filters drop the engines that cannot take it: not serving its model, outside its
    geography, draining.
 2. Scorers rate each one left in [0, 1], each alone:
+   - reserved: 1 where the request's tenant has a reserved slot unused
+     (policy/reservations.py): capacity it bought, kept free for it there, outranks a
+     cache hit;
    - affinity: the share of the request's leading prompt blocks the engine holds, as the
      router's prefix index predicts (policy/prefix.py): a hit in vLLM's prefix cache;
    - load: the share of its slots not taken by interactive work (batch yields to it).
@@ -45,6 +48,7 @@ class EngineView:
     max_model_len: int = 0  # its model's context length (0: an engine too old to say)
     source: str = ""  # where its model's files are (a hub id or a path on its host): the tokenizer's
     task: str = "generate"  # what its model serves: "generate" or "embed" (protocol/embeddings.py)
+    reserved_free: frozenset[str] = frozenset()  # tenants with a reserved slot unused there
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Request:
     blocks: tuple[int, ...] = ()  # policy.prefix.block_hashes of its prompt
     regions: frozenset[str] | None = None  # where it may run; None: anywhere
     home: str = ""  # the region it is placed from, preferred while it has room; "": none
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Weights:
     affinity: float = 2.0  # above load's: a full prefix hit outweighs an idle engine, up to the bound
     load: float = 1.0
     load_bound: float = 1.25  # no affinity for an engine at this × the mean interactive load (+1)
+    reserved: float = 4.0  # above affinity's and load's together: a reservation is a promise
 
 
 # -- 1. filters ---------------------------------------------------------------------------
@@ -76,6 +82,10 @@ def eligible(engines: list[EngineView], req: Request) -> list[EngineView]:
 def affinity_score(e: EngineView, req: Request, matched: Mapping[str, int]) -> float:
     """The share of the request's leading blocks this engine holds."""
     return matched.get(e.id, 0) / len(req.blocks) if req.blocks else 0.0
+
+
+def reserved_score(e: EngineView, req: Request) -> float:
+    return 1.0 if req.tenant and req.tenant in e.reserved_free else 0.0
 
 
 def load_score(e: EngineView) -> float:
@@ -119,7 +129,7 @@ def _ranked(candidates: list[EngineView], req: Request, matched: Mapping[str, in
 
     def key(e: EngineView) -> tuple[float, int, int, str]:
         affinity = affinity_score(e, req, matched) if e.interactive < cap else 0.0
-        score = w.affinity * affinity + w.load * load_score(e)
+        score = w.reserved * reserved_score(e, req) + w.affinity * affinity + w.load * load_score(e)
         return -round(score, 9), e.batch, -rendezvous(anchor, e.id), e.id
 
     return sorted(candidates, key=key)

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from journal import engine_registry
 from policy.placement import EngineView
+from policy.reservations import unused
 from protocol.engine_wire import EngineStats
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class EngineDirectory:
             s = EngineStats.from_json(r["stats"])
             self._views.append(EngineView(r["id"], r["url"], r["model"], s.interactive, s.batch, s.max_seqs, s.flex,
                                           s.flex_floor, s.region, r["draining"], s.block_size, self._others(s),
-                                          s.max_model_len, s.model_source, s.task))
+                                          s.max_model_len, s.model_source, s.task,
+                                          frozenset(unused(s.reserved, s.reserved_used))))
         self._at = time.monotonic()
         if self.on_refresh is not None:
             self.on_refresh(self._views)

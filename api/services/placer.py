@@ -133,15 +133,16 @@ class Placer:
 
     def rank(self, req: GenerationRequest | EmbeddingRequest, engines: list[EngineView],
              regions: frozenset[str] | None = None, prompt: Prompt | None = None,
-             pool: str | None = None) -> tuple[list[EngineView], tuple[int, ...]]:
+             pool: str | None = None, tenant: str = "") -> tuple[list[EngineView], tuple[int, ...]]:
         """The engines of `pool` (the deployment's own model by default) to try, best first,
-        and the request's blocks (for `sent`); `prompt` where the caller has it already."""
+        and the request's blocks (for `sent`); `prompt` where the caller has it already;
+        `tenant`'s unused reserved slots first."""
         pool = pool or self.own
         self._forget_gone(engines)
         block_size = next((e.block_size for e in engines if e.model == pool), 16)
         blocks = block_hashes((self.prompt(req, pool) if prompt is None else prompt).ids, block_size,
                               seed=self.seed(req, pool))
-        request = Request(pool, blocks, regions, home=self.settings.region)
+        request = Request(pool, blocks, regions, home=self.settings.region, tenant=tenant)
         current = [replace(e, interactive=self.in_flight(e)) for e in engines]
         ranked = rank(current, request, self.index.matched(blocks), self.weights)
         if self.settings.placement == "round_robin" and ranked:

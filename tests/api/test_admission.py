@@ -80,11 +80,12 @@ class FakeEngine:
 class OneEngine:
     started = 0  # when the directory started (GET /v1/models's `created`)
 
-    def __init__(self, interactive: int = 0, flex: int = 0, flex_floor: int = 0):
-        self.interactive, self.flex, self.flex_floor = interactive, flex, flex_floor
+    def __init__(self, interactive: int = 0, flex: int = 0, flex_floor: int = 0, reserved_free=frozenset()):
+        self.interactive, self.flex, self.flex_floor, self.reserved_free = interactive, flex, flex_floor, reserved_free
 
     async def live(self):
-        return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4, self.flex, self.flex_floor)]
+        return [EngineView("engine-1", "http://engine.test", MODEL, self.interactive, 0, 4, self.flex, self.flex_floor,
+                           reserved_free=self.reserved_free)]
 
 
 class Harness:
@@ -261,6 +262,14 @@ async def test_flex_is_shed_while_every_engine_is_busy(harness, settings):
     r = await harness.chat(tier="flex")
     assert_openai_error(r, 429, code="resource_unavailable")
     assert (await harness.chat(tier="default")).status_code == 200
+
+
+async def test_a_tenants_flex_is_not_shed_while_its_reserved_slot_is_free(harness):
+    svc = harness.client._transport.app.state.services
+    svc.engines = OneEngine(interactive=4, reserved_free=frozenset({harness.tenant}))
+    assert (await harness.chat(tier="flex")).status_code == 200
+    svc.engines = OneEngine(interactive=4, reserved_free=frozenset({"someone-else"}))
+    assert_openai_error(await harness.chat(tier="flex"), 429, code="resource_unavailable")
 
 
 async def test_flex_below_its_floor_is_admitted_while_every_engine_is_busy(harness):

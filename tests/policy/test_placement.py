@@ -2,6 +2,7 @@
 pools, regions and requests."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -72,6 +73,16 @@ def test_a_held_prefix_wins_over_an_idler_engine_until_the_bound_then_spills():
     assert ids(rank([ev("a", interactive=5), ev("b", interactive=2)], req, {"a": 4}))[0] == "b"
     # A partial match weighs its share.
     assert ids(rank([ev("a", interactive=4), ev("b", interactive=0)], req, {"a": 1}))[0] == "b"
+
+
+def test_an_engine_keeping_the_tenants_reserved_slot_free_outranks_a_cache_hit_and_an_idle_engine():
+    req = Request("m", blocks=(7, 8, 9, 10), tenant="gold")
+    keeps = replace(ev("c", interactive=6), reserved_free=frozenset({"gold"}))
+    assert ids(rank([ev("a", interactive=1), ev("b"), keeps], req, {"a": 4}))[0] == "c"
+    # Another tenant's free reservation is not this one's; nor is one with no tenant named.
+    assert ids(rank([ev("a", interactive=1), ev("b"), replace(keeps, reserved_free=frozenset({"x"}))], req,
+                    {"a": 4}))[0] == "a"
+    assert ids(rank([ev("b"), keeps], Request("m")))[0] == "b"
 
 
 def test_new_prefixes_spread_over_equal_engines_and_each_sticks():
