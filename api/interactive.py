@@ -37,7 +37,7 @@ from journal import finetune_store
 from journal.tenant_store import Principal
 from policy.admission import Refuse, describe, estimate
 from policy.placement import EngineView
-from policy.pools import base_model
+from policy.pools import base_model, downgrade
 from protocol import engine_wire, keys, responses, schema
 from protocol.embeddings import EmbeddingRequest, wrong_task
 from protocol.errors import ProtocolError
@@ -84,6 +84,9 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
         # Not granted: it runs as everyone's does, and its response's service_tier says so
         # (as OpenAI's do for a tier the project lacks).
         req = dataclasses.replace(req, service_tier=Tier.DEFAULT.value)
+    asked = pool
+    if req.service_tier == Tier.FLEX.value and pool == body.get("model") and svc.settings.flex_downgrade:
+        pool, body, req = await _downgraded(svc, tenant, endpoint, body, req, pool, models)
     rid = ("chatcmpl-" if req.endpoint == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
     # Its ids, as the engine will count them (none until the tokenizer loads): they size the
     # reservation exactly. A long prompt is tokenized in a thread, so it never holds up the
@@ -100,9 +103,10 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
         raise
-    if req.stream:
-        return _Streamed(run, _relay(run, req))
-    return await _collect(run, req)
+    response = _Streamed(run, _relay(run, req)) if req.stream else await _collect(run, req)
+    if pool != asked:
+        response.headers["x-ballast-downgraded-from"] = asked
+    return response
 
 
 def _chars(req: GenerationRequest) -> int:
@@ -159,15 +163,36 @@ async def admit(svc: Services, tenant: str, req: GenerationRequest | EmbeddingRe
 
 
 async def _fleet_busy(svc: Services, pool: str, tenant: str = "") -> bool:
+    return _busy(await svc.engines.live(), pool, tenant, svc.settings.surge_high)
+
+
+def _busy(engines: list[EngineView], pool: str, tenant: str, surge_high: float) -> bool:
     """Every engine serving the model is busy with interactive work (at the fleet's surge
     threshold) and already holds flex's floor in flex requests: flex yields first, but
     continuous chat cannot shut it out (below its floor it is admitted, and waits its turn
     at the engine, which gives flex its minimum share back). Never for a tenant with a
     reserved slot unused in the pool: placement sends it there."""
-    s = svc.settings
-    views = [v for v in await svc.engines.live() if v.model == pool]
+    views = [v for v in engines if v.model == pool]
     return (bool(views) and not any(tenant in v.reserved_free for v in views)
-            and all(v.interactive >= s.surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views))
+            and all(v.interactive >= surge_high * v.max_seqs and v.flex >= v.flex_floor for v in views))
+
+
+async def _downgraded(svc: Services, tenant: str, endpoint: str, body: dict[str, Any], req: GenerationRequest,
+                      pool: str, models: dict[str, int]) -> tuple[str, dict[str, Any], GenerationRequest]:
+    """(pool, body, request) of a flex request: the configured smaller model's where its own
+    pool is busy (policy.pools.downgrade) and the request fits that model too; else as asked."""
+    engines, generating = await svc.engines.live(), {m: n for m, n in models.items()
+                                                     if m not in await svc.embedding_models()}
+    small = downgrade(pool, req.service_tier, svc.settings.flex_downgrade, generating,
+                      lambda p: _busy(engines, p, tenant, svc.settings.surge_high))
+    if small is None:
+        return pool, body, req
+    moved = {**body, "model": small}
+    smaller = parse(endpoint, moved, RequestLimits(small, models[small], others=tuple(m for m in models if m != small)))
+    if isinstance(smaller, ProtocolError):  # it does not fit the smaller model: shed as asked
+        return pool, body, req
+    families.ADMISSION.labels(families.tenant(tenant), req.service_tier, pool, "downgraded", small).inc()
+    return small, moved, smaller
 
 
 # -- 3. placement and the engine's stream -------------------------------------------

@@ -54,6 +54,11 @@ class ApiSettings(Section):
     admission_headroom_priority: float = Field(1.0, gt=0, le=1)
     admission_headroom_default: float = Field(0.95, gt=0, le=1)
     admission_headroom_flex: float = Field(0.8, gt=0, le=1)
+    # Cost-aware flex: a flex request for a model whose engines are all busy is served by
+    # the smaller model named here where that one's are not (JSON, model → model, e.g.
+    # {"llama-70b": "llama-8b"}); the response's `model` and its
+    # `x-ballast-downgraded-from` header say so. A model not named is shed (429) as before.
+    flex_downgrade: dict[str, str] = Field(default_factory=dict)
 
     # The limits every tenant gets when it is created (the admin API, `ballast tenants
     # create`), for all its models ('*'), so that no new tenant may take the whole fleet; an
@@ -88,6 +93,14 @@ class ApiSettings(Section):
                 raise ValueError(f"{name!r} is not a limit; limits are {', '.join(LIMITS)}")
             if n is not None and n < 0:
                 raise ValueError(f"{name} is {n}: a limit is a non-negative number, or null for none")
+        return v
+
+    @field_validator("flex_downgrade")
+    @classmethod
+    def _no_loops(cls, v: dict[str, str]) -> dict[str, str]:
+        for big, small in v.items():
+            if big == small:
+                raise ValueError(f"BALLAST_FLEX_DOWNGRADE sends {big!r} to itself: name a smaller model")
         return v
 
     @model_validator(mode="after")

@@ -10,10 +10,11 @@ generations), and its own surge state (the fleet controller's pools are models).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from policy.placement import EngineView
 from protocol import keys
+from protocol.tiers import Tier
 
 
 def served_models(engines: Iterable[EngineView], own: str, own_len: int) -> dict[str, int]:
@@ -48,6 +49,19 @@ def base_model(name: object, models: Mapping[str, int]) -> str | None:
         bases = [m for m in models if name.startswith(keys.fine_tuned_prefix(m))]
         return max(bases, key=len, default=None)
     return None
+
+
+def downgrade(model: str, tier: str, to: Mapping[str, str], models: Mapping[str, int],
+              busy: Callable[[str], bool]) -> str | None:
+    """The model a flex request for `model` is served by instead (cost-aware routing): the
+    smaller one configured for it, while every engine of `model` is busy and that one's
+    are not; None: served as asked, or shed. One step only: the smaller model's own
+    downgrade is not followed, so a request moves at most once. A fine-tuned model is
+    never downgraded (its adapter lives on its own base)."""
+    small = to.get(model)
+    if tier != Tier.FLEX or small is None or small not in models or not busy(model) or busy(small):
+        return None
+    return small
 
 
 def pool_queue(base: str, model: str) -> str:

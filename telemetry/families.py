@@ -25,8 +25,9 @@ TPOT = Histogram("ballast_tpot_seconds", "Time per output token after the first,
                  ["tier", "model"], buckets=_PER_TOKEN)
 DURATION = Histogram("ballast_request_duration_seconds", "Interactive requests from arrival to their last byte.",
                      ["tier", "model", "status"], buckets=_SECONDS)
-ADMISSION = Counter("ballast_admission_decisions", "Admission's decisions (decision: admitted, refused; reason: the "
-                    "limit that refused, e.g. requests_per_min, or capacity).",
+ADMISSION = Counter("ballast_admission_decisions", "Admission's decisions (decision: admitted, refused, downgraded; "
+                    "reason: the limit that refused, e.g. requests_per_min, or capacity; the model a flex request "
+                    "was downgraded to).",
                     ["tenant", "tier", "model", "decision", "reason"])
 
 # -- batch generation and fine-tuning (engine workers) -------------------------------------

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
@@ -198,7 +199,9 @@ def _live_engines(url: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory, pg_server_url, temporal_address, tiny_model, model_b, oracles):
-    with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "pools") as (stack, url):
+    # Flex for A goes to B while A is busy; no flex floor, so one request makes an engine busy.
+    with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "pools",
+                   BALLAST_FLEX_DOWNGRADE=json.dumps({A: B}), BALLAST_FLEX_MIN_SHARE="0") as (stack, url):
         engine_b = stack.start("engine-b", "worker", "engine", env=dict(
             BALLAST_MODEL=str(model_b), BALLAST_SERVED_MODEL_NAME=B, BALLAST_MAX_MODEL_LEN=str(B_MAX_MODEL_LEN),
             BALLAST_ENGINE_PORT=str(procs.free_port())))
@@ -411,3 +414,56 @@ async def test_the_records_say_each_model_was_served_by_its_own_engines(pools, c
             assert engine == pools.engine_of[B], (name, runner, workers[runner], pools.engines)
             assert pools.engines[engine] == B
     assert _live_engines(pools.url) == pools.engines  # both engine workers were there throughout
+
+
+def _interactive(url: str, engine: str) -> int:
+    return _sql(url, "SELECT (stats->>'interactive')::int FROM engines WHERE id = %(e)s", e=engine)[0][0]
+
+
+def test_a_flex_chat_for_a_busy_model_is_answered_by_its_configured_smaller_model(pools, oracles):
+    """BALLAST_FLEX_DOWNGRADE {A: B}: while every engine of A is busy, a flex chat for A is
+    vLLM's own answer of B, and says so (`model`, x-ballast-downgraded-from); a default chat
+    for A is still A's; once A is calm, flex for A is A's again. "Busy" is the surge
+    threshold: a second API process here holds it at one request in flight (0.001 × 256)."""
+    theirs = {m: oracles.results(m) for m in (A, B)}
+    port = procs.free_port()
+    pools.stack.start("api-busy", "api", env=dict(BALLAST_API_PORT=str(port), BALLAST_SURGE_HIGH="0.001",
+                                                  BALLAST_SURGE_LOW="0.001"))
+    busy_api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=pools.stack.key, max_retries=0)
+
+    def up() -> bool:
+        try:
+            return B in {m.id for m in busy_api.models.list().data}
+        except openai.APIError:
+            return False
+
+    procs.wait_until(up, WAIT_S, "the second API process", interval=0.5)
+    prompt, max_tokens = PROMPTS["hello"]
+
+    def chat(model: str, tier: str):
+        raw = busy_api.chat.completions.with_raw_response.create(
+            model=model, messages=[dict(role="user", content=prompt)], max_tokens=max_tokens, temperature=0,
+            service_tier=tier)
+        return raw.headers.get("x-ballast-downgraded-from"), raw.parse().model_dump()
+
+    # A long stream on A keeps its engine busy meanwhile (from the main API: it counts there too).
+    hold = httpx.Client(base_url=pools.stack.url, headers={"Authorization": f"Bearer {pools.stack.key}"}, timeout=120)
+    with hold.stream("POST", "/v1/chat/completions", json=dict(
+            model=A, messages=[dict(role="user", content="Keep talking.")], max_tokens=900, ignore_eos=True,
+            stream=True)) as holding:
+        assert holding.status_code == 200
+        procs.wait_until(lambda: _interactive(pools.url, pools.engine_of[A]) >= 1, 30, "A's engine reports the stream")
+        time.sleep(1.0)  # the second API's view of the engines refreshes every 0.5 s
+        moved, flex = chat(A, "flex")
+        kept, default = chat(A, "default")
+    hold.close()
+    want_b, want_a = _body(theirs[B]["hello"]), _body(theirs[A]["hello"])
+    assert moved == A and flex["model"] == B
+    assert _content(flex) == _content(want_b) and _usage(flex) == _usage(want_b)
+    assert kept is None and default["model"] == A and _content(default) == _content(want_a)
+
+    # The engine reports its peak over its last few reports: calm again within seconds.
+    procs.wait_until(lambda: _interactive(pools.url, pools.engine_of[A]) == 0, 30, "A's engine calm")
+    time.sleep(1.0)
+    calm, again = chat(A, "flex")
+    assert calm is None and again["model"] == A and _content(again) == _content(want_a)

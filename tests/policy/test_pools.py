@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policy.placement import EngineView
-from policy.pools import base_model, embedding_models, pool_queue, served_models
+from policy.pools import base_model, downgrade, embedding_models, pool_queue, served_models
 
 
 def view(id: str, model: str, max_model_len: int = 0, draining: bool = False) -> EngineView:
@@ -44,3 +44,17 @@ def test_a_name_finds_its_pool_and_a_fine_tune_its_base():
 def test_each_model_has_its_own_queue():
     assert pool_queue("ballast-engine", "a") != pool_queue("ballast-engine", "b")
     assert pool_queue("ballast-engine", "a").startswith("ballast-engine")
+
+
+def test_flex_for_a_busy_model_is_downgraded_once_to_a_served_calm_smaller_one():
+    to, models = {"big": "small", "small": "tiny"}, {"big": 4096, "small": 2048, "tiny": 1024}
+
+    def busy(*pools):
+        return lambda p: p in pools
+
+    assert downgrade("big", "flex", to, models, busy("big")) == "small"
+    assert downgrade("big", "flex", to, models, busy("big", "small")) is None  # not on to "tiny": one step
+    assert downgrade("big", "flex", to, models, busy()) is None  # calm: served as asked
+    assert downgrade("big", "default", to, models, busy("big")) is None  # only flex is downgraded
+    assert downgrade("big", "flex", to, {"big": 4096}, busy("big")) is None  # "small" not served here
+    assert downgrade("other", "flex", to, models, busy("other")) is None  # nothing configured for it
