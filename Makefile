@@ -57,6 +57,7 @@ bench: install
 	$(VENV)/bin/ballast bench fold
 	$(VENV)/bin/ballast bench promises
 	$(VENV)/bin/ballast bench reserved
+	$(VENV)/bin/ballast bench overload
 
 # Ballast as seven hosts in network namespaces (root): bench/hosts.py.
 hosts: install test-deps

@@ -101,6 +101,13 @@ def _reserved(s: Settings, a: argparse.Namespace) -> int:
     return main(s, seconds=a.seconds, rate=a.rate, slots=a.slots, streams=a.streams)
 
 
+def _overload(s: Settings, a: argparse.Namespace) -> int:
+    from bench.overload import main
+
+    return main(s, seconds=a.seconds, rate=a.rate, max_tokens=a.max_tokens, reserved=a.reserved,
+                giant_streams=a.giant_streams)
+
+
 def _chaos(s: Settings, a: argparse.Namespace) -> int:
     from bench.chaos import main
 
@@ -172,6 +179,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--rate", type=float, default=4.0, help="its chats a second (Poisson)")
     b.add_argument("--slots", type=int, default=2, help="slots reserved for it")
     b.add_argument("--streams", type=int, default=24, help="the other tenant's chats in flight")
+    b = bench("overload", _overload, "the overload policy by class: the fleet shrinks, the work doubles, one tenant "
+                                     "floods giant prompts; waiting time, refusals and downgrades per class")
+    b.add_argument("--seconds", type=float, default=120.0, help="seconds of each phase")
+    b.add_argument("--rate", type=float, default=1.5, help="chats a second per interactive tenant (Poisson)")
+    b.add_argument("--max-tokens", type=int, default=96, help="tokens each chat generates")
+    b.add_argument("--reserved", type=int, default=4, help="slots reserved for the reserved tenant")
+    b.add_argument("--giant-streams", type=int, default=8, help="giant-prompt chats kept in flight")
     b = bench("chaos", _chaos, "faults injected into a fresh `ballast up` under load; the client's record and "
                                "the journal's invariants judged at the end")
     b.add_argument("--minutes", type=float, default=15.0, help="about how long to inject faults (15: 20+ engine kills)")

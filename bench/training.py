@@ -67,10 +67,10 @@ ARMS = {
 PHASES = ("between_s", "resume_s", "wait_s", "train_s", "checkpoint_s")  # a checkpoint's `timing`
 
 
-def training_file(seed: int = SEED) -> bytes:
+def training_file(seed: int = SEED, examples: int = EXAMPLES) -> bytes:
     rng = random.Random(f"{seed}:training")
     lines = []
-    for i in range(EXAMPLES):
+    for i in range(examples):
         q = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(6, 14)))
         a = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(3, 8)))
         lines.append(json.dumps(dict(messages=[dict(role="user", content=f"{i}: {q}?"),

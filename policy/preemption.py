@@ -78,10 +78,15 @@ def batch_slots(d: SlotDemand, prev: SlotState, now: float, cool_down_s: float =
     wanted = max(0, room)
     if wanted <= prev.cap:  # demand rose or held: apply at once, and calm starts over
         return SlotState(wanted, None)
+    # Reserved slots left unused are lent at once: no chat but their tenant's may take them,
+    # and its request takes one back within a step, so waiting for calm buys nothing there.
+    lent = max(prev.cap, min(wanted, d.lendable))
+    if lent >= wanted:
+        return SlotState(wanted, None)
     calm_since = prev.calm_since if prev.calm_since is not None else now
     if now - calm_since >= cool_down_s:
         return SlotState(wanted, None)
-    return SlotState(prev.cap, calm_since)
+    return SlotState(lent, calm_since)
 
 
 def resume_after(spells: Sequence[float], penalty_s: float, default_s: float, min_spells: int = 8) -> float:

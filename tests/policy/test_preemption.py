@@ -22,6 +22,19 @@ def test_cap_drops_at_once_and_recovers_only_after_cool_down():
     assert s.cap == 8 and s.calm_since is None
 
 
+def test_reserved_slots_left_unused_are_lent_at_once_the_rest_after_the_calm():
+    busy = SlotDemand(interactive=6, max_seqs=8, busy_cap=0, lendable=2)
+    s = batch_slots(SlotDemand(interactive=8, max_seqs=8, busy_cap=0), SlotState(cap=0), now=0.0)
+    s = batch_slots(busy, s, now=0.1)  # the reserved tenant's two requests ended: lent now
+    assert s.cap == 2
+    calm = SlotDemand(interactive=0, max_seqs=8, busy_cap=0, lendable=2)
+    s = batch_slots(calm, s, now=0.2)
+    assert s.cap == 2 and s.calm_since == 0.2  # the other six wait for the calm
+    assert batch_slots(calm, s, now=2.3).cap == 8
+    # Its request takes one back: the cap falls at once.
+    assert batch_slots(SlotDemand(interactive=7, max_seqs=8, busy_cap=0, lendable=1), s, now=0.3).cap == 1
+
+
 def test_interactive_is_never_capped_but_batch_never_goes_negative():
     s = batch_slots(SlotDemand(interactive=20, max_seqs=8, busy_cap=4), SlotState(8), now=0)
     assert s.cap == 0
