@@ -80,6 +80,8 @@ class Reservation(BaseModel):
 
     model: str = Field(min_length=1, max_length=256)
     slots: int = Field(ge=0, le=1_000_000)
+    # Kept on that region's engine workers of the pool alone ("": anywhere in the pool).
+    region: str = Field(default="", max_length=64)
 
 
 def _epoch(at: datetime | None) -> int | None:
@@ -281,24 +283,27 @@ async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep
 
 
 def reservation_object(row: dict[str, Any], engines: list[EngineStats] | None = None) -> dict[str, Any]:
-    out = dict(object="reservation", tenant=row["tenant"], model=row["model"], slots=row["slots"],
-               set_at=row.get("set_at", row.get("at")))
-    if engines is not None:  # as its pool's engine workers last said: kept for it, held by its requests
-        out.update(on_engines=sum(e.reserved.get(row["tenant"], 0) for e in engines),
-                   used=sum(e.reserved_used.get(row["tenant"], 0) for e in engines))
+    region = row.get("region", "")
+    out = dict(object="reservation", tenant=row["tenant"], model=row["model"], region=region or None,
+               slots=row["slots"], set_at=row.get("set_at", row.get("at")))
+    if engines is not None:  # as its pool's engine workers (of its region) last said: kept for it, held by it
+        here = [e for e in engines if not region or e.region == region]
+        out.update(on_engines=sum(e.reserved.get(row["tenant"], 0) for e in here),
+                   used=sum(e.reserved_used.get(row["tenant"], 0) for e in here))
     return out
 
 
 @router.put("/tenants/{tenant_id}/reservations", operation_id="setReservation", responses=errors(400, 404))
 async def set_reservation(tenant_id: str, body: Reservation, svc: ServicesDep, admin: AdminDep):
     check_text(body.model, "model")
+    check_text(body.region, "region")
     if body.model == ANY_MODEL:
         raise APIError(400, "A reservation is on one model's pool: name the model.", param="model",
                        code="invalid_value")
     async with svc.db.begin() as conn:
         if await tenant_store.get_tenant(conn, tenant_id) is None:
             raise _unknown(tenant_id)
-        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots, admin.key_id)
+        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots, admin.key_id, body.region)
     return reservation_object(change)
 
 

@@ -738,23 +738,26 @@ def admin_tiers(state: State, tenant: str, tiers: str | None) -> int:
 @click.argument("tenant", required=False)
 @click.option("--model", help="The model's pool the reservation is on (with --slots).")
 @click.option("--slots", type=click.IntRange(0), help="Sequence slots to keep for TENANT on --model's pool (0: none).")
-def admin_reservations(state: State, tenant: str | None, model: str | None, slots: int | None) -> int:
+@click.option("--region", default="", help="Keep them on that region's engine workers alone (default: anywhere).")
+def admin_reservations(state: State, tenant: str | None, model: str | None, slots: int | None, region: str) -> int:
     """Reserved capacity: every reservation in force with what its pool's engine workers
     keep and its requests use now; or TENANT's, with every change to them; or set one."""
     c = state.client
     if slots is not None:
         if not tenant or not model:
             raise ApiError(Exit.USAGE, "--slots needs a TENANT and --model")
-        c.put(f"/admin/tenants/{tenant}/reservations", dict(model=model, slots=slots))
+        c.put(f"/admin/tenants/{tenant}/reservations", dict(model=model, slots=slots, region=region))
     if tenant is None:
         emit(state, c.get("/admin/reservations"), [("TENANT", lambda r: r["tenant"]), ("MODEL", lambda r: r["model"]),
+                                                   ("REGION", lambda r: r["region"] or "-"),
                                                    ("SLOTS", lambda r: r["slots"]),
                                                    ("ON ENGINES", lambda r: r["on_engines"]),
                                                    ("USED", lambda r: r["used"])])
         return Exit.OK
     got = c.get(f"/admin/tenants/{tenant}/reservations")
     emit(state, dict(object="list", data=got["history"]),
-         [("MODEL", lambda r: r["model"]), ("SLOTS", lambda r: r["slots"]), ("SET AT", lambda r: r["set_at"]),
+         [("MODEL", lambda r: r["model"]), ("REGION", lambda r: r["region"] or "-"), ("SLOTS", lambda r: r["slots"]),
+          ("SET AT", lambda r: r["set_at"]),
           ("BY", lambda r: r["by"])])
     return Exit.OK
 

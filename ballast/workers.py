@@ -381,9 +381,12 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
             reserved, used = fair.reserved, reserving.used(fair.reserved, fair.running_of)
             lent = min(report["batch"], sum(reserved.values()) - sum(used.values()))
             async with db.begin() as conn:
-                pool = {r["tenant"]: r["slots"] for r in await reservations.in_force(conn, model=spec.name)}
-                peers = [e["id"] for e in await engine_registry.live(conn, settings.announce_s * 5)
-                         if e["model"] == spec.name and not e["draining"]]
+                pool = [reserving.Reserved(r["tenant"], r["slots"], r["region"])
+                        for r in await reservations.in_force(conn, model=spec.name)]
+                peers = {e["id"]: EngineStats.from_json(e["stats"]).region
+                         for e in await engine_registry.live(conn, settings.announce_s * 5)
+                         if e["model"] == spec.name and not e["draining"]}
+                peers[engine_id] = settings.region
                 cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
                     EngineStats(**report, **asdict(engine.load), max_seqs=settings.max_num_seqs,

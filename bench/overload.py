@@ -78,6 +78,7 @@ class Phase:
     end: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     probe: dict[str, Any] = field(default_factory=dict)
+    paces: dict[str, float] = field(default_factory=dict)  # each engine's batch pace as the phase starts
 
 
 def tally(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
@@ -168,21 +169,23 @@ def _batch_file(prefix: str, lines: int, max_tokens: int) -> bytes:
         ignore_eos=True))).encode() + b"\n" for i in range(lines))
 
 
-async def _batch(http: httpx.AsyncClient, key: str, content: bytes, window: str) -> str:
+async def _batch(http: httpx.AsyncClient, key: str, content: bytes, window: str) -> httpx.Response:
     auth = {"Authorization": f"Bearer {key}"}
     f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(content))), data=dict(purpose="batch"),
                         headers=auth)
     assert f.status_code == 200, f.text
-    b = await http.post("/v1/batches", headers=auth, json=dict(
+    return await http.post("/v1/batches", headers=auth, json=dict(
         input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window=window))
-    assert b.status_code == 200, b.text
-    return b.json()["id"]
 
 
 async def _probe(http: httpx.AsyncClient, key: str, phase: str, timeout: float) -> dict[str, Any]:
     """A 1h batch of 8 short items made as the phase starts: creation to its end."""
     t0 = time.time()
-    batch_id = await _batch(http, key, _batch_file(f"probe-{phase}-", 8, 32), "1h")
+    made = await _batch(http, key, _batch_file(f"probe-{phase}-", 8, 32), "1h")
+    if made.status_code != 200:  # a window the pool cannot promise now: refused at creation
+        return dict(status=f"refused ({made.status_code} {made.json()['error']['code']})",
+                    seconds=round(time.time() - t0, 1), window=None)
+    batch_id = made.json()["id"]
     auth = {"Authorization": f"Bearer {key}"}
     while True:
         got = (await http.get(f"/v1/batches/{batch_id}", headers=auth)).json()
@@ -246,7 +249,9 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
                 await _chat(http, t, keys[t], "warm up", 4)
 
             # The backlog and the training job, running before the first phase and throughout.
-            backlog = await _batch(http, keys["bulk"], _batch_file("bulk-", 6000, 256), "24h")
+            made = await _batch(http, keys["bulk"], _batch_file("bulk-", 6000, 256), "24h")
+            assert made.status_code == 200, made.text
+            backlog = made.json()["id"]
             trainer = {"Authorization": f"Bearer {keys['trainer']}"}
             up = await http.post("/v1/files", files=dict(file=("t.jsonl", io.BytesIO(training_file(SEED, 4000)))),
                                  data=dict(purpose="fine-tune"), headers=trainer)
@@ -275,6 +280,9 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
                     r = await http.post(f"/admin/engines/{engines[1]}/drain", headers=admin)
                     assert r.status_code == 200, r.text
                     await asyncio.sleep(3)  # every API's directory has seen it
+                listed = (await http.get("/admin/engines", headers=admin)).json()["data"]
+                ph.paces = {e["id"]: json.loads(e["stats"]).get("batch_rate", 0.0) if isinstance(e["stats"], str)
+                            else e["stats"].get("batch_rate", 0.0) for e in listed}
                 ph.start = time.time()
                 each = rate * (2 if name == "double" else 1)
                 stop = asyncio.Event()
@@ -296,7 +304,8 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
         journal = _journal(stack.db_url, phases, job_id)
     return dict(seconds=seconds, rate=rate, max_tokens=max_tokens, reserved=reserved, giant_streams=giant_streams,
                 max_seqs=MAX_SEQS, engines=2,
-                phases={ph.name: dict(interactive=tally(ph.outcomes), probe=ph.probe, **journal[ph.name])
+                phases={ph.name: dict(interactive=tally(ph.outcomes), probe=ph.probe, paces=ph.paces,
+                                      **journal[ph.name])
                         for ph in phases})
 
 
@@ -311,7 +320,7 @@ def main(settings: Settings, seconds: float = 120.0, rate: float = 1.5, max_toke
             print(f"{name:>7} {CLASS[tenant]:>14} {r['sent']:>5} {r['served']:>6} {refused:>14} {r['failed']:>6} "
                   f"{r['downgraded']:>4} {r['ttft_p50_ms'] or 0:>7.1f}ms {r['ttft_p99_ms'] or 0:>7.1f}ms")
         print(f"{name:>7} {'batch':>14} {ph['batch_tokens_per_s']:>9.0f} tokens/s; 1h probe {ph['probe']['status']} "
-              f"in {ph['probe']['seconds']} s")
+              f"in {ph['probe']['seconds']} s; paces at the start {sorted(ph['paces'].values())}")
         print(f"{name:>7} {'training':>14} {ph['training_steps_per_s']:>9.3f} steps/s")
     print(json.dumps(f))
     return 0

@@ -82,14 +82,18 @@ async def _batch_model(conn, evs):
 async def _reservation_set(conn, evs):
     for e in evs:  # in journal order: the last change of a tenant's model wins
         p = e.payload
-        key = (reservations.c.tenant == p["tenant"]) & (reservations.c.model == p["model"])
+        region = p.get("region", "")  # changes made before regions: the whole pool
+        key = ((reservations.c.tenant == p["tenant"]) & (reservations.c.model == p["model"])
+               & (reservations.c.region == region))
         if not p["slots"]:
             await conn.execute(delete(reservations).where(key, reservations.c.position < e.position))
             continue
-        row = dict(tenant=p["tenant"], model=p["model"], slots=p["slots"], set_at=p["at"], position=e.position)
+        row = dict(tenant=p["tenant"], model=p["model"], region=region, slots=p["slots"], set_at=p["at"],
+                   position=e.position)
         stmt = insert(reservations).values(row)
-        await conn.execute(stmt.on_conflict_do_update(index_elements=[reservations.c.tenant, reservations.c.model],
-                                                      set_=row, where=reservations.c.position < e.position))
+        await conn.execute(stmt.on_conflict_do_update(
+            index_elements=[reservations.c.tenant, reservations.c.model, reservations.c.region], set_=row,
+            where=reservations.c.position < e.position))
 
 
 # A status change carries its own timestamp (`at`) so replay reproduces it exactly.

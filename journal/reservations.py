@@ -1,5 +1,6 @@
-"""Reserved capacity: a tenant's sequence slots on a model's pool, set by an admin. Every
-change is a `reservation_set` event (the history); `reservations` holds the ones in force."""
+"""Reserved capacity: a tenant's sequence slots on a model's pool, anywhere in it or in one
+region, set by an admin. Every change is a `reservation_set` event (the history);
+`reservations` holds the ones in force."""
 
 from __future__ import annotations
 
@@ -19,17 +20,19 @@ def _stream(tenant: str, model: str) -> str:
     return f"reservation:{tenant}:{model}"
 
 
-async def set_slots(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None) -> dict[str, Any]:
-    """Journal `tenant`'s reservation on `model` as `slots` (0: none); returns the change."""
+async def set_slots(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None,
+                    region: str = "") -> dict[str, Any]:
+    """Journal `tenant`'s reservation on `model` (in `region`; "": anywhere) as `slots`
+    (0: none); returns the change."""
     stream = _stream(tenant, model)
-    change = dict(tenant=tenant, model=model, slots=slots, by=by, at=int(time.time()))
+    change = dict(tenant=tenant, model=model, region=region, slots=slots, by=by, at=int(time.time()))
     await append_one(conn, NewEvent(stream, EventType.RESERVATION_SET, change, f"{stream}:{uuid.uuid4().hex}",
                                     tenant))
     return change
 
 
 async def in_force(conn: AsyncConnection, *, tenant: str | None = None, model: str | None = None) -> list[dict]:
-    q = select(reservations).order_by(reservations.c.model, reservations.c.tenant)
+    q = select(reservations).order_by(reservations.c.model, reservations.c.tenant, reservations.c.region)
     if tenant is not None:
         q = q.where(reservations.c.tenant == tenant)
     if model is not None:
@@ -41,4 +44,4 @@ async def history(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
     """Every change to `tenant`'s reservations, oldest first."""
     q = (select(events.c.payload).where(events.c.type == EventType.RESERVATION_SET, events.c.tenant == tenant)
          .order_by(events.c.position))
-    return [dict(p) for p in (await conn.execute(q)).scalars().all()]
+    return [dict(p, region=p.get("region", "")) for p in (await conn.execute(q)).scalars().all()]

@@ -227,6 +227,7 @@ reservations = Table(
     metadata,
     Column("tenant", Text, primary_key=True),
     Column("model", Text, primary_key=True),
+    Column("region", Text, primary_key=True, server_default=""),  # "": anywhere in the pool (migration 0030)
     Column("slots", Integer, nullable=False),
     Column("set_at", BigInteger, nullable=False),
     Column("position", BigInteger, nullable=False),

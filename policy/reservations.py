@@ -2,7 +2,8 @@
 tenant's interactive work and lent only to work that yields without loss (batch, which is
 preempted with every token journaled). Pure.
 
-A pool's reservation is spread over its live engine workers (`share`); on each, the part
+A pool's reservation is spread over its live engine workers (`share`), or over those of
+one region where it names one (`shares`); on each, the part
 its tenant is not using is held back from the others' interactive requests (`held_back`),
 so the tenant's next request finds a slot at once whatever the load. The engine's batch
 work is lent them (EngineSlots.lend), even while other tenants' chats keep batch out of the
@@ -13,6 +14,7 @@ within an engine step, every token it had journaled (engine/slots.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 
 def share(slots: int, engines: Iterable[str], me: str) -> int:
@@ -23,10 +25,27 @@ def share(slots: int, engines: Iterable[str], me: str) -> int:
     return base + (order.index(me) < extra)
 
 
-def shares(pool: Mapping[str, int], engines: Iterable[str], me: str) -> dict[str, int]:
-    """Tenant → engine `me`'s part of its reservation (none where that part is 0)."""
-    engines = list(engines)
-    return {t: n for t, s in pool.items() if (n := share(s, engines, me))}
+@dataclass(frozen=True)
+class Reserved:
+    """A reservation in force: `slots` of the pool for `tenant`, in `region` ("": anywhere)."""
+
+    tenant: str
+    slots: int
+    region: str = ""
+
+
+def shares(pool: Iterable[Reserved], engines: Mapping[str, str], me: str) -> dict[str, int]:
+    """Tenant → engine `me`'s part of its reservations (none where that part is 0):
+    `engines` are the pool's live engine ids → their regions, `me` among them; a regional
+    reservation is split over that region's engines alone."""
+    out: dict[str, int] = {}
+    for r in pool:
+        if r.region and engines.get(me) != r.region:
+            continue
+        peers = [e for e, region in engines.items() if not r.region or region == r.region]
+        if n := share(r.slots, peers, me):
+            out[r.tenant] = out.get(r.tenant, 0) + n
+    return out
 
 
 def unused(reserved: Mapping[str, int], running_of: Mapping[str, int]) -> dict[str, int]:

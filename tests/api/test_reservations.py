@@ -45,7 +45,25 @@ async def test_an_admin_grants_changes_and_withdraws_a_reservation_with_its_hist
     assert (await admin.get(f"/admin/tenants/{gold}/reservations")).json()["data"] == []
 
 
+async def test_a_regional_reservation_stands_beside_the_pools_own(admin, gold, owner):
+    model = f"pool-{uuid.uuid4().hex[:6]}"
+    for body in (dict(slots=3), dict(slots=2, region="eu-west"), dict(slots=1, region="us-east"),
+                 dict(slots=0, region="us-east")):
+        r = await admin.put(f"/admin/tenants/{gold}/reservations", json=dict(model=model, **body))
+        assert r.status_code == 200 and r.json()["region"] == body.get("region"), r.text
+    got = (await admin.get(f"/admin/tenants/{gold}/reservations")).json()
+    assert [(d["region"], d["slots"]) for d in got["data"]] == [(None, 3), ("eu-west", 2)]
+    assert [(c["region"], c["slots"]) for c in got["history"]] == [(None, 3), ("eu-west", 2), ("us-east", 1),
+                                                                   ("us-east", 0)]
+    async with owner.connect() as conn:
+        rows = (await conn.execute(text("SELECT region, slots FROM reservations WHERE tenant = :t ORDER BY region"),
+                                   dict(t=gold))).all()
+    assert [tuple(r) for r in rows] == [("", 3), ("eu-west", 2)]
+
+
 @pytest.mark.parametrize("body, param", [
+    (dict(model="m", slots=1, region="eu\x00"), "region"),
+    (dict(model="m", slots=1, region="r" * 65), "region"),
     (dict(model="*", slots=1), "model"),
     (dict(model="m", slots=-1), "slots"),
     (dict(model="", slots=1), "model"),

@@ -431,7 +431,12 @@ def test_reservations_split_over_the_pool_and_hold_back_only_what_is_unused():
     # 5 slots over 3 engines: 2, 2, 1 by id; an engine the list has not seen yet counts too.
     assert [r.share(5, ["e1", "e2", "e3"], e) for e in ("e1", "e2", "e3")] == [2, 2, 1]
     assert r.share(5, ["e2"], "e1") == 3 and r.share(0, ["e1"], "e1") == 0
-    assert r.shares({"gold": 5, "tin": 1}, ["e1", "e2", "e3"], "e3") == {"gold": 1}
+    anywhere = {"e1": "eu", "e2": "eu", "e3": "us"}
+    assert r.shares([r.Reserved("gold", 5), r.Reserved("tin", 1)], anywhere, "e3") == {"gold": 1}
+    # A regional reservation is split over its region's engines alone, and adds to one anywhere.
+    eu = [r.Reserved("gold", 3, "eu"), r.Reserved("gold", 5)]
+    assert [r.shares(eu, anywhere, e) for e in ("e1", "e2", "e3")] == [{"gold": 2 + 2}, {"gold": 1 + 2}, {"gold": 1}]
+    assert r.shares([r.Reserved("tin", 4, "ap")], anywhere, "e1") == {}
     reserved, running = {"gold": 3, "silver": 2}, {"gold": 1, "silver": 4, "x": 9}
     assert r.unused(reserved, running) == {"gold": 2}
     assert (r.held_back(reserved, running, "x"), r.held_back(reserved, running, "gold")) == (2, 0)
