@@ -196,6 +196,13 @@ async def _probe(http: httpx.AsyncClient, key: str, phase: str, timeout: float) 
     return dict(status=got["status"], seconds=round(time.time() - t0, 1), window=promise.get("window"))
 
 
+async def _paces(http: httpx.AsyncClient, admin: dict[str, str]) -> dict[str, float]:
+    """Each engine worker's batch pace, as it last announced it."""
+    listed = (await http.get("/admin/engines", headers=admin)).json()["data"]
+    return {e["id"]: (json.loads(e["stats"]) if isinstance(e["stats"], str) else e["stats"]).get("batch_rate", 0.0)
+            for e in listed}
+
+
 def _journal(db_url: str, phases: list[Phase], job_id: str) -> dict[str, dict[str, float]]:
     """Per phase, from the journal: batch tokens a second, training steps a second."""
     out: dict[str, dict[str, float]] = {}
@@ -272,6 +279,10 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
                 if got["status"] == "in_progress" and got["request_counts"]["completed"]:
                     break
                 await asyncio.sleep(0.5)
+            for _ in range(600):  # and each engine has measured its batch pace: short windows are open
+                if all(p > 0 for p in (await _paces(http, admin)).values()):
+                    break
+                await asyncio.sleep(0.5)
 
             phases = []
             for name in PHASES:
@@ -280,9 +291,7 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
                     r = await http.post(f"/admin/engines/{engines[1]}/drain", headers=admin)
                     assert r.status_code == 200, r.text
                     await asyncio.sleep(3)  # every API's directory has seen it
-                listed = (await http.get("/admin/engines", headers=admin)).json()["data"]
-                ph.paces = {e["id"]: json.loads(e["stats"]).get("batch_rate", 0.0) if isinstance(e["stats"], str)
-                            else e["stats"].get("batch_rate", 0.0) for e in listed}
+                ph.paces = await _paces(http, admin)
                 ph.start = time.time()
                 each = rate * (2 if name == "double" else 1)
                 stop = asyncio.Event()

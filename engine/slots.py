@@ -148,8 +148,14 @@ class EngineSlots:
                         break
                     # Re-check on every change, and when the cool-down or the floor's grace
                     # ends: hundreds of waiters must not poll while chat holds the engine.
+                    # asyncio.timeout, not wait_for: wait_for waits in a task of its own, and
+                    # a cancel landing as its timeout fires left that task to take the lock
+                    # back after this one had gone, holding it for ever (every hold, chat
+                    # and announce of the engine then blocked). Here the wait is this task's
+                    # own, and it has the lock back before any exception leaves it.
                     try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=self._next_change())
+                        async with asyncio.timeout(self._next_change()):
+                            await self._changed.wait()
                     except TimeoutError:
                         pass
             except BaseException:

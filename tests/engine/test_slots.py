@@ -285,3 +285,38 @@ async def test_busy_seconds_count_only_while_batch_work_holds_a_slot():
         clock.now = 50.5
     clock.now = 99.0
     assert slots.busy_s() == 3.5
+
+
+async def test_a_waiter_cancelled_as_its_timeout_fires_leaves_the_slots_usable():
+    """A waiter's timeout fires while another task holds the engine's lock, and the waiter
+    is cancelled before it has the lock back: it must leave with the lock released, or every
+    later batch hold, chat and announce of the engine blocks for ever."""
+    slots = EngineSlots(1)
+    slots._next_change = lambda: 0.005  # type: ignore[method-assign]
+    release = asyncio.Event()
+
+    async def nothing():
+        pass
+
+    async def holder():
+        async with slots.batch("holder", 10, nothing):
+            await release.wait()
+
+    held = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    waiter = asyncio.create_task(slots.batch("waiter", 10, nothing).__aenter__())
+    await asyncio.sleep(0.001)  # waiting, the lock let go
+    await slots._changed.acquire()  # a chat or an announce takes it...
+    await asyncio.sleep(0.02)  # ...while the waiter's timeout fires: it waits to get the lock back
+    waiter.cancel()  # cancelled, and in the same turn of the loop the lock let go
+    slots._changed.release()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(waiter, 1)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not slots._changed.locked(), "the cancelled waiter left the lock held"
+    release.set()
+    await asyncio.wait_for(held, 1)
+    async with asyncio.timeout(1):
+        async with slots.batch("after", 10, nothing):
+            pass
