@@ -292,7 +292,7 @@ async def test_a_waiter_cancelled_as_its_timeout_fires_leaves_the_slots_usable()
     is cancelled before it has the lock back: it must leave with the lock released, or every
     later batch hold, chat and announce of the engine blocks for ever."""
     slots = EngineSlots(1)
-    slots._next_change = lambda: 0.005  # type: ignore[method-assign]
+    slots._next_change = lambda: 0.005
     release = asyncio.Event()
 
     async def nothing():
