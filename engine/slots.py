@@ -43,6 +43,10 @@ from policy.preemption import (
 )
 
 NO_WINDOW_S = 86_400.0  # what work without a completion window is ordered as: OpenAI's 24h
+# Work due within this long waits for a slot by its deadline; the rest, and work without a
+# window, by arrival: in the order Temporal's fair dispatch across tenants handed it over,
+# so one tenant's day-long backlog neither starves another's nor a fine-tuning job.
+URGENT_S = NO_WINDOW_S / 2
 SPELLS = 32  # the calm spells between chats that price the next wait: about the last minute's
 PENALTY_S = 0.5  # a resumption's cost until this engine has measured some
 
@@ -134,12 +138,13 @@ class EngineSlots:
     async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]],
                     deadline: float | None = None) -> AsyncIterator[BatchHold]:
         """Wait for a batch slot, hold it for the block. Cancellable while waiting. Waiters
-        go by `deadline` (unix seconds; None: NO_WINDOW_S from now), then arrival."""
-        if deadline is None:
-            deadline = time.time() + NO_WINDOW_S
+        due within URGENT_S go by `deadline` (unix seconds; None: no window), ahead of the
+        rest, which go by arrival."""
+        now = time.time()
+        key = deadline if deadline is not None and deadline - now <= URGENT_S else now + NO_WINDOW_S
         async with self._changed:
             self.queued += 1
-            me = (deadline, next(self._arrivals))
+            me = (key, next(self._arrivals))
             heapq.heappush(self._waiting, me)
             try:
                 while True:

@@ -264,6 +264,37 @@ async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_woul
     assert order == ["holder", "hour", "chunk", "day-later"]
 
 
+async def test_work_not_due_within_half_a_day_waits_by_arrival_so_an_old_backlog_starves_nothing():
+    slots = EngineSlots(1)
+    order: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+
+    async def run(id: str, deadline: float | None):
+        async def abort():
+            pass
+
+        release[id] = asyncio.Event()
+        async with slots.batch(id, 10, abort, deadline):
+            order.append(id)
+            await release[id].wait()
+
+    now = time.time()
+    tasks = [asyncio.create_task(run("holder", now))]
+    await asyncio.sleep(0)
+    # A chunk asks first; then an item of a backlog made 10 h ago (due in 14 h), and one of a
+    # batch made 13 h ago (due in 11 h: urgent now).
+    for id, deadline in (("chunk", None), ("old-backlog", now + 14 * 3600), ("due-soon", now + 11 * 3600)):
+        tasks.append(asyncio.create_task(run(id, deadline)))
+        await asyncio.sleep(0)
+    for id in ("holder", "due-soon", "chunk", "old-backlog"):
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert order[-1] == id
+        release[id].set()
+    await asyncio.gather(*tasks)
+    assert order == ["holder", "due-soon", "chunk", "old-backlog"]
+
+
 async def test_busy_seconds_count_only_while_batch_work_holds_a_slot():
     """The time a batch pace is measured over (policy/promises.py): overlapping holds count
     once, idle gaps not at all."""
