@@ -185,37 +185,76 @@ async def test_batch_comes_back_at_once_after_chat_on_an_engine_whose_calm_spell
         assert (slots.wait_s, slots.cap) == (wait, 4 if priced else 0), slots.spells
 
 
-async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_cancelled_one_passes_its_turn():
-    slots = EngineSlots(1)
-    order: list[str] = []
-    release: dict[str, asyncio.Event] = {}
+class Turns:
+    """Batch holds on an engine of one slot, in the order they got it; each held until let go."""
 
-    async def run(id: str, deadline: float):
+    def __init__(self) -> None:
+        self.slots = EngineSlots(1)
+        self.order: list[str] = []
+        self.release: dict[str, asyncio.Event] = {}
+
+    async def run(self, id: str, deadline: float | None) -> None:
         async def abort():
             pass
 
-        release[id] = asyncio.Event()
-        async with slots.batch(id, 10, abort, deadline):
-            order.append(id)
-            await release[id].wait()
+        self.release[id] = asyncio.Event()
+        async with self.slots.batch(id, 10, abort, deadline):
+            self.order.append(id)
+            await self.release[id].wait()
 
-    first = asyncio.create_task(run("holder", 500.0))
-    await asyncio.sleep(0)
-    tasks = {id: asyncio.create_task(run(id, d)) for id, d in
-             (("tomorrow", 86_400.0), ("in-an-hour", 3600.0), ("gone", 60.0), ("also-in-an-hour", 3600.0))}
-    await asyncio.sleep(0)
-    assert slots.queued == 4
+    async def asked(self, *waiters: tuple[str, float | None]) -> dict[str, asyncio.Task]:
+        """Each starts waiting, in this order."""
+        tasks = {}
+        for id, deadline in waiters:
+            tasks[id] = asyncio.create_task(self.run(id, deadline))
+            await asyncio.sleep(0)
+        return tasks
+
+    async def served(self, *ids: str) -> None:
+        """They get the slot in this order, each let go in turn."""
+        for id in ids:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert self.order[-1] == id
+            self.release[id].set()
+
+
+async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_cancelled_one_passes_its_turn():
+    now = time.time()
+    t = Turns()
+    first = await t.asked(("holder", now))
+    tasks = await t.asked(("tomorrow", now + 11 * 3600), ("in-an-hour", now + 3600), ("gone", now + 60),
+                          ("also-in-an-hour", now + 3600))
+    assert t.slots.queued == 4
     tasks["gone"].cancel()  # the earliest deadline, cancelled while it waits: the next goes
     with contextlib.suppress(asyncio.CancelledError):
         await tasks["gone"]
-    for id in ("holder", "in-an-hour", "also-in-an-hour", "tomorrow"):
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert order[-1] == id
-        release[id].set()
-    await asyncio.gather(first, *(t for k, t in tasks.items() if k != "gone"))
-    assert order == ["holder", "in-an-hour", "also-in-an-hour", "tomorrow"] and slots.queued == 0
-    assert not slots._waiting and not slots._gave_up
+    await t.served("holder", "in-an-hour", "also-in-an-hour", "tomorrow")
+    await asyncio.gather(*first.values(), *(task for k, task in tasks.items() if k != "gone"))
+    assert t.order == ["holder", "in-an-hour", "also-in-an-hour", "tomorrow"] and t.slots.queued == 0
+    assert not t.slots._waiting and not t.slots._gave_up
+
+
+async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_would_not_for_ever():
+    now = time.time()
+    t = Turns()
+    # A fine-tuning chunk asks now; a day's batch created after it, and one due in an hour.
+    tasks = await t.asked(("holder", now), ("chunk", None), ("day-later", now + 86_400 + 60), ("hour", now + 3600))
+    await t.served("holder", "hour", "chunk", "day-later")
+    await asyncio.gather(*tasks.values())
+    assert t.order == ["holder", "hour", "chunk", "day-later"]
+
+
+async def test_work_not_due_within_half_a_day_waits_by_arrival_so_an_old_backlog_starves_nothing():
+    now = time.time()
+    t = Turns()
+    # A chunk asks first; then an item of a backlog made 10 h ago (due in 14 h), and one of a
+    # batch made 13 h ago (due in 11 h: urgent now).
+    tasks = await t.asked(("holder", now), ("chunk", None), ("old-backlog", now + 14 * 3600),
+                          ("due-soon", now + 11 * 3600))
+    await t.served("holder", "due-soon", "chunk", "old-backlog")
+    await asyncio.gather(*tasks.values())
+    assert t.order == ["holder", "due-soon", "chunk", "old-backlog"]
 
 
 async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_asked_for_at_once():
@@ -232,67 +271,6 @@ async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_ask
     tasks[0].cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await tasks[0]
-
-
-async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_would_not_for_ever():
-    slots = EngineSlots(1)
-    order: list[str] = []
-    release: dict[str, asyncio.Event] = {}
-
-    async def run(id: str, deadline: float | None):
-        async def abort():
-            pass
-
-        release[id] = asyncio.Event()
-        async with slots.batch(id, 10, abort, deadline):
-            order.append(id)
-            await release[id].wait()
-
-    now = time.time()
-    tasks = [asyncio.create_task(run("holder", now))]
-    await asyncio.sleep(0)
-    # A fine-tuning chunk asks now; a day's batch created after it, and one due in an hour.
-    for id, deadline in (("chunk", None), ("day-later", now + 86_400 + 60), ("hour", now + 3600)):
-        tasks.append(asyncio.create_task(run(id, deadline)))
-        await asyncio.sleep(0)
-    for id in ("holder", "hour", "chunk", "day-later"):
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert order[-1] == id
-        release[id].set()
-    await asyncio.gather(*tasks)
-    assert order == ["holder", "hour", "chunk", "day-later"]
-
-
-async def test_work_not_due_within_half_a_day_waits_by_arrival_so_an_old_backlog_starves_nothing():
-    slots = EngineSlots(1)
-    order: list[str] = []
-    release: dict[str, asyncio.Event] = {}
-
-    async def run(id: str, deadline: float | None):
-        async def abort():
-            pass
-
-        release[id] = asyncio.Event()
-        async with slots.batch(id, 10, abort, deadline):
-            order.append(id)
-            await release[id].wait()
-
-    now = time.time()
-    tasks = [asyncio.create_task(run("holder", now))]
-    await asyncio.sleep(0)
-    # A chunk asks first; then an item of a backlog made 10 h ago (due in 14 h), and one of a
-    # batch made 13 h ago (due in 11 h: urgent now).
-    for id, deadline in (("chunk", None), ("old-backlog", now + 14 * 3600), ("due-soon", now + 11 * 3600)):
-        tasks.append(asyncio.create_task(run(id, deadline)))
-        await asyncio.sleep(0)
-    for id in ("holder", "due-soon", "chunk", "old-backlog"):
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert order[-1] == id
-        release[id].set()
-    await asyncio.gather(*tasks)
-    assert order == ["holder", "due-soon", "chunk", "old-backlog"]
 
 
 async def test_busy_seconds_count_only_while_batch_work_holds_a_slot():
