@@ -14,6 +14,7 @@ work (it holds a batch slot, as a generation does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import time
@@ -213,16 +214,24 @@ class FineTuneActivities:
             stopped.set()
 
         hold = self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort) if self.slots else _no_slot()
-        async with hold:
-            clock.start()
-            trained = families.TRAINING_STEPS.labels(families.tenant(job["tenant"]), job["model"])
-            cancelled = await self._steps(trainer, inp, clock, stopped, trained)
-            clock.trained("done" if trainer.done else "cancelled" if cancelled else
-                          "preempted" if stopped.is_set() else "steps")
-            await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples), valid,
-                                   clock)
-            if trainer.done:
-                await asyncio.to_thread(self._save_adapter, trainer, job["id"])
+        # The wait for a slot, behind chat and batch, can outlast the heartbeat timeout: it
+        # beats meanwhile, else the chunk were retried to the back of the queue each time
+        # and the job failed once its attempts were spent.
+        waiting = asyncio.create_task(_beat(trainer.step))
+        try:
+            async with hold:
+                waiting.cancel()
+                clock.start()
+                trained = families.TRAINING_STEPS.labels(families.tenant(job["tenant"]), job["model"])
+                cancelled = await self._steps(trainer, inp, clock, stopped, trained)
+                clock.trained("done" if trainer.done else "cancelled" if cancelled else
+                              "preempted" if stopped.is_set() else "steps")
+                await self._checkpoint(trainer, job, ckpts, unusable, fence, sum(len(e.ids) for e in examples),
+                                       valid, clock)
+                if trainer.done:
+                    await asyncio.to_thread(self._save_adapter, trainer, job["id"])
+        finally:
+            waiting.cancel()
         if cancelled:
             raise asyncio.CancelledError
         return TrainChunkResult(trainer.step, trainer.total_steps, trainer.done, preempted=stopped.is_set())
@@ -440,6 +449,16 @@ def _dispatch_s(info: activity.Info) -> float:
     if info.current_attempt_scheduled_time and info.started_time:
         return max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
     return 0.0
+
+
+async def _beat(step: int) -> None:
+    """Heartbeat `step` three times per heartbeat timeout, until cancelled."""
+    timeout = activity.info().heartbeat_timeout
+    every = timeout.total_seconds() / 3 if timeout else 5.0
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            activity.heartbeat(step)
+            await asyncio.sleep(every)
 
 
 class _no_slot:
