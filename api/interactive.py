@@ -181,8 +181,8 @@ async def _downgraded(svc: Services, tenant: str, endpoint: str, body: dict[str,
                       pool: str, models: dict[str, int]) -> tuple[str, dict[str, Any], GenerationRequest]:
     """(pool, body, request) of a flex request: the configured smaller model's where its own
     pool is busy (policy.pools.downgrade) and the request fits that model too; else as asked."""
-    engines, generating = await svc.engines.live(), {m: n for m, n in models.items()
-                                                     if m not in await svc.embedding_models()}
+    engines, embedding = await svc.engines.live(), await svc.embedding_models()
+    generating = {m: n for m, n in models.items() if m not in embedding}
     small = downgrade(pool, req.service_tier, svc.settings.flex_downgrade, generating,
                       lambda p: _busy(engines, p, tenant, svc.settings.surge_high))
     if small is None:
