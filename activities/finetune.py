@@ -14,7 +14,6 @@ work (it holds a batch slot, as a generation does).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import csv
 import io
 import time
@@ -25,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.heartbeat import beating
 from journal import batch_store, finetune_store, ledger
 from journal.events import append
 from journal.leases import acquire
@@ -214,10 +214,8 @@ class FineTuneActivities:
             stopped.set()
 
         hold = self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort) if self.slots else _no_slot()
-        # The wait for a slot, behind chat and batch, can outlast the heartbeat timeout: it
-        # beats meanwhile, else the chunk were retried to the back of the queue each time
-        # and the job failed once its attempts were spent.
-        waiting = asyncio.create_task(_beat(trainer.step))
+        # The wait for a slot, behind chat and batch, can outlast the heartbeat timeout.
+        waiting = asyncio.create_task(beating(lambda: trainer.step))
         try:
             async with hold:
                 waiting.cancel()
@@ -449,16 +447,6 @@ def _dispatch_s(info: activity.Info) -> float:
     if info.current_attempt_scheduled_time and info.started_time:
         return max(0.0, (info.started_time - info.current_attempt_scheduled_time).total_seconds())
     return 0.0
-
-
-async def _beat(step: int) -> None:
-    """Heartbeat `step` three times per heartbeat timeout, until cancelled."""
-    timeout = activity.info().heartbeat_timeout
-    every = timeout.total_seconds() / 3 if timeout else 5.0
-    with contextlib.suppress(asyncio.CancelledError):
-        while True:
-            activity.heartbeat(step)
-            await asyncio.sleep(every)
 
 
 class _no_slot:

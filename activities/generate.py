@@ -21,7 +21,6 @@ running) cannot write once its retry has begun.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.heartbeat import beating
 from engine import embedding, sampling
 from engine.prefix_leaders import PrefixLeaders
 from engine.slots import EngineSlots
@@ -90,7 +90,7 @@ class GenerationActivities:
         self.trace("activity", group=info.activity_id, items=len(group.idxs))
         progress: dict[str, int] = {}
         running = set(group.idxs)
-        beat = asyncio.create_task(self._heartbeat(progress))
+        beat = asyncio.create_task(beating(lambda: sum(progress.values())))
         try:
             async with asyncio.TaskGroup() as tg:  # on cancel: every item flushes, then we return
                 tasks = [tg.create_task(self._isolated(Attempt(batch, items[idx], runner, fences[idx], progress,
@@ -317,16 +317,6 @@ class GenerationActivities:
         if params.stop_token(self.engine, tokens[-1]):
             return True
         return sampling.stopped(self.engine, prompt, tokens, params)
-
-    async def _heartbeat(self, progress: dict[str, int]) -> None:
-        # Beats even while items wait for a slot or in the engine's queue; three beats per
-        # timeout is enough and keeps hundreds of generations cheap.
-        timeout = activity.info().heartbeat_timeout
-        every = timeout.total_seconds() / 3 if timeout else 5.0
-        with contextlib.suppress(asyncio.CancelledError):
-            while True:
-                activity.heartbeat(sum(progress.values()))
-                await asyncio.sleep(every)
 
 
 async def _all(runs: list[Any]) -> list[Any]:

@@ -103,6 +103,8 @@ async def _serve(request: Request, svc: Services, who: Principal, endpoint: str)
         if ticket is not None:
             ticket.cancel()  # no engine took it: nothing used, all refunded
         raise
+    if pool != asked:
+        run.record = dataclasses.replace(run.record, downgraded_from=asked)
     response = _Streamed(run, _relay(run, req)) if req.stream else await _collect(run, req)
     if pool != asked:
         response.headers["x-ballast-downgraded-from"] = asked

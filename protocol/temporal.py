@@ -131,6 +131,7 @@ class InteractiveInput:
     holder: str | None = None  # the admitting process
     admitted_at: float | None = None  # unix seconds: the reservation's window
     http_request_id: str | None = None  # the HTTP request's x-request-id (api/request_ids.py)
+    downgraded_from: str | None = None  # the model asked, where a flex request was served by a smaller one
     # How it ended: the API starts the workflow once the request has ended. None: a
     # workflow an older API started mid-stream, whose outcome comes by the `finished` signal.
     outcome: RequestOutcome | None = None

@@ -41,7 +41,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from ballast import procs
-from tests.e2e.conftest import WAIT_S, Stack, own_stack
+from tests.e2e.conftest import WAIT_S, Stack, own_stack, vllm_paused
 from tests.e2e.test_batch import _sql, read_jsonl, submit, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -452,9 +452,12 @@ def test_a_flex_chat_for_a_busy_model_is_answered_by_its_configured_smaller_mode
             model=A, messages=[dict(role="user", content="Keep talking.")], max_tokens=900, ignore_eos=True,
             stream=True)) as holding:
         assert holding.status_code == 200
-        procs.wait_until(lambda: _interactive(pools.url, pools.engine_of[A]) >= 1, 30, "A's engine reports the stream")
-        time.sleep(1.0)  # the second API's view of the engines refreshes every 0.5 s
-        moved, flex = chat(A, "flex")
+        # A's vLLM stopped: the stream stays in flight however fast the tiny model would end it.
+        with vllm_paused(pools.stack):
+            procs.wait_until(lambda: _interactive(pools.url, pools.engine_of[A]) >= 1, 30,
+                             "A's engine reports the stream")
+            time.sleep(1.0)  # the second API's view of the engines refreshes every 0.5 s
+            moved, flex = chat(A, "flex")
         kept, default = chat(A, "default")
     hold.close()
     want_b, want_a = _body(theirs[B]["hello"]), _body(theirs[A]["hello"])
@@ -467,3 +470,14 @@ def test_a_flex_chat_for_a_busy_model_is_answered_by_its_configured_smaller_mode
     time.sleep(1.0)
     calm, again = chat(A, "flex")
     assert calm is None and again["model"] == A and _content(again) == _content(want_a)
+
+    # The journal says which model served each and which was asked (SQL over its records).
+    def records() -> dict[str, dict]:
+        rows = _sql(pools.url, "SELECT request_id, record FROM finished_requests WHERE request_id = ANY(%(r)s)",
+                    r=[flex["id"], default["id"]])
+        return {rid: record for rid, record in rows}
+
+    procs.wait_until(lambda: len(records()) == 2, WAIT_S, "the two chats journaled")
+    journaled = records()
+    assert (journaled[flex["id"]]["model"], journaled[flex["id"]]["downgraded_from"]) == (B, A)
+    assert (journaled[default["id"]]["model"], journaled[default["id"]].get("downgraded_from")) == (A, None)

@@ -1,6 +1,7 @@
-"""A fine-tuning chunk waiting for an engine slot keeps its heartbeat (activities/finetune.py):
-else a wait behind chat and batch longer than the heartbeat timeout had the chunk retried
-to the back of the queue, and the job failed once its attempts were spent."""
+"""An activity waiting for an engine slot keeps its heartbeat (activities/heartbeat.py, as a
+fine-tuning chunk and a generation use it): else a wait behind chat and batch longer than
+the heartbeat timeout had it retried to the back of the queue, and the job failed once its
+attempts were spent."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.testing import ActivityEnvironment
 
-from activities.finetune import _beat
+from activities.heartbeat import beating
 from engine.slots import EngineSlots
 
 
-async def test_a_chunk_beats_while_it_waits_for_a_slot():
+async def test_an_activity_beats_while_it_waits_for_a_slot():
     slots = EngineSlots(1)
     beats: list[object] = []
     release = asyncio.Event()
@@ -29,7 +30,7 @@ async def test_a_chunk_beats_while_it_waits_for_a_slot():
 
     @activity.defn
     async def chunk() -> int:
-        waiting = asyncio.create_task(_beat(7))
+        waiting = asyncio.create_task(beating(lambda: 7))
         try:
             async with slots.batch("ft:job", 10, nothing):
                 waiting.cancel()
