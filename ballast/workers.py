@@ -386,7 +386,8 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
                 peers = {e["id"]: EngineStats.from_json(e["stats"]).region
                          for e in await engine_registry.live(conn, settings.announce_s * 5)
                          if e["model"] == spec.name and not e["draining"]}
-                peers[engine_id] = settings.region
+                if not draining.drained.is_set():  # a draining engine leaves its part to its peers
+                    peers[engine_id] = settings.region
                 cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
                     EngineStats(**report, **asdict(engine.load), max_seqs=settings.max_num_seqs,

@@ -36,8 +36,11 @@ class Reserved:
 
 def shares(pool: Iterable[Reserved], engines: Mapping[str, str], me: str) -> dict[str, int]:
     """Tenant → engine `me`'s part of its reservations (none where that part is 0):
-    `engines` are the pool's live engine ids → their regions, `me` among them; a regional
-    reservation is split over that region's engines alone."""
+    `engines` are the pool's live engine ids → their regions, less those draining; a
+    regional reservation is split over that region's engines alone. A draining `me` (not
+    among them) holds none: its peers have split its part already."""
+    if me not in engines:
+        return {}
     out: dict[str, int] = {}
     for r in pool:
         if r.region and engines.get(me) != r.region:

@@ -437,6 +437,10 @@ def test_reservations_split_over_the_pool_and_hold_back_only_what_is_unused():
     eu = [r.Reserved("gold", 3, "eu"), r.Reserved("gold", 5)]
     assert [r.shares(eu, anywhere, e) for e in ("e1", "e2", "e3")] == [{"gold": 2 + 2}, {"gold": 1 + 2}, {"gold": 1}]
     assert r.shares([r.Reserved("tin", 4, "ap")], anywhere, "e1") == {}
+    # A draining engine is no peer of the others, nor holds any part itself.
+    draining_e3 = {"e1": "eu", "e2": "eu"}
+    assert [r.shares([r.Reserved("gold", 5)], draining_e3, e) for e in ("e1", "e2", "e3")] == [
+        {"gold": 3}, {"gold": 2}, {}]
     reserved, running = {"gold": 3, "silver": 2}, {"gold": 1, "silver": 4, "x": 9}
     assert r.unused(reserved, running) == {"gold": 2}
     assert (r.held_back(reserved, running, "x"), r.held_back(reserved, running, "gold")) == (2, 0)
