@@ -252,9 +252,7 @@ class EngineSlots:
         demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max, self.lendable)
         now = self.clock()
         self.state = batch_slots(demand, self.state, now, self.wait_s)
-        # The fleet's surge cap keeps batch off the slots chat needs; reserved slots left unused
-        # are no chat's but their tenant's, so they are lent on top of it.
-        cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap + self.lendable)
+        cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
         self._cap, self.floor = starvation_floor(cap, self.floor, now, self.starve_after_s)
 
     async def _rebalance(self) -> None:

@@ -24,9 +24,8 @@ Per pool, every controller tick (`workflows/fleet.py` applies this):
   an engine's pressure (interactive work and vLLM's queue against its slots, or KV-cache
   use while interactive work is there) reaches `high`, and leaves it only after pressure
   has stayed under `low` for `cool_down_s`. While it surges, every engine of the pool —
-  also those no chat has reached yet — caps batch at `batch_share` of its slots (and the
-  reserved slots their tenants leave unused, which are no other chat's), and the engines
-  preempt by `victims` to get there.
+  also those no chat has reached yet — caps batch at `batch_share` of its slots, and the
+  engines preempt by `victims` to get there.
 """
 
 from __future__ import annotations
