@@ -1,7 +1,7 @@
-"""`ballast up | api | worker ... | migrate | tenants ... | verify`, and `bench ...` / `chaos`,
-which run `python -m bench`: Ballast itself. Every other command (`batch`, `files`, `models`,
-`ft`, `usage`, `admin`, `profile`, `completion`, and `--help`, `--version`) is the client's,
-over HTTP (ballast/client_cli.py)."""
+"""`ballast up | api | worker ... | migrate | tenants ... | verify`, `bench ...` / `chaos`,
+which run `python -m bench`, and `sim ...` (the simulator, sim/): Ballast itself. Every other
+command (`batch`, `files`, `models`, `ft`, `usage`, `admin`, `profile`, `completion`, and
+`--help`, `--version`) is the client's, over HTTP (ballast/client_cli.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ SERVER = dict(up="Run everything on this machine (embedded Postgres and Temporal
               tenants="Tenants, keys and limits straight on the journal's Postgres (as its owner).",
               verify="Check the journal's invariants in SQL.",
               bench="Benchmarks that print ratios measured side by side.",
-              chaos="Faults injected into a fresh `ballast up` under load.")
+              chaos="Faults injected into a fresh `ballast up` under load.",
+              sim="The real policies at fleet scale in virtual time.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +82,8 @@ def server_main(argv: list[str]) -> int:
     for name, what in (("bench", "benchmarks that print ratios measured side by side (`ballast bench -h`)"),
                        ("chaos", "faults injected into a fresh `ballast up` under load (`ballast chaos -h`)")):
         sub.add_parser(name, help=what, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("sim", help="the real policies at fleet scale in virtual time (`ballast sim -h`)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     v = sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL: each check's "
                                       "rows examined; exits 1 on a violation, or when nothing at all was examined")
     v.add_argument("--tokenizer", default=None, help="a model directory (or hub id): also re-tokenize each completed "
@@ -89,6 +92,10 @@ def server_main(argv: list[str]) -> int:
                                                  "its fine-tuned models)")
     if argv and argv[0] in ("bench", "chaos"):  # all they are given is theirs, -h included
         os.execv(sys.executable, [sys.executable, "-m", "bench", *(["chaos"] if argv[0] == "chaos" else []), *argv[1:]])
+    if argv and argv[0] == "sim":  # pure and in-process: no settings, no services
+        from sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format=logs.TEXT)

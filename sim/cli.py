@@ -1,0 +1,51 @@
+"""`ballast sim placement | fleet | quota`: the simulator's experiments, printed as markdown."""
+
+from __future__ import annotations
+
+import argparse
+
+from sim import report
+from sim.fleet import FleetSetup, simulate
+from sim.placement import PlacementSetup, experiment
+from sim.quota import QuotaSetup
+from sim.quota import simulate as quota
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ballast sim", description="The real policies in virtual time.")
+    sub = parser.add_subparsers(dest="experiment", required=True)
+    p = sub.add_parser("placement", help="prefix affinity against least-loaded and round-robin on one pool")
+    p.add_argument("--engines", type=int, default=PlacementSetup.engines)
+    p.add_argument("--seconds", type=float, default=PlacementSetup.seconds, help="virtual seconds of trace")
+    p.add_argument("--seed", type=int, default=PlacementSetup.seed)
+    f = sub.add_parser("fleet", help="every class over many regions, with a region lost halfway")
+    f.add_argument("--regions", type=int, default=FleetSetup.regions)
+    f.add_argument("--engines-per-region", type=int, default=FleetSetup.engines_per_region)
+    f.add_argument("--minutes", type=float, default=FleetSetup.minutes, help="virtual minutes of trace")
+    f.add_argument("--rate", type=float, default=FleetSetup.rate_per_min, help="requests a minute, fleet-wide")
+    f.add_argument("--seed", type=int, default=FleetSetup.seed)
+    f.add_argument("--no-loss", action="store_true", help="keep every region")
+    q = sub.add_parser("quota", help="bounded-stale admission against synchronous admission across regions")
+    q.add_argument("--regions", type=int, default=QuotaSetup.regions)
+    q.add_argument("--minutes", type=int, default=QuotaSetup.minutes)
+    q.add_argument("--reconcile-s", type=float, default=QuotaSetup.reconcile_s, help="the reconcile period")
+    q.add_argument("--tier", choices=["priority", "default", "flex"], default=str(QuotaSetup.tier))
+    q.add_argument("--seed", type=int, default=QuotaSetup.seed)
+    args = parser.parse_args(argv)
+    if args.experiment == "quota":
+        if args.regions < 1 or args.minutes < 1 or args.reconcile_s <= 0:
+            parser.error("--regions and --minutes must be at least 1, --reconcile-s positive")
+        print(report.quota(quota(QuotaSetup(args.regions, args.minutes, reconcile_s=args.reconcile_s, tier=args.tier,
+                                            seed=args.seed))))
+        return 0
+    if args.experiment == "placement":
+        if args.engines < 1 or args.seconds <= 0:
+            parser.error("--engines must be at least 1 and --seconds positive")
+        print(report.placement(experiment(PlacementSetup(args.engines, args.seconds, args.seed))))
+    else:
+        if args.regions < 1 or args.engines_per_region < 1 or args.minutes <= 0 or args.rate <= 0:
+            parser.error("--regions and --engines-per-region must be at least 1, --minutes and --rate positive")
+        setup = FleetSetup(args.regions, args.engines_per_region, min(FleetSetup.pool_size, args.engines_per_region),
+                           args.minutes, args.rate, args.seed, lose_at=None if args.no_loss else FleetSetup.lose_at)
+        print(report.fleet(simulate(setup)))
+    return 0
