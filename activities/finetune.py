@@ -213,7 +213,8 @@ class FineTuneActivities:
         async def abort() -> None:  # the engine preempts the chunk: stop after this step
             stopped.set()
 
-        hold = self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort) if self.slots else _no_slot()
+        hold = (self.slots.batch(f"ft:{inp.job_id}", RANK[Tier.BATCH], abort, owner=job["tenant"]) if self.slots
+                else _no_slot())
         # The wait for a slot, behind chat and batch, can outlast the heartbeat timeout.
         waiting = asyncio.create_task(beating(lambda: trainer.step))
         try:

@@ -222,7 +222,7 @@ class GenerationActivities:
         async def whole() -> None:  # a preemption's abort: the pass ends on its own within a step
             pass
 
-        async with self.slots.batch(at.key, BATCH_PRIORITY, whole, at.deadline):
+        async with self.slots.batch(at.key, BATCH_PRIORITY, whole, at.deadline, at.tenant):
             vectors = await self.engine.embed(f"{at.key}:{at.fence}:{at.tries}", ids, dimensions=req.dimensions,
                                               priority=BATCH_PRIORITY)
         await self._result(at, [at.completed(embeddings.response(req.model, vectors, sum(map(len, ids)),
@@ -244,7 +244,8 @@ class GenerationActivities:
     async def _prompt_logprobs(self, at: Attempt, prompt: list[int], params: sampling.Sampling) -> list[Any]:
         """An echo's prompt logprobs, under a batch slot like any run of the item."""
         request_id = f"{at.stream}:{at.fence}:{at.tries}:echo"
-        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id), at.deadline):
+        async with self.slots.batch(at.stream, BATCH_PRIORITY, lambda: self.engine.abort(request_id), at.deadline,
+                                    at.tenant):
             return await sampling.prompt_logprobs(self.engine, request_id, prompt, params)
 
     def _count(self, at: Attempt, outcome: str, tokens: int = 0) -> None:
@@ -267,7 +268,7 @@ class GenerationActivities:
         first, resuming = True, bool(tokens)
         await self.leaders.wait(blocks)
         async with self.slots.batch(at.key, BATCH_PRIORITY, lambda: self.engine.abort(request_id),
-                                    at.deadline) as hold:
+                                    at.deadline, at.tenant) as hold:
             self.trace("submit", item=at.key)
             try:
                 with self.checkpointer.track(at), self.leaders.lead(blocks) as prefilled:
@@ -353,8 +354,10 @@ class Attempt:
         # The items of its activity still running (this one until it has its result).
         self.running = running if running is not None else {self.idx}
         self._refused: BaseException | None = None
-        # Its batch's completion window ends: engine slots go earliest deadline first.
+        # Its batch's completion window ends: engine slots go earliest deadline first, and
+        # work not due soon by tenant in turn.
         self.deadline: float | None = float(batch["expires_at"]) if batch.get("expires_at") else None
+        self.tenant: str = batch.get("tenant", "")
 
     def choice(self, index: int) -> Attempt:
         """Another of the item's choices, under the same lease."""

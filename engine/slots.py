@@ -11,11 +11,13 @@ controller may cap batch lower still while the engine's pool surges (`direct`). 
 keeps batch below its minimum share (`min_share` of the slots) for longer than
 `starve_after_s`: continuous chat slows batch down, it never stops it.
 
-Generations waiting for a slot take them earliest deadline first (their batch's
-completion window's end; then arrival), as completion windows are promised
-(policy/promises.py): a batch due in an hour is not stuck behind one due tomorrow. Work
-with no window (a fine-tuning chunk) takes its place as a batch of the longest window
-created as it asks would, so a backlog of batches cannot keep it waiting for ever.
+Generations waiting for a slot due within URGENT_S take them earliest deadline first
+(their batch's completion window's end; then arrival), as completion windows are promised
+(policy/promises.py): a batch due in an hour is not stuck behind one due tomorrow. The
+rest, and work with no window (a fine-tuning chunk), take turns by tenant (the one granted
+a slot least lately first), each tenant's by arrival: one tenant's day-long backlog,
+hundreds of its items asking at once, neither starves another tenant's batch nor a
+fine-tuning job.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from policy.preemption import (
     Floor,
@@ -44,8 +47,7 @@ from policy.preemption import (
 
 NO_WINDOW_S = 86_400.0  # what work without a completion window is ordered as: OpenAI's 24h
 # Work due within this long waits for a slot by its deadline; the rest, and work without a
-# window, by arrival: in the order Temporal's fair dispatch across tenants handed it over,
-# so one tenant's day-long backlog neither starves another's nor a fine-tuning job.
+# window, by tenant in turn, then arrival.
 URGENT_S = NO_WINDOW_S / 2
 SPELLS = 32  # the calm spells between chats that price the next wait: about the last minute's
 PENALTY_S = 0.5  # a resumption's cost until this engine has measured some
@@ -61,6 +63,16 @@ class BatchHold:
     generated: int = 0
     preempted_at: float | None = None  # when the decision was taken (monotonic)
     preempted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Waiter(NamedTuple):
+    """A generation waiting for a slot. Ordered (urgent ones, in their heap) by deadline,
+    then arrival, which is unique."""
+
+    deadline: float
+    arrival: int
+    owner: str
+    urgent: bool
 
 
 @dataclass
@@ -106,8 +118,11 @@ class EngineSlots:
         self.queued = 0  # batch generations waiting here for a slot: the engine's queue depth
         self.stats = SlotStats()
         self._changed = asyncio.Condition()
-        self._waiting: list[tuple[float, int]] = []  # (deadline, arrival) of the waiters, a heap
-        self._gave_up: set[tuple[float, int]] = set()  # waiters cancelled while in the heap
+        self._urgent: list[Waiter] = []  # due within URGENT_S: a heap, by deadline then arrival
+        self._by_owner: dict[str, deque[Waiter]] = {}  # the rest, by tenant, each by arrival
+        self._granted: dict[str, int] = {}  # each tenant's latest slot, as a count of slots granted
+        self._grants = itertools.count()
+        self._gave_up: set[Waiter] = set()  # waiters cancelled while queued
         self._arrivals = itertools.count()
 
     @asynccontextmanager
@@ -136,16 +151,18 @@ class EngineSlots:
 
     @asynccontextmanager
     async def batch(self, id: str, tier: int, abort: Callable[[], Awaitable[None]],
-                    deadline: float | None = None) -> AsyncIterator[BatchHold]:
+                    deadline: float | None = None, owner: str = "") -> AsyncIterator[BatchHold]:
         """Wait for a batch slot, hold it for the block. Cancellable while waiting. Waiters
         due within URGENT_S go by `deadline` (unix seconds; None: no window), ahead of the
-        rest, which go by arrival."""
-        now = time.time()
-        key = deadline if deadline is not None and deadline - now <= URGENT_S else now + NO_WINDOW_S
+        rest, whose `owner`s (tenants) take turns, each owner's by arrival."""
+        urgent = deadline is not None and deadline - time.time() <= URGENT_S
         async with self._changed:
             self.queued += 1
-            me = (key, next(self._arrivals))
-            heapq.heappush(self._waiting, me)
+            me = Waiter(deadline if urgent and deadline is not None else 0.0, next(self._arrivals), owner, urgent)
+            if urgent:
+                heapq.heappush(self._urgent, me)
+            else:
+                self._by_owner.setdefault(owner, deque()).append(me)
             try:
                 while True:
                     self._update_cap()
@@ -170,12 +187,13 @@ class EngineSlots:
             finally:
                 self.queued -= 1
             if self._first() == me:
-                heapq.heappop(self._waiting)
+                self._dequeue(me)
             else:  # no caps (preemption off): taken out of turn
                 self._gave_up.add(me)
             self._changed.notify_all()  # the next waiter may take the next slot
             hold = BatchHold(id, tier, self.clock(), abort)
             self.holds[id] = hold
+            self._granted[owner] = next(self._grants)
             if self._busy_since is None:
                 self._busy_since = hold.started_at
         try:
@@ -190,11 +208,33 @@ class EngineSlots:
             async with self._changed:
                 self._changed.notify_all()
 
-    def _first(self) -> tuple[float, int] | None:
-        """The waiter whose turn it is."""
-        while self._waiting and self._waiting[0] in self._gave_up:
-            self._gave_up.discard(heapq.heappop(self._waiting))
-        return self._waiting[0] if self._waiting else None
+    def _first(self) -> Waiter | None:
+        """The waiter whose turn it is: the urgent by deadline; else the head of the tenant
+        granted a slot least lately (never: first), the earliest head on a tie — the tenants
+        waiting take turns."""
+        while self._urgent and self._urgent[0] in self._gave_up:
+            self._gave_up.discard(heapq.heappop(self._urgent))
+        if self._urgent:
+            return self._urgent[0]
+        heads = []
+        for owner, q in list(self._by_owner.items()):
+            while q and q[0] in self._gave_up:
+                self._gave_up.discard(q.popleft())
+            if q:
+                heads.append(q[0])
+            else:
+                del self._by_owner[owner]
+        return min(heads, key=lambda w: (self._granted.get(w.owner, -1), w.arrival), default=None)
+
+    def _dequeue(self, me: Waiter) -> None:
+        """`me`, first in its queue, leaves it."""
+        if me.urgent:
+            heapq.heappop(self._urgent)
+        else:
+            q = self._by_owner[me.owner]
+            q.popleft()
+            if not q:
+                del self._by_owner[me.owner]
 
     def busy_s(self) -> float:
         """Seconds so far that batch work held a slot here: the time a batch pace is over."""

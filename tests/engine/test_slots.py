@@ -188,8 +188,8 @@ async def test_batch_comes_back_at_once_after_chat_on_an_engine_whose_calm_spell
 class Turns:
     """Batch holds on an engine of one slot, in the order they got it; each held until let go."""
 
-    def __init__(self) -> None:
-        self.slots = EngineSlots(1)
+    def __init__(self, slots: int = 1) -> None:
+        self.slots = EngineSlots(slots)
         self.order: list[str] = []
         self.release: dict[str, asyncio.Event] = {}
 
@@ -198,12 +198,12 @@ class Turns:
             pass
 
         self.release[id] = asyncio.Event()
-        async with self.slots.batch(id, 10, abort, deadline):
+        async with self.slots.batch(id, 10, abort, deadline, owner=id.split(":")[0]):
             self.order.append(id)
             await self.release[id].wait()
 
     async def asked(self, *waiters: tuple[str, float | None]) -> dict[str, asyncio.Task]:
-        """Each starts waiting, in this order."""
+        """Each starts waiting, in this order (an id's tenant is what precedes its colon)."""
         tasks = {}
         for id, deadline in waiters:
             tasks[id] = asyncio.create_task(self.run(id, deadline))
@@ -232,7 +232,7 @@ async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_canc
     await t.served("holder", "in-an-hour", "also-in-an-hour", "tomorrow")
     await asyncio.gather(*first.values(), *(task for k, task in tasks.items() if k != "gone"))
     assert t.order == ["holder", "in-an-hour", "also-in-an-hour", "tomorrow"] and t.slots.queued == 0
-    assert not t.slots._waiting and not t.slots._gave_up
+    assert not t.slots._urgent and not t.slots._by_owner and not t.slots._gave_up
 
 
 async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_would_not_for_ever():
@@ -255,6 +255,20 @@ async def test_work_not_due_within_half_a_day_waits_by_arrival_so_an_old_backlog
     await t.served("holder", "due-soon", "chunk", "old-backlog")
     await asyncio.gather(*tasks.values())
     assert t.order == ["holder", "due-soon", "chunk", "old-backlog"]
+
+
+async def test_work_not_due_soon_takes_turns_by_tenant_so_a_backlog_starves_no_job():
+    """A tenant's day-long backlog has hundreds of items asking at once; a fine-tuning chunk
+    of another tenant asking after them still gets the next slot, and the slots then
+    alternate between the two while both wait."""
+    now = time.time()
+    t = Turns(slots=1)
+    day = now + 86_400
+    tasks = await t.asked(("bulk:0", day), ("bulk:1", day), ("bulk:2", day), ("bulk:3", day),
+                          ("trainer:chunk-1", None), ("trainer:chunk-2", None))
+    await t.served("bulk:0", "trainer:chunk-1", "bulk:1", "trainer:chunk-2", "bulk:2", "bulk:3")
+    await asyncio.gather(*tasks.values())
+    assert not t.slots._by_owner
 
 
 async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_asked_for_at_once():
