@@ -14,6 +14,7 @@ work (it holds a batch slot, as a generation does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import time
@@ -29,6 +30,7 @@ from journal import batch_store, finetune_store, ledger
 from journal.events import append
 from journal.leases import acquire
 from policy.admission import DAY_S, day_spent
+from policy.preemption import floor_pause
 from protocol import keys
 from protocol.finetune import LORA_ALPHA, LORA_RANK, LORA_TARGETS, MIN_EXAMPLES, Row, problems, rows
 from protocol.limits import ANY_MODEL
@@ -246,6 +248,7 @@ class FineTuneActivities:
         while not trainer.done and not stopped.is_set():
             if trainer.step - first >= inp.steps and not self._longer(inp, clock):
                 break
+            started = time.perf_counter()
             step = asyncio.ensure_future(asyncio.to_thread(trainer.run, 1))
             try:
                 await asyncio.shield(step)
@@ -255,7 +258,23 @@ class FineTuneActivities:
             self.stepped(trainer)
             trained.inc()
             activity.heartbeat(trainer.step)
+            if self.slots is not None and self.slots.by_floor:
+                try:
+                    await self._pause(floor_pause(time.perf_counter() - started, self.slots.min_share), stopped,
+                                      trainer.step)
+                except asyncio.CancelledError:
+                    return True
         return False
+
+    @staticmethod
+    async def _pause(seconds: float, stopped: asyncio.Event, step: int) -> None:
+        """Wait `seconds`, or until preempted, beating meanwhile."""
+        end = time.perf_counter() + seconds
+        while (left := end - time.perf_counter()) > 0 and not stopped.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 1.0)):
+                    await stopped.wait()
+            activity.heartbeat(step)
 
     @staticmethod
     def _longer(inp: TrainChunkInput, clock: ChunkClock) -> bool:

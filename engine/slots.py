@@ -101,6 +101,7 @@ class EngineSlots:
         self.preemption = preemption
         self.clock = clock
         self.state = SlotState(cap=max_seqs)
+        self.min_share = min_share
         self.floor = Floor(min_slots(min_share, max_seqs))
         self.starve_after_s = starve_after_s
         self._cap = max_seqs
@@ -250,6 +251,12 @@ class EngineSlots:
         """Batch sequences allowed now: the engine's own cap, or the fleet's if lower, but
         not below batch's floor once it has starved for `starve_after_s`."""
         return self._cap
+
+    @property
+    def by_floor(self) -> bool:
+        """Batch holds slots now only by its floor: chat (or a surge) left it none."""
+        plain = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
+        return plain < self._cap
 
     async def lend(self, slots: int) -> None:
         """Reserved slots now unused (engine/fair_share.py): lent to batch; asked for, batch

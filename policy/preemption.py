@@ -130,6 +130,13 @@ def starvation_floor(cap: int, floor: Floor, now: float, starve_after_s: float) 
     return (floor.min_slots if now - since >= starve_after_s else cap), squeezed
 
 
+def floor_pause(step_s: float, share: float) -> float:
+    """The pause after a training step taken on a slot batch holds by its floor alone (chat
+    has the engine): a step takes the whole device, not one sequence's part of it, so the
+    trainer keeps to the floor's share of the time, step ÷ (step + pause) = `share`."""
+    return 0.0 if share <= 0 else step_s * (1 / share - 1)
+
+
 def min_slots(share: float, max_seqs: int) -> int:
     """Slots of a `share` of `max_seqs`, at least one for any share above zero."""
     return 0 if share <= 0 else max(1, min(max_seqs, int(share * max_seqs)))

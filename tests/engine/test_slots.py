@@ -90,6 +90,7 @@ async def test_reports_keep_a_peak_for_a_few_reports_so_a_slower_reader_sees_it(
 async def test_continuous_chat_and_a_surge_cap_cannot_starve_batch_past_its_floor():
     clock, aborted = Clock(), []
     slots = EngineSlots(8, busy_cap=0, min_share=0.25, starve_after_s=30.0, clock=clock)  # floor: 2 slots
+    assert not slots.by_floor
     tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)  # clock at 2.0
     await slots.direct(0)  # the pool surges: the fleet caps batch at 0
     async with slots.interactive_request():
@@ -104,6 +105,7 @@ async def test_continuous_chat_and_a_surge_cap_cannot_starve_batch_past_its_floo
         await slots.direct(0)  # the fleet's next tick
         await asyncio.sleep(0.6)
         assert slots.cap == 2 and len(slots.holds) == 2  # the floor, no more
+        assert slots.by_floor  # which a training step then keeps to (policy.preemption.floor_pause)
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)

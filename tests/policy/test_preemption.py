@@ -1,4 +1,4 @@
-from policy.preemption import Running, SlotDemand, SlotState, batch_slots, resume_after, victims
+from policy.preemption import Running, SlotDemand, SlotState, batch_slots, floor_pause, resume_after, victims
 
 
 def r(id, tier=10, unsaved=0, generated=0, started=0.0):
@@ -107,3 +107,9 @@ def test_resume_prices_the_same_spells_dearer_with_a_dearer_resumption():
     spells = [0.3] * 10 + [2.0] * 4
     assert resume_after(spells, penalty_s=0.1, default_s=2.0) == 0.0
     assert resume_after(spells, penalty_s=0.5, default_s=2.0) == 0.3
+
+
+def test_a_training_step_on_the_floor_keeps_to_the_floor_s_share_of_the_time():
+    # 40 ms steps at a 5 % share: 760 ms after each, so 40 of every 800 ms train.
+    assert abs(floor_pause(0.040, 0.05) - 0.760) < 1e-9
+    assert floor_pause(0.5, 1.0) == 0.0 and floor_pause(0.5, 0.0) == 0.0  # no floor: nothing to keep to
