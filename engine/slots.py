@@ -45,10 +45,9 @@ from policy.preemption import (
     victims,
 )
 
-NO_WINDOW_S = 86_400.0  # what work without a completion window is ordered as: OpenAI's 24h
-# Work due within this long waits for a slot by its deadline; the rest, and work without a
-# window, by tenant in turn, then arrival.
-URGENT_S = NO_WINDOW_S / 2
+# Work due within this long (half of OpenAI's 24h window) waits for a slot by its deadline;
+# the rest, and work without a window, by tenant in turn, then arrival.
+URGENT_S = 43_200.0
 SPELLS = 32  # the calm spells between chats that price the next wait: about the last minute's
 PENALTY_S = 0.5  # a resumption's cost until this engine has measured some
 

@@ -237,7 +237,7 @@ async def test_waiting_generations_take_slots_earliest_deadline_first_and_a_canc
     assert not t.slots._urgent and not t.slots._by_owner and not t.slots._gave_up
 
 
-async def test_work_without_a_window_waits_as_a_batch_of_the_longest_window_would_not_for_ever():
+async def test_work_without_a_window_takes_its_turn_behind_work_due_soon_not_behind_a_later_day_s_batch():
     now = time.time()
     t = Turns()
     # A fine-tuning chunk asks now; a day's batch created after it, and one due in an hour.
