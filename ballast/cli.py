@@ -50,7 +50,8 @@ SERVER = dict(up="Run everything on this machine (embedded Postgres and Temporal
               verify="Check the journal's invariants in SQL.",
               bench="Benchmarks that print ratios measured side by side.",
               chaos="Faults injected into a fresh `ballast up` under load.",
-              sim="The real policies at fleet scale in virtual time.")
+              sim="The real policies at fleet scale in virtual time.",
+              cells="Global daily limits across regions that are cells: reconcile, status.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +85,8 @@ def server_main(argv: list[str]) -> int:
         sub.add_parser(name, help=what, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("sim", help="the real policies at fleet scale in virtual time (`ballast sim -h`)",
                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("cells", help="global daily limits across regions that are cells: reconcile, status "
+                                 "(`ballast cells -h`)", add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     v = sub.add_parser("verify", help="check the journal's invariants (SQL) on BALLAST_DATABASE_URL: each check's "
                                       "rows examined; exits 1 on a violation, or when nothing at all was examined")
     v.add_argument("--tokenizer", default=None, help="a model directory (or hub id): also re-tokenize each completed "
@@ -96,6 +99,10 @@ def server_main(argv: list[str]) -> int:
         from sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv and argv[0] == "cells":  # its own file names each cell's database: no BALLAST_* settings
+        from ballast.cells import main as cells_main
+
+        return cells_main(argv[1:])
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format=logs.TEXT)

@@ -28,7 +28,7 @@ The fold of these rows into `quota_usage` is journal/fold.py.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,7 +36,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from journal.schema import admission_holders, ledger, limits, quota_usage
+from journal.schema import admission_holders, allowances, ledger, limits, quota_usage
 from protocol import keys
 from protocol.limits import ANY_MODEL, LIMITS, LimitSet
 
@@ -222,6 +222,23 @@ async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[
     out: dict[str, list[LimitSet]] = {}
     for row in (await conn.execute(q)).all():
         out.setdefault(row.tenant, []).append(limit_set(row))
+    # Where regions are cells, this cell's share of a global daily limit bounds the day too
+    # (migration 0031): the lesser of the two applies.
+    a = (select(allowances.c.tenant, allowances.c.model, allowances.c.tokens_per_day)
+         .distinct(allowances.c.tenant, allowances.c.model)
+         .order_by(allowances.c.tenant, allowances.c.model, allowances.c.id.desc()))
+    if tenant is not None:
+        a = a.where(allowances.c.tenant == tenant)
+    for row in (await conn.execute(a)).all():
+        if row.tokens_per_day is None:
+            continue
+        sets = out.setdefault(row.tenant, [])
+        i = next((i for i, s in enumerate(sets) if s.model == row.model), None)
+        if i is None:
+            sets.append(LimitSet(row.model, tokens_per_day=row.tokens_per_day))
+            sets.sort(key=lambda s: (s.model != ANY_MODEL, s.model))
+        elif sets[i].tokens_per_day is None or row.tokens_per_day < sets[i].tokens_per_day:
+            sets[i] = replace(sets[i], tokens_per_day=row.tokens_per_day)
     return {t: tuple(sets) for t, sets in out.items()}
 
 

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -267,6 +268,22 @@ quota_usage = Table(
     Column("in_flight", BigInteger, nullable=False, server_default="0"),
     Column("batch_queue_tokens", BigInteger, nullable=False, server_default="0"),
     Column("folded_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# A cell's share of a tenant's global daily tokens (migration 0031; journal/allowances.py):
+# append-only history; per tenant × model the highest id is in force.
+allowances = Table(
+    "allowances",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    Column("tenant", Text, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("tokens_per_day", BigInteger),  # None: lifted
+    Column("global_tokens_per_day", BigInteger),
+    Column("used", BigInteger, nullable=False, server_default="0"),
+    Column("tick", Text, nullable=False),
+    Column("set_by", Text, nullable=False, server_default=text("current_user")),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 # Processes that admit, and when each was last seen (its reservations expire after a TTL).

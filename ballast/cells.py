@@ -1,0 +1,338 @@
+"""`ballast cells reconcile | status`: a tenant's global daily limits across regions that are
+cells, each with its own journal.
+
+Every cell admits from its own state against its allowance (journal/allowances.py), so it
+keeps serving when the others, or this reconciler, are out of reach. Each tick this
+reconciler reads every cell's usage of the day, splits what is left of each global limit by
+the cells' demand (policy/allowances.py), writes the allowances that go down, waits for the
+cells to read them, then writes the ones that go up. It holds nothing of its own: a
+restarted reconciler picks up from the allowances in force in the cells.
+
+The cells file (TOML), no secret in it: each cell names the environment variable that holds
+its URL (a login granted `ballast_cells` there):
+
+    tick_s = 2
+    [[cell]]
+    name = "eu-west"
+    database_url_env = "BALLAST_CELL_EU_WEST_DATABASE_URL"
+    [[limit]]
+    tenant = "acme"
+    model = "*"            # all its models (the default), or one model
+    tokens_per_day = 50_000_000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from journal import allowances as store
+from journal.db import connect
+from policy.admission import DAY_S, window_start
+from policy.allowances import CellDay, lowered, split
+from protocol.limits import ANY_MODEL
+
+log = logging.getLogger("ballast.cells")
+
+
+@dataclass(frozen=True)
+class GlobalLimit:
+    tenant: str
+    tokens_per_day: int
+    model: str = ANY_MODEL
+
+
+@dataclass(frozen=True)
+class CellsFile:
+    cells: dict[str, str]  # name → its database URL
+    limits: tuple[GlobalLimit, ...]
+    tick_s: float = 2.0
+    # How long a cell takes to apply a lower allowance: its API processes read limits every
+    # BALLAST_ADMISSION_REFRESH_S (1 s); a margin for a loaded host.
+    settle_s: float = 1.5
+    timeout_s: float = 2.0  # a cell not answering within it is out of reach this tick
+
+
+class CellsError(ValueError):
+    """The cells file is wrong: the message says where."""
+
+
+def load(path: Path, env: Mapping[str, str] = os.environ) -> CellsFile:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise CellsError(f"{path}: {err}") from err
+    cells: dict[str, str] = {}
+    for i, c in enumerate(raw.get("cell", [])):
+        name, var = c.get("name"), c.get("database_url_env")
+        if not name or not var:
+            raise CellsError(f"{path}: [[cell]] #{i + 1} needs `name` and `database_url_env`")
+        if name in cells:
+            raise CellsError(f"{path}: cell {name!r} is named twice")
+        if not env.get(var):
+            raise CellsError(f"{path}: cell {name!r}: set {var} to its database URL (a login granted ballast_cells)")
+        cells[name] = env[var]
+    if not cells:
+        raise CellsError(f"{path}: no [[cell]]")
+    limits: list[GlobalLimit] = []
+    for i, g in enumerate(raw.get("limit", [])):
+        n = g.get("tokens_per_day")
+        if not g.get("tenant") or not isinstance(n, int) or n < 0:
+            raise CellsError(f"{path}: [[limit]] #{i + 1} needs `tenant` and `tokens_per_day` (a whole number ≥ 0)")
+        limits.append(GlobalLimit(g["tenant"], n, g.get("model", ANY_MODEL)))
+    if len({(g.tenant, g.model) for g in limits}) < len(limits):
+        raise CellsError(f"{path}: a tenant × model has two [[limit]]s")
+    knobs = {k: float(raw[k]) for k in ("tick_s", "settle_s", "timeout_s") if k in raw}
+    return CellsFile(cells, tuple(limits), **knobs)
+
+
+@dataclass
+class Seen:
+    """A cell as one tick found it."""
+
+    reachable: bool
+    usage: store.DayUsage | None = None
+    in_force: dict[tuple[str, str], int | None] = field(default_factory=dict)
+    read_at: float = 0.0
+    error: str = ""
+
+
+Scope = tuple[str, str]  # (tenant, model)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A global limit's split this tick: cell → allowance, and each reachable cell's usage
+    it was computed from."""
+
+    limit: int
+    allowances: dict[str, int]
+    used: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one tick did: each limit's plan; the cells it could not reach or write (each
+    keeps what it holds); for each cell whose allowance went down, the seconds from reading
+    it to the lower allowance committed (the reconciler's part of the lag in the bound)."""
+
+    id: str
+    day: float
+    plans: dict[Scope, Plan]
+    unreachable: tuple[str, ...]
+    read_to_commit_s: dict[str, float]
+
+
+class Reconciler:
+    def __init__(self, cells: Mapping[str, AsyncEngine], limits: Sequence[GlobalLimit], *,
+                 settle_s: float = 1.5, timeout_s: float = 2.0, floor: float = 0.05,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cells = dict(cells)
+        self.limits = tuple(limits)
+        self.settle_s, self.timeout_s, self.floor, self.clock = settle_s, timeout_s, floor, clock
+        self._last: dict[str, tuple[float, float, dict[tuple[str, str], int]]] = {}  # cell → (day, at, used)
+        # What each cell holds, as this reconciler last read or wrote it: what a cell out of
+        # reach is counted as holding.
+        self._known: dict[str, dict[tuple[str, str], int | None]] = {}
+
+    async def read(self, name: str, day: float) -> Seen:
+        async def read() -> Seen:
+            async with self.cells[name].connect() as conn:
+                usage = await store.day_usage(conn, day)
+                held = await store.in_force(conn)
+            return Seen(True, usage, held)
+
+        at = self.clock()
+        try:
+            seen = await asyncio.wait_for(read(), self.timeout_s)
+        except Exception as err:  # noqa: BLE001 (any failure leaves the cell out of reach this tick)
+            return Seen(False, read_at=at, error=f"{type(err).__name__}: {err}"[:200])
+        seen.read_at = at
+        return seen
+
+    async def _write(self, name: str, rows: Sequence[store.Allowance]) -> bool:
+        async def write() -> None:
+            async with self.cells[name].begin() as conn:
+                await store.append(conn, rows)
+
+        try:
+            await asyncio.wait_for(write(), self.timeout_s)
+        except Exception as err:  # noqa: BLE001 (unknown whether it committed: counted as not)
+            log.warning("cells: could not write %s's allowances: %s", name, err)
+            return False
+        return True
+
+    def _plan(self, seen: Mapping[str, Seen], out: set[str], now: float, day: float) -> dict[Scope, Plan]:
+        plans: dict[Scope, Plan] = {}
+        for g in self.limits:
+            scope = (g.tenant, g.model)
+            days = []
+            for name, s in sorted(seen.items()):
+                if not s.reachable or name in out:
+                    days.append(CellDay(name, False, allowance=self._known.get(name, {}).get(scope)))
+                    continue
+                assert s.usage is not None
+                n = s.usage.of(*scope)
+                rate = 0.0
+                if (last := self._last.get(name)) and last[0] == day and now > last[1]:
+                    rate = max(0, n - last[2].get(scope, 0)) / (now - last[1])
+                days.append(CellDay(name, True, n, rate, s.in_force.get(scope)))
+            if any(not d.reachable and d.allowance is None for d in days):
+                # A cell out of reach with no allowance known to hold it: nothing bounds what
+                # it admits, so no other cell gets more until it is read again.
+                log.warning("cells: %s × %s unchanged: a cell out of reach holds no allowance known here", *scope)
+                continue
+            plans[scope] = Plan(g.tokens_per_day, split(g.tokens_per_day, days, floor=self.floor),
+                                {d.cell: d.used for d in days if d.reachable})
+        return plans
+
+    async def tick(self) -> Tick:
+        now = self.clock()
+        day = window_start(now, DAY_S)
+        tick_id = f"{int(now)}-{uuid.uuid4().hex[:8]}"
+        names = sorted(self.cells)
+        seen = dict(zip(names, await asyncio.gather(*(self.read(n, day) for n in names)), strict=True))
+        for name, s in seen.items():
+            if s.reachable:
+                self._known[name] = dict(s.in_force)
+        live = [n for n in names if seen[n].reachable]
+        out: set[str] = set()
+        committed: dict[str, float] = {}
+        # Lower first: until every lowered allowance is in force, no cell gets more. A cell
+        # whose write fails may hold its old allowance still: plan again with it out of reach.
+        while True:
+            plans = self._plan(seen, out, now, day)
+            down = set()
+            for scope, plan in plans.items():
+                mine = {c: a for c, a in plan.allowances.items() if c in live and c not in out}
+                down |= lowered({c: seen[c].in_force.get(scope) for c in mine}, mine)
+            failed = set()
+            for name in sorted(down):
+                if await self._write(name, rows := self._changes(name, plans, seen[name], tick_id)):
+                    committed[name] = self.clock() - seen[name].read_at
+                    self._applied(name, rows, seen[name])
+                else:
+                    failed.add(name)
+            if not failed:
+                break
+            out |= failed
+        if committed:
+            await asyncio.sleep(self.settle_s)  # the cells read their lower allowances
+        for name in live:
+            rows = [] if name in out else self._changes(name, plans, seen[name], tick_id)
+            if rows and await self._write(name, rows):
+                self._applied(name, rows, seen[name])
+        # A global limit taken out of the file: lift what the cells hold for it.
+        configured = {(g.tenant, g.model) for g in self.limits}
+        for name in live:
+            s = seen[name]
+            lifted = [store.Allowance(t, m, None, None, s.usage.of(t, m) if s.usage else 0, tick_id)
+                      for (t, m), a in s.in_force.items() if a is not None and (t, m) not in configured]
+            if name not in out and lifted and await self._write(name, lifted):
+                self._applied(name, lifted, s)
+        for name in live:
+            usage = seen[name].usage
+            assert usage is not None
+            self._last[name] = (day, seen[name].read_at, dict(usage.tokens))
+        unreachable = tuple(n for n in names if n in out or not seen[n].reachable)
+        if unreachable:
+            log.warning("cells: out of reach this tick: %s (each keeps the allowance it holds)",
+                        ", ".join(f"{n} ({seen[n].error or 'write failed'})" for n in unreachable))
+        return Tick(tick_id, day, plans, unreachable, committed)
+
+    @staticmethod
+    def _changes(name: str, plans: Mapping[Scope, Plan], s: Seen, tick_id: str) -> list[store.Allowance]:
+        """The cell's allowances that change this tick."""
+        return [store.Allowance(t, m, p.allowances[name], p.limit, p.used.get(name, 0), tick_id)
+                for (t, m), p in plans.items() if name in p.allowances and s.in_force.get((t, m)) != p.allowances[name]]
+
+    def _applied(self, name: str, rows: Sequence[store.Allowance], s: Seen) -> None:
+        for r in rows:
+            s.in_force[(r.tenant, r.model)] = r.tokens_per_day
+            self._known.setdefault(name, {})[(r.tenant, r.model)] = r.tokens_per_day
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ballast cells", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reconcile", help="rebalance the allowances every tick_s until stopped")
+    r.add_argument("--once", action="store_true", help="one tick, then exit")
+    sub.add_parser("status", help="each cell's usage of the day and allowances in force")
+    for s in (r, sub.choices["status"]):
+        s.add_argument("--file", type=Path, default=Path(os.environ.get("BALLAST_CELLS_FILE", "cells.toml")),
+                       help="the cells file (BALLAST_CELLS_FILE, cells.toml)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        conf = load(args.file)
+    except CellsError as err:
+        print(f"ballast cells: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(_reconcile(conf, once=args.once) if args.cmd == "reconcile" else _status(conf))
+
+
+def _engines(conf: CellsFile) -> dict[str, AsyncEngine]:
+    return {n: connect(url, pool_size=2, name=f"ballast-cells:{n}") for n, url in conf.cells.items()}
+
+
+async def _reconcile(conf: CellsFile, *, once: bool) -> int:
+    engines = _engines(conf)
+    rec = Reconciler(engines, conf.limits, settle_s=conf.settle_s, timeout_s=conf.timeout_s)
+    try:
+        while True:
+            started = time.monotonic()
+            t = await rec.tick()
+            log.info("cells: tick %s: %d limits over %d cells%s%s", t.id, len(t.plans), len(engines),
+                     f"; lowered first {', '.join(t.read_to_commit_s)}" if t.read_to_commit_s else "",
+                     f"; out of reach {', '.join(t.unreachable)}" if t.unreachable else "")
+            if once:
+                return 1 if t.unreachable else 0
+            await asyncio.sleep(max(0.0, conf.tick_s - (time.monotonic() - started)))
+    finally:
+        for e in engines.values():
+            await e.dispose()
+
+
+async def _status(conf: CellsFile) -> int:
+    engines = _engines(conf)
+    rec = Reconciler(engines, conf.limits, timeout_s=conf.timeout_s)
+    day = window_start(time.time(), DAY_S)
+    try:
+        seen = {n: await rec.read(n, day) for n in sorted(engines)}
+    finally:
+        for e in engines.values():
+            await e.dispose()
+    rows: list[dict[str, Any]] = []
+    for g in conf.limits:
+        scope = (g.tenant, g.model)
+        for n, s in seen.items():
+            rows.append(dict(tenant=g.tenant, model=g.model, limit=g.tokens_per_day, cell=n,
+                             used=s.usage.of(*scope) if s.usage else None,
+                             allowance=s.in_force.get(scope) if s.reachable else None,
+                             state="ok" if s.reachable else f"out of reach: {s.error}"))
+    print(f"{'tenant':<16} {'model':<16} {'global':>14} {'cell':<12} {'used today':>14} {'allowance':>14}  state")
+    for x in rows:
+        print(f"{x['tenant']:<16} {x['model']:<16} {x['limit']:>14,} {x['cell']:<12} "
+              f"{'' if x['used'] is None else format(x['used'], ','):>14} "
+              f"{'' if x['allowance'] is None else format(x['allowance'], ','):>14}  {x['state']}")
+    return 0 if all(s.reachable for s in seen.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
