@@ -5,13 +5,17 @@ Every cell admits from its own state against its allowance (journal/allowances.p
 keeps serving when the others, or this reconciler, are out of reach. Each tick this
 reconciler reads every cell's usage of the day, splits what is left of each global limit by
 the cells' demand (policy/allowances.py), writes the allowances that go down, waits for the
-cells to read them, then writes the ones that go up. It holds nothing of its own: a
-restarted reconciler picks up from the allowances in force in the cells.
+cells to read them, then writes the ones that go up. It also weighs each cell's share of
+the traffic from its live capacity and whether it answered (policy/routing.py) and sets the
+weights on an HAProxy edge in front of the cells, where one is named. It holds nothing of
+its own: a restarted reconciler picks up from the allowances in force in the cells.
 
 The cells file (TOML), no secret in it: each cell names the environment variable that holds
 its URL (a login granted `ballast_cells` there):
 
     tick_s = 2
+    [edge]                 # optional: an HAProxy whose backend `cells` has a server per cell
+    haproxy_socket = "/run/haproxy/admin.sock"
     [[cell]]
     name = "eu-west"
     database_url_env = "BALLAST_CELL_EU_WEST_DATABASE_URL"
@@ -25,16 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -42,9 +47,11 @@ from journal import allowances as store
 from journal.db import connect
 from policy.admission import DAY_S, window_start
 from policy.allowances import CellDay, lowered, split
+from policy.routing import CellCapacity, weights
 from protocol.limits import ANY_MODEL
 
 log = logging.getLogger("ballast.cells")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,14 +62,38 @@ class GlobalLimit:
 
 
 @dataclass(frozen=True)
+class Edge:
+    """An HAProxy whose backend has a server per cell (named as the cell): the reconciler
+    sets their weights through its runtime API each tick."""
+
+    socket: str  # its `stats socket … level admin`
+    backend: str = "cells"
+
+    async def set_weights(self, weights: Mapping[str, int]) -> None:
+        command = "; ".join(f"set server {self.backend}/{c} weight {w}" for c, w in sorted(weights.items()))
+        reader, writer = await asyncio.open_unix_connection(self.socket)
+        try:
+            writer.write(command.encode() + b"\n")
+            await writer.drain()
+            answer = (await reader.read()).decode().strip()
+        finally:
+            writer.close()
+        if answer:  # it says nothing when every command took
+            raise RuntimeError(f"haproxy at {self.socket}: {answer} (to `{command}`)")
+
+
+@dataclass(frozen=True)
 class CellsFile:
     cells: dict[str, str]  # name → its database URL
     limits: tuple[GlobalLimit, ...]
+    edge: Edge | None = None
     tick_s: float = 2.0
     # How long a cell takes to apply a lower allowance: its API processes read limits every
     # BALLAST_ADMISSION_REFRESH_S (1 s); a margin for a loaded host.
     settle_s: float = 1.5
-    timeout_s: float = 2.0  # a cell not answering within it is out of reach this tick
+    # A cell not answering within it is out of reach this tick: a read is ~10 round trips
+    # on a new connection (its first), ~6 after; at 250 ms between regions, 2.5 s and 1.5 s.
+    timeout_s: float = 5.0
 
 
 class CellsError(ValueError):
@@ -94,8 +125,13 @@ def load(path: Path, env: Mapping[str, str] = os.environ) -> CellsFile:
         limits.append(GlobalLimit(g["tenant"], n, g.get("model", ANY_MODEL)))
     if len({(g.tenant, g.model) for g in limits}) < len(limits):
         raise CellsError(f"{path}: a tenant × model has two [[limit]]s")
+    edge = None
+    if (e := raw.get("edge")) is not None:
+        if not e.get("haproxy_socket"):
+            raise CellsError(f"{path}: [edge] needs `haproxy_socket` (HAProxy's `stats socket … level admin`)")
+        edge = Edge(e["haproxy_socket"], e.get("backend", "cells"))
     knobs = {k: float(raw[k]) for k in ("tick_s", "settle_s", "timeout_s") if k in raw}
-    return CellsFile(cells, tuple(limits), **knobs)
+    return CellsFile(cells, tuple(limits), edge, **knobs)
 
 
 @dataclass
@@ -105,6 +141,7 @@ class Seen:
     reachable: bool
     usage: store.DayUsage | None = None
     in_force: dict[tuple[str, str], int | None] = field(default_factory=dict)
+    capacity: tuple[int, int] = (0, 0)  # its live slots, and those busy with chat
     read_at: float = 0.0
     error: str = ""
 
@@ -133,30 +170,51 @@ class Tick:
     plans: dict[Scope, Plan]
     unreachable: tuple[str, ...]
     read_to_commit_s: dict[str, float]
+    weights: dict[str, int]  # the routing weight of each cell
+
+
+async def within(work: Awaitable[T], timeout_s: float, abandoned: set[asyncio.Future]) -> T:
+    """`work`'s result, or TimeoutError after `timeout_s`. A cell cut off mid-query may hold
+    its task for as long as TCP takes to give up on the connection (tens of seconds): it is
+    cancelled and left in `abandoned` to finish on its own, not waited for."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        abandoned.add(task)
+        task.add_done_callback(abandoned.discard)
+        raise TimeoutError(f"no answer within {timeout_s:g} s")
+    return task.result()
 
 
 class Reconciler:
     def __init__(self, cells: Mapping[str, AsyncEngine], limits: Sequence[GlobalLimit], *,
-                 settle_s: float = 1.5, timeout_s: float = 2.0, floor: float = 0.05,
+                 settle_s: float = 1.5, timeout_s: float = 5.0, floor: float = 0.05, edge: Edge | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.cells = dict(cells)
+        self.edge = edge
         self.limits = tuple(limits)
         self.settle_s, self.timeout_s, self.floor, self.clock = settle_s, timeout_s, floor, clock
         self._last: dict[str, tuple[float, float, dict[tuple[str, str], int]]] = {}  # cell → (day, at, used)
         # What each cell holds, as this reconciler last read or wrote it: what a cell out of
         # reach is counted as holding.
         self._known: dict[str, dict[tuple[str, str], int | None]] = {}
+        self._abandoned: set[asyncio.Future] = set()
+
+    async def _within(self, work: Awaitable[T]) -> T:
+        return await within(work, self.timeout_s, self._abandoned)
 
     async def read(self, name: str, day: float) -> Seen:
         async def read() -> Seen:
             async with self.cells[name].connect() as conn:
                 usage = await store.day_usage(conn, day)
                 held = await store.in_force(conn)
-            return Seen(True, usage, held)
+                capacity = await store.capacity(conn)
+            return Seen(True, usage, held, capacity)
 
         at = self.clock()
         try:
-            seen = await asyncio.wait_for(read(), self.timeout_s)
+            seen = await self._within(read())
         except Exception as err:  # noqa: BLE001 (any failure leaves the cell out of reach this tick)
             return Seen(False, read_at=at, error=f"{type(err).__name__}: {err}"[:200])
         seen.read_at = at
@@ -168,7 +226,7 @@ class Reconciler:
                 await store.append(conn, rows)
 
         try:
-            await asyncio.wait_for(write(), self.timeout_s)
+            await self._within(write())
         except Exception as err:  # noqa: BLE001 (unknown whether it committed: counted as not)
             log.warning("cells: could not write %s's allowances: %s", name, err)
             return False
@@ -219,8 +277,10 @@ class Reconciler:
                 mine = {c: a for c, a in plan.allowances.items() if c in live and c not in out}
                 down |= lowered({c: seen[c].in_force.get(scope) for c in mine}, mine)
             failed = set()
-            for name in sorted(down):
-                if await self._write(name, rows := self._changes(name, plans, seen[name], tick_id)):
+            changes = {name: self._changes(name, plans, seen[name], tick_id) for name in sorted(down)}
+            wrote = await asyncio.gather(*(self._write(name, rows) for name, rows in changes.items()))
+            for (name, rows), ok in zip(changes.items(), wrote, strict=True):
+                if ok:
                     committed[name] = self.clock() - seen[name].read_at
                     self._applied(name, rows, seen[name])
                 else:
@@ -230,9 +290,11 @@ class Reconciler:
             out |= failed
         if committed:
             await asyncio.sleep(self.settle_s)  # the cells read their lower allowances
-        for name in live:
-            rows = [] if name in out else self._changes(name, plans, seen[name], tick_id)
-            if rows and await self._write(name, rows):
+        raises = {name: rows for name in live if name not in out
+                  and (rows := self._changes(name, plans, seen[name], tick_id))}
+        wrote = await asyncio.gather(*(self._write(name, rows) for name, rows in raises.items()))
+        for (name, rows), ok in zip(raises.items(), wrote, strict=True):
+            if ok:
                 self._applied(name, rows, seen[name])
         # A global limit taken out of the file: lift what the cells hold for it.
         configured = {(g.tenant, g.model) for g in self.limits}
@@ -250,7 +312,13 @@ class Reconciler:
         if unreachable:
             log.warning("cells: out of reach this tick: %s (each keeps the allowance it holds)",
                         ", ".join(f"{n} ({seen[n].error or 'write failed'})" for n in unreachable))
-        return Tick(tick_id, day, plans, unreachable, committed)
+        weighed = weights([CellCapacity(n, n not in unreachable, *seen[n].capacity) for n in names])
+        if self.edge is not None:
+            try:
+                await asyncio.wait_for(self.edge.set_weights(weighed), self.timeout_s)
+            except Exception as err:  # noqa: BLE001 (the edge keeps the weights it had; its own checks go on)
+                log.warning("cells: could not set the edge's weights: %s", err)
+        return Tick(tick_id, day, plans, unreachable, committed, weighed)
 
     @staticmethod
     def _changes(name: str, plans: Mapping[Scope, Plan], s: Seen, tick_id: str) -> list[store.Allowance]:
@@ -273,7 +341,12 @@ def main(argv: list[str]) -> int:
     r = sub.add_parser("reconcile", help="rebalance the allowances every tick_s until stopped")
     r.add_argument("--once", action="store_true", help="one tick, then exit")
     sub.add_parser("status", help="each cell's usage of the day and allowances in force")
-    for s in (r, sub.choices["status"]):
+    u = sub.add_parser("usage", help="settled usage per tenant and day in every cell (each one's usage_by_day) "
+                                     "and across them all")
+    u.add_argument("--days", type=int, default=7, help="from this many UTC days back, today included (7)")
+    u.add_argument("--tenant", default=None, help="one tenant only")
+    u.add_argument("--json", action="store_true", help="one JSON object a line (an export), not a table")
+    for s in (r, sub.choices["status"], u):
         s.add_argument("--file", type=Path, default=Path(os.environ.get("BALLAST_CELLS_FILE", "cells.toml")),
                        help="the cells file (BALLAST_CELLS_FILE, cells.toml)")
     args = p.parse_args(argv)
@@ -283,6 +356,8 @@ def main(argv: list[str]) -> int:
     except CellsError as err:
         print(f"ballast cells: {err}", file=sys.stderr)
         return 2
+    if args.cmd == "usage":
+        return asyncio.run(_usage(conf, days=args.days, tenant=args.tenant, as_json=args.json))
     return asyncio.run(_reconcile(conf, once=args.once) if args.cmd == "reconcile" else _status(conf))
 
 
@@ -292,14 +367,17 @@ def _engines(conf: CellsFile) -> dict[str, AsyncEngine]:
 
 async def _reconcile(conf: CellsFile, *, once: bool) -> int:
     engines = _engines(conf)
-    rec = Reconciler(engines, conf.limits, settle_s=conf.settle_s, timeout_s=conf.timeout_s)
+    rec = Reconciler(engines, conf.limits, settle_s=conf.settle_s, timeout_s=conf.timeout_s, edge=conf.edge)
     try:
         while True:
             started = time.monotonic()
             t = await rec.tick()
-            log.info("cells: tick %s: %d limits over %d cells%s%s", t.id, len(t.plans), len(engines),
-                     f"; lowered first {', '.join(t.read_to_commit_s)}" if t.read_to_commit_s else "",
-                     f"; out of reach {', '.join(t.unreachable)}" if t.unreachable else "")
+            # One line a tick, its figures as JSON: what an operator greps, what a bench reads.
+            log.info("cells: tick %s", json.dumps(dict(
+                id=t.id, at=round(time.time(), 3), took_s=round(time.monotonic() - started, 3),
+                unreachable=t.unreachable,
+                read_to_commit_s={c: round(s, 4) for c, s in t.read_to_commit_s.items()}, weights=t.weights,
+                allowances={f"{tenant}/{model}": p.allowances for (tenant, model), p in t.plans.items()})))
             if once:
                 return 1 if t.unreachable else 0
             await asyncio.sleep(max(0.0, conf.tick_s - (time.monotonic() - started)))
@@ -331,6 +409,50 @@ async def _status(conf: CellsFile) -> int:
               f"{'' if x['used'] is None else format(x['used'], ','):>14} "
               f"{'' if x['allowance'] is None else format(x['allowance'], ','):>14}  {x['state']}")
     return 0 if all(s.reachable for s in seen.values()) else 1
+
+
+async def _usage(conf: CellsFile, *, days: int, tenant: str | None, as_json: bool) -> int:
+    """Every cell's settled usage by tenant and day, and the sum over the cells that answered."""
+    engines = _engines(conf)
+    abandoned: set[asyncio.Future] = set()
+    since = window_start(time.time(), DAY_S) - (max(1, days) - 1) * DAY_S
+
+    async def one(name: str) -> list[dict[str, Any]]:
+        async with engines[name].connect() as conn:
+            return await store.settled_by_day(conn, since, tenant)
+
+    names = sorted(engines)
+    try:
+        got = await asyncio.gather(*(within(one(n), conf.timeout_s, abandoned) for n in names),
+                                   return_exceptions=True)
+    finally:
+        for e in engines.values():
+            await e.dispose()
+    rows, missing = [], []
+    for name, result in zip(names, got, strict=True):
+        if isinstance(result, BaseException):
+            missing.append(name)
+            print(f"ballast cells: {name} did not answer ({type(result).__name__}: {result}); "
+                  "the totals leave it out", file=sys.stderr)
+            continue
+        rows += [dict(r, cell=name) for r in result]
+    totals: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in rows:
+        t = totals.setdefault((r["day"], r["tenant"]), dict(day=r["day"], tenant=r["tenant"], cell="*", requests=0,
+                                                            input_tokens=0, output_tokens=0))
+        for k in ("requests", "input_tokens", "output_tokens"):
+            t[k] += r[k]
+    out = sorted(rows + list(totals.values()), key=lambda r: (r["day"], r["tenant"], r["cell"] == "*", r["cell"]))
+    if as_json:
+        for r in out:
+            print(json.dumps(dict(r, day=time.strftime("%Y-%m-%d", time.gmtime(r["day"])))))
+    else:
+        print(f"{'day':<10} {'tenant':<20} {'cell':<12} {'requests':>10} {'input':>14} {'output':>14}")
+        for r in out:
+            print(f"{time.strftime('%Y-%m-%d', time.gmtime(r['day'])):<10} {r['tenant']:<20} "
+                  f"{'all cells' if r['cell'] == '*' else r['cell']:<12} {r['requests']:>10,} "
+                  f"{r['input_tokens']:>14,} {r['output_tokens']:>14,}")
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

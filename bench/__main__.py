@@ -120,6 +120,12 @@ def _hosts(s: Settings, a: argparse.Namespace) -> int:
     return main(s, items=a.items, chats=a.chats)
 
 
+def _cells(s: Settings, a: argparse.Namespace) -> int:
+    from bench.cells import main
+
+    return main(s, seconds=a.seconds, rate=a.rate)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description="Benchmarks that print ratios measured side "
                                                                     "by side in one run, and the chaos run.")
@@ -193,6 +199,10 @@ def parser() -> argparse.ArgumentParser:
                                "batch through two API hosts, one engine host's link cut mid-batch")
     b.add_argument("--items", type=int, default=48, help="batch items")
     b.add_argument("--chats", type=int, default=8, help="chats, alternating between the API hosts")
+    b = bench("cells", _cells, "three regions as cells in network namespaces (root): a global daily limit "
+                               "reconciled between them through delayed links, one region cut and mended")
+    b.add_argument("--seconds", type=float, default=90.0, help="seconds of load through the edge")
+    b.add_argument("--rate", type=float, default=6.0, help="chats a second")
     return p
 
 

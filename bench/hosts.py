@@ -71,23 +71,24 @@ class Network:
     tag: str  # short, unique per run: namespace and link names carry it
     subnet: ipaddress.IPv4Network | ipaddress.IPv6Network
     made: list[str] = field(default_factory=list)
+    addresses: Mapping[str, int] = field(default_factory=lambda: ADDRESSES)  # host → its last octet
 
     @classmethod
-    def free(cls) -> Network:
+    def free(cls, addresses: Mapping[str, int] = ADDRESSES) -> Network:
         used = _run("ip", "-4", "-o", "addr")
         while True:
             subnet = ipaddress.ip_network(f"10.{random.randint(100, 250)}.{random.randint(0, 255)}.0/24")
             if f" {subnet.network_address + 1}/" not in used and str(subnet.network_address)[:-1] not in used:
-                return cls(f"b{secrets.token_hex(3)}", subnet)
+                return cls(f"b{secrets.token_hex(3)}", subnet, addresses=addresses)
 
     def addr(self, host: str) -> str:
-        return str(self.subnet.network_address + (1 if host == "client" else ADDRESSES[host]))
+        return str(self.subnet.network_address + (1 if host == "client" else self.addresses[host]))
 
     def ns(self, host: str) -> str:
         return f"{self.tag}-{host}"
 
     def _veth(self, host: str) -> str:
-        return f"{self.tag}{host[0]}{ADDRESSES[host]}"  # the root side; at most 15 characters
+        return f"{self.tag}{host[0]}{self.addresses[host]}"  # the root side; at most 15 characters
 
     def build(self) -> None:
         bridge = f"{self.tag}br"
@@ -95,7 +96,7 @@ class Network:
         self.made.append(f"link:{bridge}")
         _run("ip", "addr", "add", f"{self.addr('client')}/{self.subnet.prefixlen}", "dev", bridge)
         _run("ip", "link", "set", bridge, "up")
-        for host in ADDRESSES:
+        for host in self.addresses:
             ns, outside = self.ns(host), self._veth(host)
             _run("ip", "netns", "add", ns)
             self.made.append(f"netns:{ns}")
@@ -108,6 +109,9 @@ class Network:
     def cut(self, host: str) -> None:
         """The host's link down: it runs on, and nothing reaches it or leaves it."""
         _run("ip", "link", "set", self._veth(host), "down")
+
+    def mend(self, host: str) -> None:
+        _run("ip", "link", "set", self._veth(host), "up")
 
     def tear_down(self) -> None:
         for what in reversed(self.made):

@@ -1,18 +1,19 @@
 """A cell's allowances (migration 0031): its share of each tenant's global daily tokens,
 as the cross-region reconciler sets them (ballast/cells.py), and what the reconciler reads
-of the cell to set them."""
+of the cell to set them and to weigh its traffic (its usage, its engines' capacity)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.ledger import timestamp, trained_by_tenant
-from journal.schema import allowances, quota_usage
+from journal.schema import allowances, engines, quota_usage
 from protocol.limits import ANY_MODEL
 
 
@@ -72,3 +73,24 @@ async def day_usage(conn: AsyncConnection, day: float) -> DayUsage:
             tokens[(tenant, model)] = tokens.get((tenant, model), 0) + n
     folded_at = (await conn.execute(text("SELECT max(folded_at) FROM quota_fold"))).scalar()
     return DayUsage(tokens, folded_at)
+
+
+async def capacity(conn: AsyncConnection, within_s: float = 5.0) -> tuple[int, int]:
+    """The cell's sequence slots over its live, non-draining engines, and how many of them
+    chat holds (as each engine last announced)."""
+    q = select(engines.c.stats).where(engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"),
+                                      engines.c.draining.is_(False))
+    stats = [r.stats for r in (await conn.execute(q)).all()]
+    return sum(int(s.get("max_seqs", 1)) for s in stats), sum(int(s.get("interactive", 0)) for s in stats)
+
+
+async def settled_by_day(conn: AsyncConnection, since: float, tenant: str | None = None) -> list[dict[str, Any]]:
+    """The cell's audit view `usage_by_day` from the UTC day of `since` on: settled usage
+    per tenant and day (its models and tiers summed), oldest first."""
+    rows = await conn.execute(text("""
+        SELECT tenant, extract(epoch FROM day)::bigint AS day, sum(requests)::bigint AS requests,
+               sum(input_tokens)::bigint AS input_tokens, sum(output_tokens)::bigint AS output_tokens
+          FROM usage_by_day
+         WHERE day >= date_trunc('day', to_timestamp(:since)) AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+         GROUP BY tenant, day ORDER BY day, tenant"""), dict(since=since, tenant=tenant))
+    return [dict(r) for r in rows.mappings()]

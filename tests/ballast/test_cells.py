@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 import uuid
@@ -291,3 +292,55 @@ def test_the_cells_file_names_each_cells_url_by_variable(tmp_path):
     assert conf.limits == (GlobalLimit("acme", 1000, "*"),)
     with pytest.raises(ValueError, match="set EU_URL"):
         load(f, {})
+
+
+async def test_the_edge_takes_the_weights_the_reconciler_sets(tmp_path):
+    """A real HAProxy with a server per cell: the weights set through its runtime API are the
+    ones it then reports (`show stat`), a cell at 0 included."""
+    from ballast import procs
+    from ballast.cells import Edge
+    from bench.cells import _server_weights
+    from bench.tls import haproxy
+
+    sock = tmp_path / "admin.sock"
+    conf = tmp_path / "edge.cfg"
+    servers = "\n".join(f"  server {c} 127.0.0.1:{procs.free_port()} weight 100" for c in CELLS)
+    conf.write_text(f"global\n  stats socket {sock} level admin\ndefaults\n  mode http\n  timeout connect 1s\n"
+                    f"  timeout client 5s\n  timeout server 5s\nfrontend edge\n  bind 127.0.0.1:{procs.free_port()}\n"
+                    f"  default_backend cells\nbackend cells\n{servers}\n")
+    edge = procs.spawn("haproxy", [haproxy(), "-db", "-f", str(conf)], log_path=tmp_path / "haproxy.log")
+    try:
+        procs.wait_until(sock.exists, 30, "haproxy's runtime socket", child=edge)
+        await Edge(str(sock)).set_weights({"eu": 256, "us": 17, "ap": 0})
+        assert _server_weights(sock) == {"eu": 256, "us": 17, "ap": 0}
+        with pytest.raises(RuntimeError, match="nowhere"):
+            await Edge(str(sock)).set_weights({"nowhere": 3})
+    finally:
+        edge.stop(10)
+
+
+async def test_usage_across_cells_is_each_cells_audit_view_and_their_sum(cells, cells_login, tmp_path, capsys,
+                                                                        monkeypatch):
+    """`ballast cells usage --json`: each cell's settled usage as its own ledger has it, and
+    one row across the cells; the sums here are the client's record of what it settled."""
+    from ballast.cells import main
+    from journal import ledger
+
+    tenant = f"audit-{uuid.uuid4().hex[:6]}"
+    settled = {"eu": (3, 40), "us": (1, 5), "ap": (0, 0)}  # requests, tokens each
+    for name, (n, tokens) in settled.items():
+        async with cells[name].db.begin() as conn:
+            await tenant_store.ensure_tenant(conn, tenant)
+            for i in range(n):
+                r = ledger.Entry("reserve", f"request:{tenant}-{name}-{i}", tenant, MODEL, "default", tokens, tokens)
+                await ledger.insert(conn, [r])
+                await ledger.settle(conn, r.closing("settle", tokens, tokens // 2), r)
+    f = tmp_path / "cells.toml"
+    f.write_text("".join(f'[[cell]]\nname = "{c}"\ndatabase_url_env = "CELL_{c.upper()}"\n' for c in CELLS))
+    for c in CELLS:
+        monkeypatch.setenv(f"CELL_{c.upper()}", cells[c].cells_url)
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["usage", "--file", str(f), "--json", "--tenant", tenant]) == 0
+    rows = {r["cell"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert {c: (r["requests"], r["input_tokens"], r["output_tokens"]) for c, r in rows.items()} == {
+        "eu": (3, 120, 60), "us": (1, 5, 2), "*": (4, 125, 62)}

@@ -62,3 +62,4 @@ def test_the_bound_takes_the_lesser_of_room_and_demand_over_the_lag():
     # a could admit 500 more under its old allowance, at 300 tokens/s for 1.5 s: 450; b: room 100.
     assert overshoot_bound([(500, 300.0), (100, 300.0)], lag_s=1.5) == 450 + 100
     assert overshoot_bound([(500, 300.0)], lag_s=1.5, in_cell=40) == 490
+

@@ -1,0 +1,32 @@
+"""Cross-region routing weights: how much of the traffic an edge sends each cell, from its
+capacity and health as the cells reconciler last read them, off the request path. Pure.
+
+A cell out of reach, or with no live engine, gets 0: its traffic moves to the others (the
+edge's own health checks take a dead cell out sooner; a weight keeps a live cell with no
+engine from drawing traffic it can only refuse). The rest share by capacity, each cell's
+live slots counted at half where they are busy with chat, so a loaded cell draws less
+before it is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_WEIGHT = 256  # HAProxy's range (0–256); Envoy's and DNS weights scale alike
+
+
+@dataclass(frozen=True)
+class CellCapacity:
+    cell: str
+    healthy: bool  # read this tick
+    slots: int = 0  # sequence slots of its live, non-draining engines
+    busy: int = 0  # of them, held by interactive requests
+
+
+def weights(cells: Sequence[CellCapacity], scale: int = MAX_WEIGHT) -> dict[str, int]:
+    """Cell → weight in 0..scale; the largest gets `scale`, every healthy cell with a slot at least 1."""
+    worth = {c.cell: (c.slots - 0.5 * min(max(c.busy, 0), c.slots)) if c.healthy and c.slots > 0 else 0.0
+             for c in cells}
+    top = max(worth.values(), default=0.0)
+    return {cell: max(1, round(scale * w / top)) if w > 0 else 0 for cell, w in sorted(worth.items())}
