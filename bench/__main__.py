@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -68,7 +69,7 @@ def _fairness(s: Settings, a: argparse.Namespace) -> int:
 def _placement(s: Settings, a: argparse.Namespace) -> int:
     from bench.placement import main
 
-    return main(s, seconds=a.seconds)
+    return main(s, seconds=a.seconds, record=a.record)
 
 
 def _grouping(s: Settings, a: argparse.Namespace) -> int:
@@ -123,7 +124,7 @@ def _hosts(s: Settings, a: argparse.Namespace) -> int:
 def _cells(s: Settings, a: argparse.Namespace) -> int:
     from bench.cells import main
 
-    return main(s, seconds=a.seconds, rate=a.rate)
+    return main(s, seconds=a.seconds, rate=a.rate, lose=a.lose)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -168,6 +169,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=20.0, help="seconds of backlog per arm")
     b = bench("placement", _placement, "prompt-cache affinity against round-robin and least-loaded")
     b.add_argument("--seconds", type=float, default=40.0, help="seconds of each trace per arm")
+    b.add_argument("--record", type=Path, default=None,
+                   help="where to write every request's arrival, prompt blocks and engine, per arm, for "
+                        "`ballast sim replay` (default: the data dir's bench/placement-record.json)")
     b = bench("grouping", _grouping, "a batch's shared prefixes kept on one engine worker, or not")
     b.add_argument("--batches", type=int, default=2, help="batches per arm")
     b = bench("training", _training, "fine-tuning chunks, checkpoints and resumes beside chats")
@@ -203,6 +207,9 @@ def parser() -> argparse.ArgumentParser:
                                "reconciled between them through delayed links, one region cut and mended")
     b.add_argument("--seconds", type=float, default=90.0, help="seconds of load through the edge")
     b.add_argument("--rate", type=float, default=6.0, help="chats a second")
+    b.add_argument("--lose", choices=("crash", "cut"), default="crash",
+                   help="how the region is lost: every process of it killed and started again later (crash), or "
+                        "its link down and up (cut)")
     return p
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import math
+import os
 import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -83,14 +85,15 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
 
     sender = asyncio.create_task(deliver())
     try:
-        while data := await reader.read(65536):
-            queue.put_nowait((loop.time() + delay_s, data))
-    except OSError:
-        pass
-    queue.put_nowait((loop.time() + delay_s, b""))
-    with contextlib.suppress(OSError):
-        await sender
-    writer.close()
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                queue.put_nowait((loop.time() + delay_s, data))
+        queue.put_nowait((loop.time() + delay_s, b""))
+        with contextlib.suppress(OSError):
+            await sender
+    finally:
+        sender.cancel()
+        writer.close()
 
 
 class Relays:
@@ -108,10 +111,9 @@ class Relays:
             async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
                 try:
                     r2, w2 = await asyncio.wait_for(asyncio.open_connection(*target), 3)
-                except (OSError, TimeoutError):
+                    await asyncio.gather(_pipe(r, w2, delay_s), _pipe(r2, w, delay_s))
+                except (OSError, TimeoutError, asyncio.CancelledError):
                     w.close()
-                    return
-                await asyncio.gather(_pipe(r, w2, delay_s), _pipe(r2, w, delay_s), return_exceptions=True)
 
             await asyncio.start_server(handle, "127.0.0.1", port)
 
@@ -119,7 +121,13 @@ class Relays:
         return port
 
     def close(self) -> None:
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # its links die with it: nothing to say
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
@@ -134,10 +142,12 @@ def _base_env(cell: Cell) -> dict[str, str]:
                 HOME=str(cell.dir), TMPDIR=str(tmp), PYTHONUNBUFFERED="1", LANG="C.UTF-8")
 
 
-def _start_cell(net: Network, cell: Cell, settings: Settings) -> None:
+def _start_cell(net: Network, cell: Cell, settings: Settings, *, again: bool = False) -> None:
+    """The cell's Postgres, then `ballast up` on it; `again`: on what a lost cell left on disk."""
     from engine.tiny import build_tiny_model
 
     ns = net.ns(cell.name)
+    (cell.dir / "pg" / "pg.port").unlink(missing_ok=True)
     pg = procs.spawn(f"postgres on {cell.name}", ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.hosts",
                                                  "postgres", str(cell.dir / "pg"), cell.addr, str(net.subnet)],
                      env=_base_env(cell), log_path=cell.dir / "postgres.log")
@@ -145,8 +155,9 @@ def _start_cell(net: Network, cell: Cell, settings: Settings) -> None:
     procs.wait_until(lambda: (cell.dir / "pg" / "pg.port").exists(), 120, f"{cell.name}'s Postgres", child=pg)
     password = (cell.dir / "pg" / "postgres-password").read_text().strip()
     admin = f"postgresql://postgres:{password}@{cell.addr}:{PG_PORT}/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute("CREATE DATABASE ballast")
+    if not again:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE ballast")
     cell.owner_url = admin.rsplit("/", 1)[0] + "/ballast"
     model = build_tiny_model(cell.dir / "models", settings.max_model_len)
     env = _base_env(cell) | dict(
@@ -158,6 +169,20 @@ def _start_cell(net: Network, cell: Cell, settings: Settings) -> None:
                      log_path=cell.dir / "up.log")
     cell.children.append(up)
     cell.api = f"http://{cell.addr}:{API_PORT}"
+
+
+def _crash(net: Network, cell: Cell) -> int:
+    """Every process of the cell killed at once (SIGKILL: nothing flushed, nothing said), as
+    when a region's hosts go dark: the ones in its network namespace, all this run's own."""
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", net.ns(cell.name)], capture_output=True,
+                                           text=True, check=True).stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for child in cell.children:
+        child.stop(10)  # reaps them
+    cell.children.clear()
+    return len(pids)
 
 
 def _owner(cell: Cell, query: str, *params: Any) -> list[tuple]:
@@ -274,7 +299,7 @@ def _usage(cell: Cell, tenant: str) -> int:
 
 
 def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: float, rate: float,
-        say=print) -> dict[str, Any]:
+        lose: str = "crash", say=print) -> dict[str, Any]:
     tenant = "globex"
     key = _share_tenant(cells, tenant)
     passwords = _cells_login(cells)
@@ -302,12 +327,21 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     reconciler = procs.spawn("ballast cells reconcile", [*_ballast("cells", "reconcile", "--file",
                                                                    str(work / "cells.toml"))],
                              env=env, log_path=work / "reconcile.log")
-    out: dict[str, Any] = dict(limit=limit, delay_ms=DELAY_MS, rate=rate, seconds=seconds)
+    out: dict[str, Any] = dict(limit=limit, delay_ms=DELAY_MS, rate=rate, seconds=seconds, lose=lose)
     try:
         procs.wait_until(lambda: all(_owner(c, "SELECT count(*) FROM allowances")[0][0] > 0 for c in cells.values()),
                          60, "every cell's first allowance", child=reconciler)
-        out |= _drive(net, cells, settings, key, edge_port, sock, seconds=seconds, rate=rate, say=say)
+        out |= _drive(net, cells, settings, key, edge_port, sock, seconds=seconds, rate=rate, lose=lose, say=say)
         time.sleep(3 * tick_s + settle_s)
+        # The audit across cells, as an operator runs it, against each cell's ledger read here.
+        audit = subprocess.run([*_ballast("cells", "usage", "--file", str(work / "cells.toml"), "--json", "--tenant",
+                                          tenant, "--days", "1")], env=env, capture_output=True, text=True, timeout=60)
+        rows = [json.loads(line) for line in audit.stdout.splitlines()]
+        settled = sum(int(_owner(c, "SELECT coalesce(sum(input_tokens + output_tokens), 0) FROM ledger "
+                                    "WHERE tenant = %s AND kind = 'settle'", tenant)[0][0]) for c in cells.values())
+        across = sum(r["input_tokens"] + r["output_tokens"] for r in rows if r["cell"] == "*")
+        out["audit"] = dict(exit=audit.returncode, all_cells_tokens=across, ledgers_settled=settled,
+                            agree=audit.returncode == 0 and across == settled)
     finally:
         reconciler.stop(10)
         edge.stop(10)
@@ -334,13 +368,13 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     say(f"quota: {sum(used.values())} of {limit} used ({used}); overshoot {sum(used.values()) - limit}, "
         f"bound {bound}")
     b = out["batch"]
-    out["ok"] = bool(out["quota"]["within"] and b["status"] == "completed" and b["once"]
+    out["ok"] = bool(out["quota"]["within"] and b["status"] == "completed" and b["once"] and out["audit"]["agree"]
                      and out["edge"]["failed_after_down"] == 0 and out["quota"]["total"] >= 0.9 * limit)
     return out
 
 
 def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, edge_port: int, sock: Path, *,
-           seconds: float, rate: float, say=print) -> dict[str, Any]:
+           seconds: float, rate: float, lose: str, say=print) -> dict[str, Any]:
     from openai import OpenAI
 
     lost = cells[LOST]
@@ -348,9 +382,9 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     # A batch on the cell to be lost, from its own `default` tenant (ballast up's key).
     own = OpenAI(base_url=f"{lost.api}/v1", api_key=(lost.dir / "data" / "api-key").read_text().strip(),
                  max_retries=3, timeout=60)
-    items = 24
+    items = 96  # enough that the cell is lost mid-batch
     body = "\n".join(json.dumps(dict(custom_id=f"item-{i}", method="POST", url="/v1/chat/completions", body=dict(
-        model=model, max_tokens=64, temperature=0, ignore_eos=True,
+        model=model, max_tokens=256, temperature=0, ignore_eos=True,
         messages=[{"role": "user", "content": f"count to {i}"}]))) for i in range(items))
     upload = own.files.create(file=("batch.jsonl", body.encode()), purpose="batch")
     batch = own.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -383,18 +417,27 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     started = time.time()
     cut_at = mended_at = down_at = math.nan
     i = 0
-    say(f"load: {rate}/s through the edge for {seconds:.0f} s; {LOST} cut at 25 %, mended at 55 %")
+    killed = done_before = chunks_before = 0
+    say(f"load: {rate}/s through the edge for {seconds:.0f} s; {LOST} lost ({lose}) at 25 %, back at 55 %")
     while (el := time.time() - started) < seconds:
         if math.isnan(cut_at) and el >= 0.25 * seconds:
+            done_before, chunks_before = _owner(
+                lost, "SELECT count(DISTINCT stream) FILTER (WHERE type = 'item_completed'), "
+                      "count(*) FILTER (WHERE type = 'item_chunk') FROM events WHERE stream LIKE %s",
+                f"%{batch.id}%")[0]
             net.cut(LOST)
             cut_at = time.time()
-            say(f"{LOST}'s link cut at {el:.0f} s")
+            if lose == "crash":
+                killed = _crash(net, lost)
+            say(f"{LOST}'s link cut at {el:.0f} s" + (f", its {killed} processes killed" if killed else ""))
         if not math.isnan(cut_at) and math.isnan(down_at) and _server_states(sock).get(LOST) == "DOWN":
             down_at = time.time()
         if math.isnan(mended_at) and el >= 0.55 * seconds:
             net.mend(LOST)
             mended_at = time.time()
-            say(f"{LOST}'s link mended at {el:.0f} s")
+            if lose == "crash":
+                _start_cell(net, lost, settings, again=True)
+            say(f"{LOST}'s link mended at {el:.0f} s" + (", the cell starting again" if lose == "crash" else ""))
         while i < int(el * rate):
             t = threading.Thread(target=one, args=(i,), daemon=True)
             t.start()
@@ -407,7 +450,9 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     t0 = time.monotonic()
     while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() - t0 < 600:
         time.sleep(2)
-        batch = own.batches.retrieve(batch.id)
+        with contextlib.suppress(Exception):  # the cell may still be starting again
+            batch = own.batches.retrieve(batch.id)
+    finished_after_s = time.time() - mended_at
     seen: dict[str, int] = {}
     if batch.output_file_id:
         for line in own.files.content(batch.output_file_id).text.splitlines():
@@ -441,7 +486,9 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
         edge=dict(down_after_s=round(down_at - cut_at, 2), failed_after_down=len(after_down),
                   sent_between_cut_and_down=len(in_window), their_max_s=round(slow[-1], 2) if slow else None,
                   to_lost_after_down=sum(1 for r in ok if r["cell"] == LOST and down_at < r["sent"] < mended_at)),
-        batch=dict(status=batch.status, items=items, output_lines=sum(seen.values()),
+        batch=dict(status=batch.status, items=items, done_when_lost=done_before,
+                   chunks_journaled_when_lost=chunks_before, output_lines=sum(seen.values()),
+                   finished_after_return_s=round(finished_after_s, 1),
                    once=sorted(seen) == sorted(f"item-{i}" for i in range(items)) and set(seen.values()) == {1}
                    and journal[0] == journal[1] == items))
     say(f"chats: {len(ok)} ok, {len(refused)} refused for quota, {len(failed)} failed of {len(records)}; "
@@ -450,11 +497,11 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     return out
 
 
-def main(settings: Settings, *, seconds: float = 90.0, rate: float = 6.0) -> int:
+def main(settings: Settings, *, seconds: float = 90.0, rate: float = 6.0, lose: str = "crash") -> int:
     root = Path(settings.data_dir).resolve() / "cells"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     with cells_up(root, settings) as (net, cells):
-        report = run(net, cells, settings, seconds=seconds, rate=rate)
+        report = run(net, cells, settings, seconds=seconds, rate=rate, lose=lose)
     print(json.dumps(report, indent=2, default=str))
     return 0 if report.get("ok") else 1

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from journal.ledger import timestamp, trained_by_tenant
+from journal.ledger import timestamp, trained_query
 from journal.schema import allowances, engines, quota_usage
 from protocol.limits import ANY_MODEL
 
@@ -29,12 +29,10 @@ class Allowance:
     tick: str
 
 
-async def in_force(conn: AsyncConnection) -> dict[tuple[str, str], int | None]:
-    """(tenant, model) → the allowance in force (None: lifted)."""
-    q = (select(allowances.c.tenant, allowances.c.model, allowances.c.tokens_per_day)
-         .distinct(allowances.c.tenant, allowances.c.model)
-         .order_by(allowances.c.tenant, allowances.c.model, allowances.c.id.desc()))
-    return {(r.tenant, r.model): r.tokens_per_day for r in (await conn.execute(q)).all()}
+def _in_force() -> Select:
+    return (select(allowances.c.tenant, allowances.c.model, allowances.c.tokens_per_day)
+            .distinct(allowances.c.tenant, allowances.c.model)
+            .order_by(allowances.c.tenant, allowances.c.model, allowances.c.id.desc()))
 
 
 async def append(conn: AsyncConnection, rows: Sequence[Allowance]) -> None:
@@ -59,29 +57,50 @@ class DayUsage:
         return self.tokens.get((tenant, model), 0)
 
 
-async def day_usage(conn: AsyncConnection, day: float) -> DayUsage:
-    """The cell's usage of the UTC day starting at `day` (unix seconds): the fold's day
-    rows of every admitting process, which count what it admitted as of its last tick."""
-    q = (select(quota_usage.c.tenant, quota_usage.c.model,
-                func.sum(quota_usage.c.input_tokens + quota_usage.c.output_tokens).label("n"))
-         .where(quota_usage.c.window == "day", quota_usage.c.starts_at == timestamp(day))
-         .group_by(quota_usage.c.tenant, quota_usage.c.model))
-    rows = (await conn.execute(q)).all()
-    tokens = {(r.tenant, r.model): int(r.n) for r in rows}
-    for tenant, by_model in (await trained_by_tenant(conn, day)).items():
-        for model, n in by_model.items():
-            tokens[(tenant, model)] = tokens.get((tenant, model), 0) + n
-    folded_at = (await conn.execute(text("SELECT max(folded_at) FROM quota_fold"))).scalar()
-    return DayUsage(tokens, folded_at)
+@dataclass(frozen=True)
+class CellView:
+    """What the reconciler reads of a cell each tick, in one statement (one snapshot, one
+    round trip: between regions a round trip is a tenth of a second or more)."""
+
+    usage: DayUsage
+    in_force: dict[tuple[str, str], int | None]
+    capacity: tuple[int, int]  # its live, non-draining engines' slots, and those chat holds
 
 
-async def capacity(conn: AsyncConnection, within_s: float = 5.0) -> tuple[int, int]:
-    """The cell's sequence slots over its live, non-draining engines, and how many of them
-    chat holds (as each engine last announced)."""
-    q = select(engines.c.stats).where(engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"),
-                                      engines.c.draining.is_(False))
-    stats = [r.stats for r in (await conn.execute(q)).all()]
+def _rows(q: Select) -> Any:
+    """`q`'s rows as one JSON array of arrays, for a column of a one-row SELECT."""
+    sq = q.subquery()
+    return select(func.coalesce(func.json_agg(func.json_build_array(*sq.c)), text("'[]'::json"))).scalar_subquery()
+
+
+def _usage_query(day: float) -> Select:
+    return (select(quota_usage.c.tenant, quota_usage.c.model,
+                   func.sum(quota_usage.c.input_tokens + quota_usage.c.output_tokens).label("n"))
+            .where(quota_usage.c.window == "day", quota_usage.c.starts_at == timestamp(day))
+            .group_by(quota_usage.c.tenant, quota_usage.c.model))
+
+
+def _capacity_query(within_s: float) -> Select:
+    return select(engines.c.stats).where(
+        engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"), engines.c.draining.is_(False))
+
+
+def _slots(stats: Sequence[dict[str, Any]]) -> tuple[int, int]:
     return sum(int(s.get("max_seqs", 1)) for s in stats), sum(int(s.get("interactive", 0)) for s in stats)
+
+
+async def view(conn: AsyncConnection, day: float, within_s: float = 5.0) -> CellView:
+    """The cell's usage of the UTC day starting at `day` (unix seconds), as its admission
+    counts it against `tokens_per_day`: the fold's day rows of every admitting process
+    (what each admitted as of the fold's last tick) and training's settles; the allowances
+    in force; its capacity."""
+    row = (await conn.execute(select(
+        _rows(_usage_query(day)), _rows(trained_query(day)), _rows(_in_force()),
+        _rows(_capacity_query(within_s)), text("(SELECT max(folded_at) FROM quota_fold)")))).one()
+    tokens: dict[tuple[str, str], int] = {}
+    for tenant, model, n in (*row[0], *row[1]):
+        tokens[(tenant, model)] = tokens.get((tenant, model), 0) + int(n)
+    return CellView(DayUsage(tokens, row[4]), {(t, m): a for t, m, a in row[2]}, _slots([s for (s,) in row[3]]))
 
 
 async def settled_by_day(conn: AsyncConnection, since: float, tenant: str | None = None) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -325,16 +325,19 @@ async def trained_tokens(conn: AsyncConnection, tenant: str, since: float) -> di
     return (await trained_by_tenant(conn, since, tenant)).get(tenant, {})
 
 
+def trained_query(since: float, tenant: str | None = None) -> Select:
+    """(tenant, model, tokens) that fine-tuning settled since `since`."""
+    q = (select(ledger.c.tenant, ledger.c.model, func.sum(ledger.c.input_tokens + ledger.c.output_tokens).label("n"))
+         .where(ledger.c.tier == "training", ledger.c.kind == SETTLE, ledger.c.at >= timestamp(since))
+         .group_by(ledger.c.tenant, ledger.c.model))
+    return q if tenant is None else q.where(ledger.c.tenant == tenant)
+
+
 async def trained_by_tenant(conn: AsyncConnection, since: float,
                             tenant: str | None = None) -> dict[str, dict[str, int]]:
     """As `trained_tokens`, for every tenant (or one): {tenant: {model: tokens}}."""
-    q = (select(ledger.c.tenant, ledger.c.model, func.sum(ledger.c.input_tokens + ledger.c.output_tokens))
-         .where(ledger.c.tier == "training", ledger.c.kind == SETTLE, ledger.c.at >= timestamp(since))
-         .group_by(ledger.c.tenant, ledger.c.model))
-    if tenant is not None:
-        q = q.where(ledger.c.tenant == tenant)
     out: dict[str, dict[str, int]] = {}
-    for t, model, n in (await conn.execute(q)).all():
+    for t, model, n in (await conn.execute(trained_query(since, tenant))).all():
         out.setdefault(t, {})[model] = int(n)
     return out
 

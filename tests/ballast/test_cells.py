@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.services.admission import Admission, Ticket
-from ballast.cells import GlobalLimit, Reconciler, load
+from ballast.cells import GlobalLimit, Reconciler, cell_engine, load
 from config import Settings
 from config.database import as_role, libpq_url
 from journal import fold, tenant_store
@@ -129,7 +129,7 @@ async def at_work(cells: dict[str, Cell], tenant: str, limit: int, **kw) -> Asyn
     left = DAY_S - time.time() % DAY_S
     if left < 60:  # a test's usage all in one UTC day
         await asyncio.sleep(left + 0.5)
-    engines = {c.name: connect(c.cells_url, pool_size=1) for c in cells.values()}
+    engines = {c.name: cell_engine(c.cells_url, c.name) for c in cells.values()}
     rec = Reconciler(engines, [GlobalLimit(tenant, limit)], timeout_s=2.0, **kw)
     try:
         async with running(cells, tenant):
