@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test-deps run test bench hosts clean
+.PHONY: install test-deps run test bench hosts cells clean
 
 # vLLM's CUDA build where there is an NVIDIA GPU, its CPU build elsewhere: `make EXTRA=gpu`
 # (or cpu) to choose. The GPU extra is pinned to the vLLM range the suite runs.
@@ -62,6 +62,10 @@ bench: install
 # Ballast as seven hosts in network namespaces (root): bench/hosts.py.
 hosts: install test-deps
 	$(VENV)/bin/ballast bench hosts
+
+# Three regions as cells in network namespaces, one lost and back (root): bench/cells.py.
+cells: install test-deps
+	$(VENV)/bin/ballast bench cells
 
 clean:
 	rm -rf $(VENV) .ballast .pytest_cache .mypy_cache .ruff_cache
