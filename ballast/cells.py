@@ -18,7 +18,7 @@ its URL (a login granted `ballast_cells` there):
     haproxy_socket = "/run/haproxy/admin.sock"
     [[cell]]
     name = "eu-west"
-    database_url_env = "BALLAST_CELL_EU_WEST_DATABASE_URL"
+    database_url_env = "CELL_EU_WEST_DATABASE_URL"
     [[limit]]
     tenant = "acme"
     model = "*"            # all its models (the default), or one model

@@ -41,5 +41,6 @@ def test_the_docs_name_only_settings_that_exist():
 
 
 # Read by the test suite (histories), by a supervisor's child before any settings are (the
-# readiness file ballast/procs.py writes), or by the client CLI: never a setting.
-NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV, *CLIENT_ENV}
+# readiness file ballast/procs.py writes), by the client CLI, or by `ballast cells` (its own
+# file, not the settings of a process of a cell): never a setting.
+NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV, *CLIENT_ENV, "BALLAST_CELLS_FILE"}
