@@ -344,3 +344,12 @@ async def test_usage_across_cells_is_each_cells_audit_view_and_their_sum(cells, 
     rows = {r["cell"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert {c: (r["requests"], r["input_tokens"], r["output_tokens"]) for c, r in rows.items()} == {
         "eu": (3, 120, 60), "us": (1, 5, 2), "*": (4, 125, 62)}
+
+    # And `status`: each cell's usage of the day as the reconciler reads it (the cell's fold).
+    for cell in cells.values():
+        async with cell.db.begin() as conn:
+            await fold.reconcile(conn, holder_ttl_s=3600)
+    f.write_text(f.read_text() + f'[[limit]]\ntenant = "{tenant}"\ntokens_per_day = 1000\n')
+    assert await asyncio.to_thread(main, ["status", "--file", str(f)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert {(w[3], w[4]) for w in lines} == {("eu", "180"), ("us", "7"), ("ap", "0")}
