@@ -25,6 +25,12 @@ engine (each from the client's start to its end, on the engine its worker record
 it), every 5 ms while at least as many are in flight as there are engines (below that,
 one request alone is "imbalance 2"), averaged. One JSON line last.
 
+`--record PATH` (by default the data dir's bench/placement-record.json): per arm, every
+request's start, tenant and conversation, its prompt's 128-token blocks as the API's placer
+hashes them, its output and the engine that served it, with the arm's figures: what
+`ballast sim replay` plays through the simulator to validate it (sim/replay.py). Recording
+reads what the bench already gathers; it measures nothing else.
+
 Then, in-process with the API's placer: the decision's cost, and on worker loss the share
 of prefixes whose engine changes against the share the lost engine held.
 """
@@ -34,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -49,6 +54,8 @@ from bench.stack import Stack, ballast_up
 from bench.stats import pct
 from config import Settings
 from config.database import libpq_url
+from policy.prefix import block_hashes
+from sim import replay
 
 SEED = 5
 MAX_TOKENS = 16
@@ -64,6 +71,8 @@ WORDS = ("harbour", "compass", "lantern", "anchor", "rigging", "galley", "tide",
 class Turn:
     at: float  # seconds into the trace
     messages: list[dict[str, str]]
+    tenant: int = -1  # its system prompt, for the recording (-1: none)
+    conversation: int = -1
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -86,11 +95,12 @@ def trace(kind: str, seconds: float, rate: float, seed: int = SEED) -> list[Turn
             history = rng.choice(conversations)
             if sum(len(m["content"]) for m in history) < 1700:
                 history += [dict(role="assistant", content=_text(rng, 40)), dict(role="user", content=_text(rng, 60))]
-                out.append(Turn(t, list(history)))
+                c = next(i for i, h in enumerate(conversations) if h is history)
+                out.append(Turn(t, list(history), systems.index(history[0]["content"]), c))
                 continue
         history = [dict(role="system", content=rng.choice(systems)), dict(role="user", content=_text(rng, 60))]
         conversations.append(history)
-        out.append(Turn(t, list(history)))
+        out.append(Turn(t, list(history), systems.index(history[0]["content"]), len(conversations) - 1))
     return out
 
 
@@ -171,17 +181,39 @@ def imbalance(chats: list[Chat], where: dict[str, str], engines: int, step_s: fl
     """Max over mean of the requests in flight per engine (client start to end, on the
     engine that served it), every `step_s`, at the moments with at least one per engine in
     flight (fewer cannot be balanced); averaged. And how many moments counted."""
-    t, last, ratios = min(c.start for c in chats), max(c.end for c in chats), []
-    while t < last:
-        on = Counter(where[c.id] for c in chats if c.start <= t < c.end and c.id in where)
-        if sum(on.values()) >= engines:
-            counts = [on.get(e, 0) for e in set(where.values())]
-            ratios.append(max(counts) / statistics.mean(counts))
-        t += step_s
-    return (round(statistics.mean(ratios), 3) if ratios else 1.0), len(ratios)
+    # The simulator's replay measures itself with this same function (sim/replay.py).
+    return replay.imbalance([(c.start, c.end, where[c.id]) for c in chats if c.id in where], engines, step_s)
 
 
-async def play(stack: Stack, model: str, turns: list[Turn], engines: int = 2) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HashedPrompt:
+    """A turn's prompt as the API's placer sees it, for the recording."""
+
+    tokens: int
+    blocks: tuple[int, ...]
+
+
+def prompts(settings: Settings, model: str, turns: list[Turn], block_size: int = 128) -> list[HashedPrompt]:
+    """Each turn's prompt rendered and tokenized as the engine will, and cut into the blocks
+    the API's placer hashes (its own code: api/services/placer.py, policy/prefix.py)."""
+    from api.services.placer import Placer
+    from protocol.requests import CHAT, GenerationRequest, Message
+
+    placer = Placer(settings)
+    if placer.load() is None:
+        raise RuntimeError("no tokenizer for the model: `ballast up` once builds the tiny one")
+    out = []
+    for turn in turns:
+        req = GenerationRequest(CHAT, model, tuple(Message(m["role"], m["content"]) for m in turn.messages))
+        p = placer.prompt(req)
+        out.append(HashedPrompt(len(p.ids), block_hashes(p.ids, block_size, seed=placer.seed(req))))
+    return out
+
+
+async def play(stack: Stack, model: str, turns: list[Turn], engines: int = 2,
+               played: list[tuple[Chat, str]] | None = None, origin: float | None = None) -> dict[str, Any]:
+    """The trace's figures; each chat and its engine appended to `played`, timed from `origin`
+    (perf_counter; this trace's start by default)."""
     before = _engines(stack.db_url)
     async with httpx.AsyncClient(base_url=str(stack.api.base_url), headers=dict(stack.api.headers),
                                  timeout=120, limits=httpx.Limits(max_connections=256)) as http:
@@ -198,6 +230,9 @@ async def play(stack: Stack, model: str, turns: list[Turn], engines: int = 2) ->
     where = await asyncio.to_thread(_served_on, stack.db_url, [c.id for c in chats])
     ratio, moments = imbalance(chats, where, engines)
     ttfts = [c.ttft for c in chats]
+    if played is not None:
+        o = t0 if origin is None else origin
+        played.extend((Chat(c.id, c.start - o, c.ttft, c.end - o), where[c.id]) for c in chats)
     return dict(requests=len(ttfts), ttft_p50_ms=round(1000 * pct(ttfts, 50), 1),
                 ttft_p99_ms=round(1000 * pct(ttfts, 99), 1), hit_rate=round(hits / max(1, queried), 3),
                 imbalance=ratio, imbalance_moments=moments, served_by=dict(Counter(where.values())))
@@ -211,7 +246,9 @@ def kv_bytes_per_token(model_path: str) -> int:
     return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * dtype
 
 
-def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: str, kv_gib: float) -> dict[str, Any]:
+def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: str, kv_gib: float,
+            hashed: dict[str, list[HashedPrompt]] | None = None) -> tuple[dict[str, Any], replay.ArmRecord | None]:
+    """The arm's figures per trace, and with the traces' `hashed` prompts, its recording."""
     with tempfile.TemporaryDirectory(prefix="ballast-bench-placement-") as d, \
             ballast_up(settings, Path(d), BALLAST_ENGINES="2", BALLAST_PLACEMENT=arm,
                        BALLAST_KV_CACHE_GIB=f"{kv_gib:.6f}") as stack:
@@ -219,7 +256,21 @@ def run_arm(settings: Settings, arm: str, traces: dict[str, list[Turn]], model: 
         while len(_engines(stack.db_url)) < 2:  # both announced before any request
             assert time.monotonic() < deadline, "the second engine worker never announced itself"
             time.sleep(0.5)
-        return {name: asyncio.run(play(stack, model, turns)) for name, turns in traces.items()}
+        origin = time.perf_counter()
+        played: dict[str, list[tuple[Chat, str]]] = {name: [] for name in traces}
+        out = {name: asyncio.run(play(stack, model, turns, played=played[name], origin=origin))
+               for name, turns in traces.items()}
+        if hashed is None:
+            return out, None
+        engines = _engines(stack.db_url)
+    served = [replay.Served(c.id, name, c.start, turn.tenant, turn.conversation, p.tokens, MAX_TOKENS, p.blocks,
+                            engine, c.ttft, c.end)
+              for name in traces
+              for (c, engine), turn, p in zip(played[name], traces[name], hashed[name], strict=True)]
+    figures = tuple((name, replay.Figures(f["requests"], f["hit_rate"], f["imbalance"], f["ttft_p50_ms"],
+                                          f["ttft_p99_ms"])) for name, f in out.items())
+    return out, replay.ArmRecord(arm, tuple(sorted(engines)), min(s["max_seqs"] for s in engines.values()),
+                                 tuple(sorted(served, key=lambda r: r.at)), figures)
 
 
 def decision_cost(settings: Settings, turns: list[Turn], engines: int = 3) -> dict[str, float]:
@@ -270,7 +321,7 @@ def verdict(out: dict[str, Any]) -> dict[str, bool]:
     )
 
 
-def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
+def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0, record: Path | None = None) -> int:
     from engine.model_spec import resolve_model
 
     spec = resolve_model(settings)
@@ -280,9 +331,17 @@ def main(settings: Settings, seconds: float = 40.0, rate: float = 3.0) -> int:
           f"each ({rate}/s, {MAX_TOKENS} tokens each); arms {', '.join(ARMS)}, each a fresh `ballast up --engines 2`",
           flush=True)
     out: dict[str, Any] = dict(bench="placement", seconds=seconds, rate=rate)
+    hashed = {kind: prompts(settings, model, turns) for kind, turns in traces.items()}
+    records = []
     for arm in ARMS:
         print(f"arm {arm} …", flush=True)
-        out[arm] = run_arm(settings, arm, traces, model, kv_gib)
+        out[arm], rec = run_arm(settings, arm, traces, model, kv_gib, hashed)
+        assert rec is not None
+        records.append(rec)
+    path = record or Path(settings.data_dir) / "bench" / "placement-record.json"
+    replay.dump(replay.Recording(128, KV_CACHE_TOKENS, settings.prefix_index_blocks, MAX_TOKENS, seconds, rate,
+                                 tuple(records)), path)
+    print(f"recorded for `ballast sim replay {path}`", flush=True)
     out["decision"] = decision_cost(settings.model_copy(update=dict(placement="affinity")), traces["prefix_heavy"])
     out["targets"] = verdict(out)
     print(f"\nplacement decision in the API (tokenize, hash, rank): p50 {out['decision']['p50_ms']} ms, "

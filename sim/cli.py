@@ -1,14 +1,16 @@
-"""`ballast sim placement | fleet | quota`: the simulator's experiments, printed as markdown."""
+"""`ballast sim placement | fleet | quota | replay`: the simulator's experiments, printed as markdown."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from sim import report
 from sim.fleet import FleetSetup, simulate
 from sim.placement import PlacementSetup, experiment
 from sim.quota import QuotaSetup
 from sim.quota import simulate as quota
+from sim.replay import load, replay
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +33,15 @@ def main(argv: list[str]) -> int:
     q.add_argument("--reconcile-s", type=float, default=QuotaSetup.reconcile_s, help="the reconcile period")
     q.add_argument("--tier", choices=["priority", "default", "flex"], default=str(QuotaSetup.tier))
     q.add_argument("--seed", type=int, default=QuotaSetup.seed)
+    r = sub.add_parser("replay", help="a recorded `ballast bench placement` run replayed: the sim against the real "
+                                      "stack")
+    r.add_argument("path", type=Path, help="the bench's --record file")
     args = parser.parse_args(argv)
+    if args.experiment == "replay":
+        if not args.path.is_file():
+            parser.error(f"no recording at {args.path}: `ballast bench placement --record PATH` makes one")
+        print(report.replay(replay(load(args.path))))
+        return 0
     if args.experiment == "quota":
         if args.regions < 1 or args.minutes < 1 or args.reconcile_s <= 0:
             parser.error("--regions and --minutes must be at least 1, --reconcile-s positive")

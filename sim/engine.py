@@ -47,6 +47,10 @@ class EngineSpec:
     seq_s: float = 0.0002
     prefill_s_per_token: float = 1 / 30_000
     max_seqs: int = 64
+    # From placement to the engine's queue (the API's handling, the worker's, the HTTP hops):
+    # in flight, as the router counts it, but holding no slot. 0 at scale; a replay of the
+    # real stack fits it (sim/replay.py).
+    delay_s: float = 0.0
     block_size: int = 128  # vLLM CPU's KV block
     cache_blocks: int = 2048  # 262k tokens: ~32 GiB of an 8B model's KV at 128 KiB a token
     # Batch's yielding: config/scheduling.py's defaults.
@@ -98,6 +102,7 @@ class Engine:
         self.running: dict[int, Job] = {}
         self._marks: list[tuple[float, int, int, int]] = []  # (step, 0 first token | 1 done, job id, epoch)
         self._waiting: list[tuple[int, float, int, Job]] = []  # (priority, arrived, id, job)
+        self._arriving: list[tuple[float, int, Job]] = []  # (reaches the queue at, id, job): `delay_s`
         self.steps = 0.0  # steps every running sequence has been given, since the start
         self.at = 0.0  # the time `steps` and the integrals are up to
         self.stall_until = 0.0  # decoding waits for prefills until then
@@ -117,7 +122,7 @@ class Engine:
 
     @property
     def inflight(self) -> int:
-        return len(self.running) + len(self._waiting)
+        return len(self.running) + len(self._waiting) + len(self._arriving)
 
     def view(self) -> EngineView:
         """What the router sees: the in-flight counts as the placing API counts them."""
@@ -147,12 +152,18 @@ class Engine:
             self.batch_waiting += 1
         else:
             self.interactive += 1
-        heapq.heappush(self._waiting, (job.priority, job.arrival.at, job.arrival.id, job))
+        if self.spec.delay_s > 0:
+            heapq.heappush(self._arriving, (t + self.spec.delay_s, job.arrival.id, job))
+        else:
+            heapq.heappush(self._waiting, (job.priority, job.arrival.at, job.arrival.id, job))
         self._settle(t)
 
     def fire(self, t: float) -> list[Job]:
         """Take the marks due by `t`; the jobs that finished."""
         self.advance(t)
+        while self._arriving and self._arriving[0][0] <= t:
+            came = heapq.heappop(self._arriving)[2]
+            heapq.heappush(self._waiting, (came.priority, came.arrival.at, came.arrival.id, came))
         done: list[Job] = []
         marks = self._marks
         while marks and marks[0][0] <= self.steps + EPS_STEPS:
@@ -178,11 +189,13 @@ class Engine:
         """The engine is gone: every job it held, to be placed again from scratch."""
         self.advance(t)
         self.up = False
-        jobs = sorted([*self.running.values(), *(w[3] for w in self._waiting)], key=lambda j: j.arrival.id)
+        jobs = sorted([*self.running.values(), *(w[3] for w in self._waiting), *(a[2] for a in self._arriving)],
+                      key=lambda j: j.arrival.id)
         for job in self.running.values():
             job.done += self._produced(job)
         self.running.clear()
         self._waiting.clear()
+        self._arriving.clear()
         self._marks.clear()
         self.interactive = self.batch = self.batch_waiting = 0
         self.version += 1
@@ -209,6 +222,8 @@ class Engine:
             due = max(self.at, self.stall_until) + ahead * self.spec.step(len(self.running))
         if self.wake is not None and (due is None or self.wake < due):
             due = self.wake
+        if self._arriving and (due is None or self._arriving[0][0] < due):
+            due = self._arriving[0][0]
         return due
 
     # -- internals ----------------------------------------------------------------------

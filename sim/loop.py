@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from policy.placement import Request, Weights, rank
+from policy.placement import EngineView, Request, Weights, rank
 from policy.preemption import pool_step
 from policy.prefix import PrefixIndex
 from protocol.fleet import Surge, SurgePolicy
@@ -48,6 +48,10 @@ class FleetSpec:
     models: int = 1  # pools per region
     engines_per_pool: int = 16
     engine: EngineSpec = EngineSpec()
+    # A replay's: the real engines' ids (the placer's tie-break hashes them) and the real
+    # API's prefix index size. Defaults: made-up ids, an index the size of the pool's caches.
+    engine_ids: tuple[str, ...] = ()
+    index_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,22 +105,32 @@ class Pool:
 
 def build(fleet: FleetSpec) -> dict[tuple[int, int], Pool]:
     s, n = fleet.engine, fleet.engines_per_pool
-    return {(r, m): Pool(f"r{r:02d}-m{m}", [Engine(f"r{r:02d}-m{m}-e{i:03d}", s, f"r{r:02d}", f"m{m}")
-                                             for i in range(n)],
-                         n * s.cache_blocks)  # the router's index: about the pool's KV-cache blocks
+    assert not fleet.engine_ids or (len(fleet.engine_ids) == n and fleet.regions * fleet.models == 1)
+
+    def name(r: int, m: int, i: int) -> str:
+        return fleet.engine_ids[i] if fleet.engine_ids else f"r{r:02d}-m{m}-e{i:03d}"
+
+    return {(r, m): Pool(f"r{r:02d}-m{m}", [Engine(name(r, m, i), s, f"r{r:02d}", f"m{m}") for i in range(n)],
+                         fleet.index_blocks or n * s.cache_blocks)  # the router's index: about the pool's blocks
             for r in range(fleet.regions) for m in range(fleet.models)}
 
 
-def choose(pool: Pool, a: Arrival, region: str, arm: str, w: Weights) -> Engine:
-    """The engine the arm sends `a` to (the first of the policy's ranking)."""
+def pick(views: list[EngineView], blocks: tuple[int, ...], index: PrefixIndex, arm: str, w: Weights, turn: int,
+         home: str = "") -> tuple[str, int]:
+    """The engine the arm sends a request with `blocks` to (the first of the policy's
+    ranking; `views` in id order), and round-robin's turn after it."""
     if arm == "round_robin":
-        pool.turn = (pool.turn + 1) % len(pool.engines)
-        return pool.engines[pool.turn]
+        turn = (turn + 1) % len(views)
+        return views[turn].id, turn
     weights = w if arm == "affinity" else Weights(0.0, w.load, w.load_bound, w.reserved)
-    engines = pool.engines
-    matched = pool.index.matched(a.blocks) if arm == "affinity" else {}
-    best = rank([e.view() for e in engines], Request(engines[0].model, a.blocks, home=region), matched, weights)[0]
-    return next(e for e in engines if e.id == best.id)
+    matched = index.matched(blocks) if arm == "affinity" else {}
+    return rank(views, Request(views[0].model, blocks, home=home), matched, weights)[0].id, turn
+
+
+def choose(pool: Pool, a: Arrival, region: str, arm: str, w: Weights) -> Engine:
+    """The engine the arm sends `a` to."""
+    best, pool.turn = pick([e.view() for e in pool.engines], a.blocks, pool.index, arm, w, pool.turn, region)
+    return next(e for e in pool.engines if e.id == best)
 
 
 def run(fleet: FleetSpec, trace: Iterable[Arrival], spec: RunSpec = RunSpec()) -> Outcome:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sim.loop import Outcome
 from sim.placement import HIT_RATIO, MAX_IMBALANCE, PlacementResult
 from sim.quota import QuotaResult
+from sim.replay import Replay, verdict
 
 
 def _ms(s: float) -> str:
@@ -60,4 +61,32 @@ def quota(r: QuotaResult) -> str:
     for m in r.modes:
         rows.append(f"| {m.name} | {m.admitted_share:.3f} | {m.overshoot:.3%} | {_ms(m.added_p50_s)} / "
                     f"{_ms(m.added_p99_s)} | {m.messages_per_s:,.1f} |")
+    return "\n".join(rows)
+
+
+def replay(r: Replay) -> str:
+    f = r.fit
+    rows = [f"Costs fitted to the recording ({f.samples} requests): decode {1000 * f.step_s:.2f} ms a step + "
+            f"{1000 * f.seq_s:.2f} ms a sequence in flight; prefill {1e6 * f.prefill_s_per_token:.1f} µs a token; "
+            f"{1000 * f.delay_s:.0f} ms from placement to the engine's queue (TTFT's intercept, "
+            f"{1000 * f.ttft_intercept_s:.0f} ms, less a step: the API's and the worker's handling, in flight).", "",
+            "| arm | trace | n | same engine | hit rate real / sim | imbalance real / sim | TTFT p50 real / sim (ms) |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for a in r.arms:
+        for t in a.traces:
+            rows.append(f"| {a.arm} | {t.trace} | {t.real.requests} | {t.same_engine:.1%} | "
+                        f"{t.real.hit_rate:.3f} / {t.sim.hit_rate:.3f} | "
+                        f"{t.real.imbalance:.3f} / {t.sim.imbalance:.3f} | "
+                        f"{t.real.ttft_p50_ms:.0f} / {t.sim.ttft_p50_ms:.0f} |")
+    rows.append("")
+    for a in r.arms:
+        how = ("relabelled " + ", ".join(f"sim {s} = real {e}" for s, e in a.labels) if a.relabelled
+               else "engines matched by their real ids, no relabelling needed")
+        rows.append(f"- {a.arm}: {a.same_engine:.1%} of {len(a.placed)} requests on the same engine ({how}); "
+                    f"{a.stepwise:.1%} step by step, each decision from the real history.")
+    if {"affinity", "round_robin"} <= {a.arm for a in r.arms}:
+        rows.append(f"- Affinity's hit rate over round-robin's (prefix-heavy): real {r.ratio('real'):.2f}×, "
+                    f"sim {r.ratio('sim'):.2f}×.")
+    rows += ["", "| tolerance | met | figures |", "|---|---|---|"]
+    rows += [f"| {c.what} | {'met' if c.met else '**not met**'} | {c.detail} |" for c in verdict(r)]
     return "\n".join(rows)

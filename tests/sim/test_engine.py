@@ -81,3 +81,13 @@ def test_a_surging_pool_takes_batch_s_slots_where_no_chat_has_come_yet():
     calm = run(FleetSpec(engines_per_pool=2, engine=SPEC), trace,
                RunSpec("round_robin", surge=SurgePolicy(high=2.0), keep_jobs=True))
     assert calm.surges == 0 and all(j.preempted == 0 for j in calm.jobs)
+
+
+def test_a_delay_before_the_queue_counts_in_flight_but_holds_no_slot():
+    # delay_s 0.05: X reaches the engine at 0.05, prefills 100 tokens (0.01 s), then 2 steps of 0.015 s.
+    slow = EngineSpec(step_s=0.01, seq_s=0.005, prefill_s_per_token=1e-4, max_seqs=2, delay_s=0.05)
+    jobs, _ = play([arrival(0, 0.0, 100, 2), arrival(1, 0.01, 100, 1)], engines=2, spec=slow, arm="least_loaded")
+    assert jobs[0].first == pytest.approx(0.075) and jobs[0].finished == pytest.approx(0.09)
+    # Y, placed while X was still on its way, sees it in flight there and goes to the other engine.
+    assert jobs[0].engine != jobs[1].engine
+    assert jobs[1].first == pytest.approx(0.085) and jobs[1].finished == pytest.approx(0.085)
