@@ -51,6 +51,8 @@ from policy.routing import CellCapacity, weights
 from protocol.limits import ANY_MODEL
 
 log = logging.getLogger("ballast.cells")
+# A cell's demand is smoothed over ticks: the weight of the last tick's rate.
+DEMAND_ALPHA = 0.3
 T = TypeVar("T")
 
 
@@ -189,13 +191,14 @@ async def within(work: Awaitable[T], timeout_s: float, abandoned: set[asyncio.Fu
 
 class Reconciler:
     def __init__(self, cells: Mapping[str, AsyncEngine], limits: Sequence[GlobalLimit], *,
-                 settle_s: float = 1.5, timeout_s: float = 5.0, floor: float = 0.05, edge: Edge | None = None,
+                 settle_s: float = 1.5, timeout_s: float = 5.0, even: float = 0.2, edge: Edge | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.cells = dict(cells)
         self.edge = edge
         self.limits = tuple(limits)
-        self.settle_s, self.timeout_s, self.floor, self.clock = settle_s, timeout_s, floor, clock
+        self.settle_s, self.timeout_s, self.even, self.clock = settle_s, timeout_s, even, clock
         self._last: dict[str, tuple[float, float, dict[tuple[str, str], int]]] = {}  # cell → (day, at, used)
+        self._rates: dict[tuple[str, Scope], float] = {}
         # What each cell holds, as this reconciler last read or wrote it: what a cell out of
         # reach is counted as holding.
         self._known: dict[str, dict[tuple[str, str], int | None]] = {}
@@ -230,7 +233,25 @@ class Reconciler:
             return False
         return True
 
-    def _plan(self, seen: Mapping[str, Seen], out: set[str], now: float, day: float) -> dict[Scope, Plan]:
+    def _demand(self, seen: Mapping[str, Seen], now: float, day: float) -> dict[tuple[str, Scope], float]:
+        """Each reachable cell's demand per limit: the tokens a second it admitted since the
+        last tick, smoothed (DEMAND_ALPHA), so that one quiet tick does not take its part."""
+        out = {}
+        for name, s in seen.items():
+            last = self._last.get(name)
+            if s.usage is None or not last or last[0] != day or now <= last[1]:
+                continue
+            for g in self.limits:
+                scope = (g.tenant, g.model)
+                n, before = s.usage.of(*scope), sum(v for (t, m), v in last[2].items()
+                                                     if t == g.tenant and (g.model == ANY_MODEL or m == g.model))
+                rate = max(0, n - before) / (now - last[1])
+                prev = self._rates.get((name, scope))
+                out[(name, scope)] = rate if prev is None else DEMAND_ALPHA * rate + (1 - DEMAND_ALPHA) * prev
+        return out
+
+    def _plan(self, seen: Mapping[str, Seen], out: set[str], rates: Mapping[tuple[str, Scope], float]
+              ) -> dict[Scope, Plan]:
         plans: dict[Scope, Plan] = {}
         for g in self.limits:
             scope = (g.tenant, g.model)
@@ -240,17 +261,14 @@ class Reconciler:
                     days.append(CellDay(name, False, allowance=self._known.get(name, {}).get(scope)))
                     continue
                 assert s.usage is not None
-                n = s.usage.of(*scope)
-                rate = 0.0
-                if (last := self._last.get(name)) and last[0] == day and now > last[1]:
-                    rate = max(0, n - last[2].get(scope, 0)) / (now - last[1])
-                days.append(CellDay(name, True, n, rate, s.in_force.get(scope)))
+                days.append(CellDay(name, True, s.usage.of(*scope), rates.get((name, scope), 0.0),
+                                    s.in_force.get(scope)))
             if any(not d.reachable and d.allowance is None for d in days):
                 # A cell out of reach with no allowance known to hold it: nothing bounds what
                 # it admits, so no other cell gets more until it is read again.
                 log.warning("cells: %s × %s unchanged: a cell out of reach holds no allowance known here", *scope)
                 continue
-            plans[scope] = Plan(g.tokens_per_day, split(g.tokens_per_day, days, floor=self.floor),
+            plans[scope] = Plan(g.tokens_per_day, split(g.tokens_per_day, days, even=self.even),
                                 {d.cell: d.used for d in days if d.reachable})
         return plans
 
@@ -268,8 +286,9 @@ class Reconciler:
         committed: dict[str, float] = {}
         # Lower first: until every lowered allowance is in force, no cell gets more. A cell
         # whose write fails may hold its old allowance still: plan again with it out of reach.
+        rates = self._demand(seen, now, day)
         while True:
-            plans = self._plan(seen, out, now, day)
+            plans = self._plan(seen, out, rates)
             down = set()
             for scope, plan in plans.items():
                 mine = {c: a for c, a in plan.allowances.items() if c in live and c not in out}
@@ -306,6 +325,7 @@ class Reconciler:
             usage = seen[name].usage
             assert usage is not None
             self._last[name] = (day, seen[name].read_at, dict(usage.tokens))
+        self._rates.update(rates)
         unreachable = tuple(n for n in names if n in out or not seen[n].reachable)
         if unreachable:
             log.warning("cells: out of reach this tick: %s (each keeps the allowance it holds)",

@@ -12,12 +12,13 @@ reach:
    much of it it has used, and it may be serving with all of it.
 2. What is free is the limit less what the reachable cells have used and the unreachable
    ones hold; nothing when they are past it already.
-3. Each reachable cell gets its usage plus a part of what is free: by its demand over the
-   last tick, each at least `floor` of an even part, so a cell with no demand yet can admit
-   its first request; parts are whole tokens, remainders to the largest fractions, ties by
-   cell name. A cell's demand is what it admitted, so a cell held at its allowance (within
-   `capped` of the limit) shows only what it was let admit: its demand is taken to be the
-   busiest cell's, or it would never get more than the floor.
+3. Each reachable cell gets its usage plus a part of what is free: `even` of it split
+   evenly, so a cell whose demand has not shown yet can admit (and while much is free,
+   nobody is held to what one tick happened to see), the rest by each cell's demand (the
+   caller smooths it over ticks); parts are whole tokens, remainders to the largest
+   fractions, ties by cell name. A cell's demand is what it admitted, so a cell held at its
+   allowance (within `capped` of the limit) shows only what it was let admit: its demand is
+   taken to be the busiest cell's, or it would never get more than its even part.
 
 A cell whose allowance goes down must stop admitting before another's goes up, or both may
 admit against the same tokens: `lowered` names them, and the reconciler writes those
@@ -40,11 +41,11 @@ class CellDay:
     cell: str
     reachable: bool
     used: int = 0  # tokens of the UTC day counted against the limit there (0: unknown when unreachable)
-    rate: float = 0.0  # tokens a second over the last tick
+    rate: float = 0.0  # its demand: tokens a second it admitted, smoothed over the last ticks
     allowance: int | None = None  # what the cell holds now (None: never given one)
 
 
-def split(limit: int, cells: Sequence[CellDay], *, floor: float = 0.05, capped: float = 0.01) -> dict[str, int]:
+def split(limit: int, cells: Sequence[CellDay], *, even: float = 0.2, capped: float = 0.01) -> dict[str, int]:
     """Cell → its allowance (steps 1–3 of the module doc). An unreachable cell keeps its
     own; one that never had an allowance is counted as holding nothing (see the docs: the
     bound starts once every cell has been given one)."""
@@ -60,8 +61,8 @@ def split(limit: int, cells: Sequence[CellDay], *, floor: float = 0.05, capped: 
         if c.allowance is not None and c.allowance - c.used <= capped * limit:
             demand[i] = max(demand[i], busiest)
     total = sum(demand)
-    even = 1 / len(reachable)
-    weights = [floor * even + (1 - floor) * (d / total if total > 0 else even) for d in demand]
+    each = 1 / len(reachable)
+    weights = [even * each + (1 - even) * (d / total if total > 0 else each) for d in demand]
     exact = [free * w for w in weights]
     parts = [math.floor(x) for x in exact]
     by_fraction = sorted(range(len(reachable)), key=lambda i: (-(exact[i] - parts[i]), reachable[i].cell))

@@ -170,8 +170,8 @@ async def test_allowances_share_the_limit_by_demand_and_no_cell_passes_its_own(c
         t = await rec.tick()  # eu's demand takes most of what is free; us and ap are lowered first
         assert set(t.read_to_commit_s) == {"us", "ap"}
         held = [await in_force(c, tenant) for c in (eu, us, ap)]
-        # Free: 9 000 − 3 000 used. eu is at its allowance (and the busiest): 0.05/3 + 0.95 of it.
-        assert held == [3_000 + 5_800, 100, 100], held
+        # Free: 9 000 − 3 000 used. eu is at its allowance (and the busiest): 0.2/3 + 0.8 of it.
+        assert held == [3_000 + 5_200, 400, 400], held
         await settle(cells)
         for c in (eu, us, ap):
             fill(c, tenant)

@@ -14,11 +14,13 @@ def test_an_even_split_when_nobody_has_demand_yet():
     assert got == {"a": 3_334, "b": 3_333, "c": 3_333}
 
 
-def test_what_is_free_goes_by_demand_each_keeping_a_floor():
-    # Used 3 000 + 1 000; free 6 000. Demand 90 / 0 tokens/s: weights 0.05/2 + 0.95 = 0.975
-    # and 0.025: 5 850 and 150.
+def test_what_is_free_goes_a_fifth_evenly_the_rest_by_demand():
+    # Used 3 000 + 1 000; free 6 000. Demand 90 / 0 tokens/s: weights 0.2/2 + 0.8 = 0.9 and
+    # 0.1: 5 400 and 600.
     got = split(10_000, [CellDay("a", True, 3_000, 90.0), CellDay("b", True, 1_000, 0.0)])
-    assert got == {"a": 3_000 + 5_850, "b": 1_000 + 150}
+    assert got == {"a": 3_000 + 5_400, "b": 1_000 + 600}
+    assert split(10_000, [CellDay("a", True, 3_000, 90.0), CellDay("b", True, 1_000, 0.0)], even=0.05) == {
+        "a": 3_000 + 5_850, "b": 1_000 + 150}
 
 
 def test_a_cell_out_of_reach_keeps_its_allowance_counted_as_spent():
