@@ -16,6 +16,7 @@ its URL (a login granted `ballast_cells` there):
     tick_s = 2
     [edge]                 # optional: an HAProxy whose backend `cells` has a server per cell
     haproxy_socket = "/run/haproxy/admin.sock"
+    fences_map = "/etc/haproxy/fences.map"   # optional: fenced tenants to their regions
     [[cell]]
     name = "eu-west"
     database_url_env = "CELL_EU_WEST_DATABASE_URL"
@@ -47,7 +48,7 @@ from journal import allowances as store
 from journal.db import connect
 from policy.admission import DAY_S, window_start
 from policy.allowances import CellDay, lowered, split
-from policy.routing import CellCapacity, weights
+from policy.routing import CellCapacity, fenced, weights
 from protocol.limits import ANY_MODEL
 
 log = logging.getLogger("ballast.cells")
@@ -65,23 +66,48 @@ class GlobalLimit:
 
 @dataclass(frozen=True)
 class Edge:
-    """An HAProxy whose backend has a server per cell (named as the cell): the reconciler
-    sets their weights through its runtime API each tick."""
+    """An HAProxy in front of the cells: backend `backend` has a server per cell (named as
+    the cell), backend `{backend}_{cell}` that cell's server alone and `{backend}_none` none;
+    `fences` is the map file its frontend looks a key's SHA-256 up in to send a fenced
+    tenant to its backend (docs/deployment.md). The reconciler sets the weights and the map
+    through its runtime API each tick."""
 
     socket: str  # its `stats socket … level admin`
     backend: str = "cells"
+    fences: str | None = None  # the map file, as the frontend names it
 
-    async def set_weights(self, weights: Mapping[str, int]) -> None:
-        command = "; ".join(f"set server {self.backend}/{c} weight {w}" for c, w in sorted(weights.items()))
+    async def _ask(self, command: str) -> str:
         reader, writer = await asyncio.open_unix_connection(self.socket)
         try:
             writer.write(command.encode() + b"\n")
             await writer.drain()
-            answer = (await reader.read()).decode().strip()
+            return (await reader.read()).decode().strip()
         finally:
             writer.close()
-        if answer:  # it says nothing when every command took
+
+    async def set_weights(self, weights: Mapping[str, int]) -> None:
+        command = "; ".join(f"set server {self.backend}/{c} weight {w}" for c, w in sorted(weights.items()))
+        if answer := await self._ask(command):  # it says nothing when every command took
             raise RuntimeError(f"haproxy at {self.socket}: {answer} (to `{command}`)")
+
+    async def set_fences(self, routes: Mapping[str, str]) -> int:
+        """Key hash → cell ("": none) in the map, changing only what differs; changes made."""
+        if self.fences is None:
+            return 0
+        held = {}
+        for line in (await self._ask(f"show map {self.fences}")).splitlines():
+            parts = line.split()
+            if len(parts) == 3:  # "<ref> <key> <value>"
+                held[parts[1]] = parts[2]
+        want = {k: f"{self.backend}_{c or 'none'}" for k, c in routes.items()}
+        commands = [f"del map {self.fences} {k}" for k in sorted(held.keys() - want.keys())]
+        commands += [f"{'set' if k in held else 'add'} map {self.fences} {k} {v}"
+                     for k, v in sorted(want.items()) if held.get(k) != v]
+        for command in commands:  # one at a time: an answer names the command it is for
+            answer = await self._ask(command)
+            if answer and not answer.startswith("Done"):
+                raise RuntimeError(f"haproxy at {self.socket}: {answer} (to `{command}`)")
+        return len(commands)
 
 
 @dataclass(frozen=True)
@@ -131,7 +157,7 @@ def load(path: Path, env: Mapping[str, str] = os.environ) -> CellsFile:
     if (e := raw.get("edge")) is not None:
         if not e.get("haproxy_socket"):
             raise CellsError(f"{path}: [edge] needs `haproxy_socket` (HAProxy's `stats socket … level admin`)")
-        edge = Edge(e["haproxy_socket"], e.get("backend", "cells"))
+        edge = Edge(e["haproxy_socket"], e.get("backend", "cells"), e.get("fences_map"))
     knobs = {k: float(raw[k]) for k in ("tick_s", "settle_s", "timeout_s") if k in raw}
     return CellsFile(cells, tuple(limits), edge, **knobs)
 
@@ -144,6 +170,7 @@ class Seen:
     usage: store.DayUsage | None = None
     in_force: dict[tuple[str, str], int | None] = field(default_factory=dict)
     capacity: tuple[int, int] = (0, 0)  # its live slots, and those busy with chat
+    fenced: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key hash → its tenant's regions
     read_at: float = 0.0
     error: str = ""
 
@@ -203,6 +230,7 @@ class Reconciler:
         # reach is counted as holding.
         self._known: dict[str, dict[tuple[str, str], int | None]] = {}
         self._abandoned: set[asyncio.Future] = set()
+        self._fenced: dict[str, str] = {}  # key hash → its cell at the edge
 
     async def _within(self, work: Awaitable[T]) -> T:
         return await within(work, self.timeout_s, self._abandoned)
@@ -211,7 +239,7 @@ class Reconciler:
         async def read() -> Seen:
             async with self.cells[name].connect() as conn:
                 v = await store.view(conn, day)
-            return Seen(True, v.usage, v.in_force, v.capacity)
+            return Seen(True, v.usage, v.in_force, v.capacity, v.fenced)
 
         at = self.clock()
         try:
@@ -334,8 +362,20 @@ class Reconciler:
         if self.edge is not None:
             try:
                 await asyncio.wait_for(self.edge.set_weights(weighed), self.timeout_s)
-            except Exception as err:  # noqa: BLE001 (the edge keeps the weights it had; its own checks go on)
-                log.warning("cells: could not set the edge's weights: %s", err)
+                # A fenced key's regions as its cells that answered say them (a key a cell out
+                # of reach holds alone keeps its route: the map is changed, never cleared).
+                fences: dict[str, set[str]] = {}
+                for n in live:
+                    for key, regions in seen[n].fenced.items():
+                        fences.setdefault(key, set(regions)).intersection_update(regions)
+                routes = fenced({k: sorted(r) for k, r in fences.items()}, weighed)
+                if unreachable:  # a key only a cell out of reach still holds keeps its route
+                    self._fenced.update(routes)
+                else:  # every cell answered: a key none holds any more (revoked) goes
+                    self._fenced = routes
+                await asyncio.wait_for(self.edge.set_fences(self._fenced), self.timeout_s)
+            except Exception as err:  # noqa: BLE001 (the edge keeps what it had; its own checks go on)
+                log.warning("cells: could not update the edge: %s", err)
         return Tick(tick_id, day, plans, unreachable, committed, weighed)
 
     @staticmethod

@@ -6,11 +6,15 @@ edge's own health checks take a dead cell out sooner; a weight keeps a live cell
 engine from drawing traffic it can only refuse). The rest share by capacity, each cell's
 live slots counted at half where they are busy with chat, so a loaded cell draws less
 before it is full.
+
+A tenant fenced to some regions goes to one of them alone (`fenced`): the one of its
+regions weighing most now, so its traffic moves within its fence when that cell is lost,
+and never outside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_WEIGHT = 256  # HAProxy's range (0–256); Envoy's and DNS weights scale alike
@@ -30,3 +34,15 @@ def weights(cells: Sequence[CellCapacity], scale: int = MAX_WEIGHT) -> dict[str,
              for c in cells}
     top = max(worth.values(), default=0.0)
     return {cell: max(1, round(scale * w / top)) if w > 0 else 0 for cell, w in sorted(worth.items())}
+
+
+def fenced(fences: Mapping[str, Sequence[str]], weights: Mapping[str, int]) -> dict[str, str]:
+    """Key hash → the cell its requests go to: of the key's regions that are cells, the one
+    of the highest weight (ties by name); where none weighs anything, still the first of
+    them by name (its requests then fail there rather than run outside the fence); "" for
+    a key whose regions name no cell (the edge refuses it)."""
+    out = {}
+    for key, regions in fences.items():
+        mine = [r for r in regions if r in weights]
+        out[key] = min(mine, key=lambda c: (-weights[c], c)) if mine else ""
+    return out

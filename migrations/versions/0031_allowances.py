@@ -11,8 +11,10 @@ cell's own `limits` also bound it); a row with no `tokens_per_day` lifts it.
 `ballast_cells` (NOLOGIN; grant it to the reconciler's login in each cell) reads the fold's
 usage and when it last ran (`quota_usage`, `quota_fold`), training's settles (`ledger`) and
 what the engines announce (`engines`, not their URLs: the cell's capacity, for routing
-weights) and settled usage by day (`usage_by_day`, for audits across cells), and appends
-allowances; nothing else. The services read allowances (they admit against them); the auditor reads its
+weights), settled usage by day (`usage_by_day`, for audits across cells) and, for routing
+a fenced tenant's requests to its regions at the edge, which key hash is whose and each
+tenant's regions (`api_keys`: the hash, never a key; `tenants`), and appends allowances;
+nothing else. The services read allowances (they admit against them); the auditor reads its
 tenant's.
 
 Revision ID: 0031
@@ -74,6 +76,9 @@ def upgrade() -> None:
         GRANT SELECT, INSERT ON allowances TO {CELLS};
         GRANT SELECT (id, model, stats, seen_at, draining) ON engines TO {CELLS};
         CREATE POLICY engines_{CELLS} ON engines FOR SELECT TO {CELLS} USING (true);
+        GRANT SELECT (hash, tenant, revoked_at) ON api_keys TO {CELLS};
+        CREATE POLICY api_keys_{CELLS} ON api_keys FOR SELECT TO {CELLS} USING (true);
+        GRANT SELECT (id, regions) ON tenants TO {CELLS};
         GRANT SELECT ON allowances TO {API}, {CONTROL}, {ENGINE}, {AUDITOR};
         CREATE POLICY quota_usage_{CELLS} ON quota_usage FOR SELECT TO {CELLS} USING (true);
         CREATE POLICY ledger_{CELLS} ON ledger FOR SELECT TO {CELLS} USING (true);
@@ -93,7 +98,8 @@ def downgrade() -> None:
     op.execute(f"DROP POLICY IF EXISTS quota_usage_{CELLS} ON quota_usage")
     op.execute(f"DROP POLICY IF EXISTS ledger_{CELLS} ON ledger")
     op.execute(f"DROP POLICY IF EXISTS engines_{CELLS} ON engines")
-    op.execute(f"REVOKE ALL ON engines FROM {CELLS}")
+    op.execute(f"DROP POLICY IF EXISTS api_keys_{CELLS} ON api_keys")
+    op.execute(f"REVOKE ALL ON engines, api_keys, tenants FROM {CELLS}")
     op.execute(f"REVOKE ALL ON quota_usage, quota_fold, ledger, usage_by_day FROM {CELLS}")
     op.drop_table("allowances")  # its triggers, policies and grants go with it
     # The role is cluster-wide and other databases may use it: it stays.

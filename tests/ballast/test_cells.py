@@ -9,11 +9,14 @@ import asyncio
 import contextlib
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from psycopg import errors as pgerr
@@ -21,6 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.services.admission import Admission, Ticket
+from ballast import procs
 from ballast.cells import GlobalLimit, Reconciler, cell_engine, load
 from config import Settings
 from config.database import as_role, libpq_url
@@ -271,6 +275,8 @@ async def test_the_cells_role_reads_usage_and_appends_allowances_and_nothing_els
         conn.execute("SELECT count(*) FROM quota_fold").fetchone()
         conn.execute("SELECT count(*) FROM ledger").fetchone()
         conn.execute("INSERT INTO allowances (tenant, model, tokens_per_day, tick) VALUES ('x', '*', 1, 't')")
+        conn.execute("SELECT hash, tenant, revoked_at FROM api_keys").fetchall()  # a key's hash, never the key
+        conn.execute("SELECT id, regions FROM tenants").fetchall()
         for sql in ("UPDATE allowances SET tokens_per_day = 2", "DELETE FROM allowances",
                     "INSERT INTO limits (tenant, model, tokens_per_day) VALUES ('x', '*', 1)",
                     "SELECT * FROM api_keys", "SELECT * FROM events LIMIT 1",
@@ -294,29 +300,106 @@ def test_the_cells_file_names_each_cells_url_by_variable(tmp_path):
         load(f, {})
 
 
-async def test_the_edge_takes_the_weights_the_reconciler_sets(tmp_path):
+def edge_conf(tmp_path, servers: dict[str, int]) -> tuple[Path, Path, Path, int]:
+    """An edge as docs/deployment.md has it: a backend of every cell, one per cell and an
+    empty one, and the fences map looked up by the SHA-256 of the request's key."""
+    sock, conf, fences = tmp_path / "admin.sock", tmp_path / "edge.cfg", tmp_path / "fences.map"
+    port = procs.free_port()
+    fences.write_text("")
+    every = "\n".join(f"  server {c} 127.0.0.1:{p} weight 100" for c, p in servers.items())
+    own = "".join(f"backend cells_{c}\n  server {c} 127.0.0.1:{p}\n" for c, p in servers.items())
+    conf.write_text(f"""global
+  stats socket {sock} level admin
+defaults
+  mode http
+  timeout connect 1s
+  timeout client 5s
+  timeout server 5s
+frontend edge
+  bind 127.0.0.1:{port}
+  http-request set-var(txn.key) req.hdr(authorization),word(2,' '),digest(sha256),hex,lower
+  use_backend %[var(txn.key),map({fences})] if {{ var(txn.key),map({fences}) -m found }}
+  default_backend cells
+backend cells
+  balance roundrobin
+{every}
+{own}backend cells_none
+""")
+    return sock, conf, fences, port
+
+
+class Answering:
+    """A server per cell that answers every request with its cell's name."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.servers = {}
+        for c in CELLS:
+            class Handler(BaseHTTPRequestHandler):
+                name = c
+
+                def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(self.name.encode())
+
+                def log_message(self, *args) -> None:
+                    pass
+
+            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[c] = server
+
+    def ports(self) -> dict[str, int]:
+        return {c: s.server_address[1] for c, s in self.servers.items()}
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.shutdown()
+            s.server_close()
+
+
+async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp_path):
     """A real HAProxy with a server per cell: the weights set through its runtime API are the
-    ones it then reports (`show stat`), a cell at 0 included."""
-    from ballast import procs
+    ones it then reports (`show stat`), a cell at 0 included; a fenced tenant's key goes to
+    the cell the map names and nowhere else, one fenced to no cell gets no cell, the rest go
+    round the cells."""
     from ballast.cells import Edge
     from bench.cells import _server_weights
     from bench.tls import haproxy
+    from journal.tenant_store import hash_key
 
-    sock = tmp_path / "admin.sock"
-    conf = tmp_path / "edge.cfg"
-    servers = "\n".join(f"  server {c} 127.0.0.1:{procs.free_port()} weight 100" for c in CELLS)
-    conf.write_text(f"global\n  stats socket {sock} level admin\ndefaults\n  mode http\n  timeout connect 1s\n"
-                    f"  timeout client 5s\n  timeout server 5s\nfrontend edge\n  bind 127.0.0.1:{procs.free_port()}\n"
-                    f"  default_backend cells\nbackend cells\n{servers}\n")
+    cells = Answering()
+    sock, conf, fences, port = edge_conf(tmp_path, cells.ports())
     edge = procs.spawn("haproxy", [haproxy(), "-db", "-f", str(conf)], log_path=tmp_path / "haproxy.log")
     try:
         procs.wait_until(sock.exists, 30, "haproxy's runtime socket", child=edge)
-        await Edge(str(sock)).set_weights({"eu": 256, "us": 17, "ap": 0})
+        e = Edge(str(sock), fences=str(fences))
+        await e.set_weights({"eu": 256, "us": 17, "ap": 0})
         assert _server_weights(sock) == {"eu": 256, "us": 17, "ap": 0}
         with pytest.raises(RuntimeError, match="nowhere"):
-            await Edge(str(sock)).set_weights({"nowhere": 3})
+            await e.set_weights({"nowhere": 3})
+        await e.set_weights({"eu": 100, "us": 100, "ap": 100})
+        fenced_us, fenced_none, free = "sk-ballast-" + "a" * 43, "sk-ballast-" + "b" * 43, "sk-ballast-" + "c" * 43
+        assert await e.set_fences({hash_key(fenced_us): "us", hash_key(fenced_none): ""}) == 2
+        assert await e.set_fences({hash_key(fenced_us): "us", hash_key(fenced_none): ""}) == 0  # nothing differs
+
+        def where(key: str, n: int = 6) -> list[str | int]:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+                return [r.text if r.status_code == 200 else r.status_code
+                        for r in (c.get("/", headers={"Authorization": f"Bearer {key}"}) for _ in range(n))]
+
+        assert await asyncio.to_thread(where, fenced_us) == ["us"] * 6
+        assert await asyncio.to_thread(where, fenced_none) == [503] * 6
+        assert sorted(set(await asyncio.to_thread(where, free))) == ["ap", "eu", "us"]
+        # us is lost: the fenced key moves to its other region; the one fenced to none is revoked.
+        assert await e.set_fences({hash_key(fenced_us): "ap"}) == 2
+        assert await asyncio.to_thread(where, fenced_us) == ["ap"] * 6
+        assert sorted(set(await asyncio.to_thread(where, fenced_none))) == ["ap", "eu", "us"]
     finally:
         edge.stop(10)
+        cells.close()
 
 
 async def test_usage_across_cells_is_each_cells_audit_view_and_their_sum(cells, cells_login, tmp_path, capsys,
@@ -353,3 +436,27 @@ async def test_usage_across_cells_is_each_cells_audit_view_and_their_sum(cells, 
     assert await asyncio.to_thread(main, ["status", "--file", str(f)]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert {(w[3], w[4]) for w in lines} == {("eu", "180"), ("us", "7"), ("ap", "0")}
+
+
+async def test_a_cell_names_its_fenced_tenants_keys_by_hash(cells):
+    """What the reconciler reads of a cell for the edge: the hash of each live key of a
+    tenant fenced to regions, with its regions; an unfenced tenant's keys and revoked keys
+    are not there."""
+    from journal.allowances import view
+
+    fenced, free = f"fenced-{uuid.uuid4().hex[:6]}", f"free-{uuid.uuid4().hex[:6]}"
+    async with cells["eu"].db.begin() as conn:
+        for t in (fenced, free):
+            await tenant_store.ensure_tenant(conn, t)
+        await tenant_store.set_regions(conn, fenced, ["us", "ap"])
+        _, key = await tenant_store.create_key(conn, fenced)
+        revoked, _ = await tenant_store.create_key(conn, fenced)
+        await tenant_store.revoke(conn, revoked)
+        await tenant_store.create_key(conn, free)
+    engine = cell_engine(cells["eu"].cells_url, "eu")
+    try:
+        async with engine.connect() as conn:
+            got = (await view(conn, window_start(time.time(), DAY_S))).fenced
+    finally:
+        await engine.dispose()
+    assert {h: r for h, r in got.items() if r == ("us", "ap")} == {tenant_store.hash_key(key): ("us", "ap")}
