@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ CELLS = dict(eu=11, us=12, ap=13)  # the hosts' last octets
 DELAY_MS = dict(eu=5.0, us=40.0, ap=90.0)  # one way, between the control plane and each region
 API_PORT = 8000
 LOST = "ap"
+FENCE = ("ap", "us")  # a fenced tenant's regions: the lost one and another
 
 
 @dataclass
@@ -192,8 +193,14 @@ def _owner(cell: Cell, query: str, *params: Any) -> list[tuple]:
 
 
 def _haproxy_conf(directory: Path, port: int, cells: dict[str, Cell]) -> Path:
-    servers = "\n".join(f"  server {c.name} {c.addr}:{API_PORT} check inter 500 fall 2 rise 2 weight 100"
-                        " on-marked-down shutdown-sessions" for c in cells.values())
+    """The edge as docs/deployment.md has it: every cell, each alone, none, and the fences map."""
+    check = "check inter 500 fall 2 rise 2 on-marked-down shutdown-sessions"
+    servers = "\n".join(f"  server {c.name} {c.addr}:{API_PORT} {check} weight 100" for c in cells.values())
+    own = "".join(f"backend cells_{c.name}\n  option httpchk GET /healthz\n"
+                  f"  http-response set-header x-ballast-cell %[srv_name]\n"
+                  f"  server {c.name} {c.addr}:{API_PORT} {check}\n" for c in cells.values())
+    fences = directory / "fences.map"
+    fences.write_text("")
     conf = directory / "edge.cfg"
     conf.write_text(f"""global
   stats socket {directory / 'admin.sock'} level admin
@@ -207,12 +214,15 @@ defaults
   option redispatch
 frontend edge
   bind 127.0.0.1:{port}
+  http-request set-var(txn.key) req.hdr(authorization),word(2,' '),digest(sha256),hex,lower
+  use_backend %[var(txn.key),map({fences})] if {{ var(txn.key),map({fences}) -m found }}
   default_backend cells
 backend cells
   balance roundrobin
   option httpchk GET /healthz
   http-response set-header x-ballast-cell %[srv_name]
 {servers}
+{own}backend cells_none
 """)
     return conf
 
@@ -263,13 +273,15 @@ def cells_up(root: Path, settings: Settings, say=print) -> Iterator[tuple[Networ
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def _share_tenant(cells: dict[str, Cell], tenant: str) -> str:
-    """The tenant in every cell with one key (its hash copied: a key is a global identity)."""
+def _share_tenant(cells: dict[str, Cell], tenant: str, regions: Sequence[str] | None = None) -> str:
+    """The tenant in every cell with one key (its hash copied: a key is a global identity),
+    fenced to `regions` where given."""
     from journal.tenant_store import KEY_PREFIX, SHOWN, hash_key
 
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     for c in cells.values():
-        _owner(c, "INSERT INTO tenants (id) VALUES (%s)", tenant)
+        _owner(c, "INSERT INTO tenants (id, regions) VALUES (%s, %s)", tenant,
+               None if regions is None else list(regions))
         _owner(c, "INSERT INTO api_keys (id, tenant, hash, prefix, name) VALUES (%s, %s, %s, %s, 'bench')",
                "key_" + secrets.token_hex(12), tenant, hash_key(key), key[:SHOWN])
     return key
@@ -302,6 +314,7 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
         lose: str = "crash", say=print) -> dict[str, Any]:
     tenant = "globex"
     key = _share_tenant(cells, tenant)
+    fenced_key = _share_tenant(cells, "zeta", FENCE)
     passwords = _cells_login(cells)
     work = cells[LOST].dir.parent
     relays = Relays()
@@ -321,7 +334,7 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     tick_s, settle_s, timeout_s = 2.0, 1.5, 5.0
     (work / "cells.toml").write_text(
         f"tick_s = {tick_s}\nsettle_s = {settle_s}\ntimeout_s = {timeout_s}\n"
-        f'[edge]\nhaproxy_socket = "{sock}"\nbackend = "cells"\n'
+        f'[edge]\nhaproxy_socket = "{sock}"\nbackend = "cells"\nfences_map = "{edge_dir / "fences.map"}"\n'
         + "".join(f'[[cell]]\nname = "{c}"\ndatabase_url_env = "CELL_{c.upper()}_URL"\n' for c in cells)
         + f'[[limit]]\ntenant = "{tenant}"\ntokens_per_day = {limit}\n')
     reconciler = procs.spawn("ballast cells reconcile", [*_ballast("cells", "reconcile", "--file",
@@ -331,7 +344,8 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     try:
         procs.wait_until(lambda: all(_owner(c, "SELECT count(*) FROM allowances")[0][0] > 0 for c in cells.values()),
                          60, "every cell's first allowance", child=reconciler)
-        out |= _drive(net, cells, settings, key, edge_port, sock, seconds=seconds, rate=rate, lose=lose, say=say)
+        out |= _drive(net, cells, settings, key, fenced_key, edge_port, sock, seconds=seconds, rate=rate, lose=lose,
+                      say=say)
         time.sleep(3 * tick_s + settle_s)
         # The audit across cells, as an operator runs it, against each cell's ledger read here.
         audit = subprocess.run([*_ballast("cells", "usage", "--file", str(work / "cells.toml"), "--json", "--tenant",
@@ -369,12 +383,13 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
         f"bound {bound}")
     b = out["batch"]
     out["ok"] = bool(out["quota"]["within"] and b["status"] == "completed" and b["once"] and out["audit"]["agree"]
+                     and out["fenced"]["outside_fence"] == 0 and out["fenced"]["ok"] > 0
                      and out["edge"]["failed_after_down"] == 0 and out["quota"]["total"] >= 0.9 * limit)
     return out
 
 
-def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, edge_port: int, sock: Path, *,
-           seconds: float, rate: float, lose: str, say=print) -> dict[str, Any]:
+def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, fenced_key: str, edge_port: int,
+           sock: Path, *, seconds: float, rate: float, lose: str, say=print) -> dict[str, Any]:
     from openai import OpenAI
 
     lost = cells[LOST]
@@ -390,11 +405,14 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     batch = own.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
 
     records: list[dict[str, Any]] = []
+    fenced: list[dict[str, Any]] = []  # the fenced tenant's, at a chat a second
     lock = threading.Lock()
     client = httpx.Client(base_url=f"http://127.0.0.1:{edge_port}/v1", timeout=60,
                           headers={"Authorization": f"Bearer {key}"})
+    fenced_client = httpx.Client(base_url=f"http://127.0.0.1:{edge_port}/v1", timeout=60,
+                                 headers={"Authorization": f"Bearer {fenced_key}"})
 
-    def one(i: int) -> None:
+    def one(i: int, client: httpx.Client = client, records: list[dict[str, Any]] = records) -> None:
         """A chat as the official client sends one: tried again (up to twice, 0.5 s apart) on
         a broken connection or a 502/503/504, the edge picking a cell anew each time."""
         sent = time.time()
@@ -424,7 +442,7 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     started = time.time()
     cut_at = mended_at = down_at = math.nan
     i = 0
-    killed = done_before = chunks_before = 0
+    killed = done_before = chunks_before = z = 0
     say(f"load: {rate}/s through the edge for {seconds:.0f} s; {LOST} lost ({lose}) at 25 %, back at 55 %")
     while (el := time.time() - started) < seconds:
         if math.isnan(cut_at) and el >= 0.25 * seconds:
@@ -450,10 +468,16 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
             t.start()
             threads.append(t)
             i += 1
+        while z < int(el):
+            t = threading.Thread(target=one, args=(z, fenced_client, fenced), daemon=True)
+            t.start()
+            threads.append(t)
+            z += 1
         time.sleep(0.02)
     for t in threads:
         t.join(120)
     client.close()
+    fenced_client.close()
     t0 = time.monotonic()
     while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() - t0 < 600:
         time.sleep(2)
@@ -485,7 +509,17 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, e
     after_down = [r for r in failed if not math.isnan(down_at) and r["sent"] > down_at]
     in_window = [r for r in records if cut_at <= r["sent"] <= (down_at if not math.isnan(down_at) else cut_at + 5)]
     slow = sorted(r["took"] for r in in_window)
+    fenced_ok = [r for r in fenced if r["status"] == 200]
+    fenced_by: dict[str, int] = {}
+    for r in fenced_ok:
+        fenced_by[r["cell"]] = fenced_by.get(r["cell"], 0) + 1
+    moved = min((r["sent"] + r["took"] for r in fenced_ok if r["cell"] != LOST and r["sent"] > cut_at),
+                default=math.nan)
     out: dict[str, Any] = dict(
+        fenced=dict(regions=FENCE, sent=len(fenced), ok=len(fenced_ok), by_cell=fenced_by,
+                    outside_fence=sum(1 for r in fenced_ok if r["cell"] not in FENCE),
+                    failed=sum(1 for r in fenced if r["status"] != 200),
+                    answered_in_fence_after_loss_s=round(moved - cut_at, 2)),
         cut_at=cut_at, mended_at=mended_at, peak_tokens_per_s=peak,
         chats=dict(sent=len(records), ok=len(ok), refused_for_quota=len(refused), failed=len(failed),
                    tried_again=sum(1 for r in records if r["attempts"] > 1),
