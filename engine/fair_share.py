@@ -266,12 +266,8 @@ class FairShare:
         """Tiers below their floor whose oldest waiting request has waited long enough."""
         if not self.floors:
             return frozenset()
-        oldest: dict[str, float] = {}
-        for (tier, _), q in self.queues.items():
-            if tier in self.floors:
-                oldest[tier] = min(oldest.get(tier, now), q[0].since)
-        return frozenset(tier for tier, since in oldest.items()
-                         if self.running_in.get(tier, 0) < self.floors[tier] and now - since >= self.starve_after_s)
+        return vtc.starved(((tier, q[0].since) for (tier, _), q in self.queues.items()), self.running_in,
+                           self.floors, now, self.starve_after_s)
 
     def _dispatch(self) -> None:
         while self.running < self.limit and self.waiting:

@@ -137,6 +137,18 @@ def tenant_cap(limit: int, headroom: int, others: bool) -> int:
     return limit if not others else max(1, limit - headroom)
 
 
+def starved(heads: Iterable[tuple[str, float]], running_in: Mapping[str, int], floors: Mapping[str, int],
+            now: float, after_s: float) -> frozenset[str]:
+    """Tiers below their floor (`floors`: tier → slots) whose oldest waiting request has
+    waited `after_s`; `heads`: (tier, since) of the request at the head of each queue."""
+    oldest: dict[str, float] = {}
+    for tier, since in heads:
+        if tier in floors:
+            oldest[tier] = min(oldest.get(tier, now), since)
+    return frozenset(tier for tier, since in oldest.items()
+                     if running_in.get(tier, 0) < floors[tier] and now - since >= after_s)
+
+
 def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:
     """One vLLM priority (lower first): tiers in RANK order for any rank, ranks in order
     within a tier (clamped to span - 1), batch exactly at RANK[Tier.BATCH] after them all."""

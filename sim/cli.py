@@ -1,4 +1,5 @@
-"""`ballast sim placement | fleet | quota | replay`: the simulator's experiments, printed as markdown."""
+"""`ballast sim placement | fleet | quota | fairness | grouping | replay`: the simulator's experiments,
+printed as markdown."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import argparse
 from pathlib import Path
 
 from sim import report
+from sim.fairness import FairnessSetup
+from sim.fairness import experiment as fairness
 from sim.fleet import FleetSetup, simulate
+from sim.grouping import GroupingSetup
+from sim.grouping import experiment as grouping
 from sim.placement import PlacementSetup, experiment
 from sim.quota import QuotaSetup
 from sim.quota import simulate as quota
 from sim.replay import load, replay
+from sim.trace import BatchSpec
 
 
 def main(argv: list[str]) -> int:
@@ -33,6 +39,19 @@ def main(argv: list[str]) -> int:
     q.add_argument("--reconcile-s", type=float, default=QuotaSetup.reconcile_s, help="the reconcile period")
     q.add_argument("--tier", choices=["priority", "default", "flex"], default=str(QuotaSetup.tier))
     q.add_argument("--seed", type=int, default=QuotaSetup.seed)
+    fa = sub.add_parser("fairness", help="one heavy tenant and light ones in a tier: the VTC queue against FCFS")
+    fa.add_argument("--engines", type=int, default=FairnessSetup.engines)
+    fa.add_argument("--seconds", type=float, default=FairnessSetup.seconds)
+    fa.add_argument("--light-tenants", type=int, default=FairnessSetup.light_tenants)
+    fa.add_argument("--overload", type=float, default=FairnessSetup.overload,
+                    help="the heavy tenant's rate over the pool's capacity")
+    fa.add_argument("--seed", type=int, default=FairnessSetup.seed)
+    g = sub.add_parser("grouping", help="a prefix-heavy batch's pages grouped on engines' own queues against the "
+                                        "shared queue")
+    g.add_argument("--engines", type=int, default=GroupingSetup.engines)
+    g.add_argument("--items", type=int, default=BatchSpec.items)
+    g.add_argument("--prefixes", type=int, default=BatchSpec.prefixes, help="distinct shared prompt prefixes")
+    g.add_argument("--seed", type=int, default=BatchSpec.seed)
     r = sub.add_parser("replay", help="a recorded `ballast bench placement` run replayed: the sim against the real "
                                       "stack")
     r.add_argument("path", type=Path, help="the bench's --record file")
@@ -47,6 +66,18 @@ def main(argv: list[str]) -> int:
             parser.error("--regions and --minutes must be at least 1, --reconcile-s positive")
         print(report.quota(quota(QuotaSetup(args.regions, args.minutes, reconcile_s=args.reconcile_s, tier=args.tier,
                                             seed=args.seed))))
+        return 0
+    if args.experiment == "fairness":
+        if args.engines < 1 or args.seconds <= 0 or args.light_tenants < 1 or args.overload <= 0:
+            parser.error("--engines and --light-tenants must be at least 1, --seconds and --overload positive")
+        print(report.fairness(fairness(FairnessSetup(args.engines, args.seconds, args.seed, args.light_tenants,
+                                                     overload=args.overload))))
+        return 0
+    if args.experiment == "grouping":
+        if args.engines < 1 or args.items < 1 or args.prefixes < 1:
+            parser.error("--engines, --items and --prefixes must be at least 1")
+        batch = BatchSpec(items=args.items, prefixes=args.prefixes, seed=args.seed)
+        print(report.grouping(grouping(GroupingSetup(args.engines, batch))))
         return 0
     if args.experiment == "placement":
         if args.engines < 1 or args.seconds <= 0:

@@ -2,8 +2,10 @@
 work yielding to interactive work through the real `policy.preemption`.
 
 The model (continuous batching, as vLLM's scheduler):
-1. A request waits in the engine's queue until a slot frees. The queue is ordered by vLLM
-   priority (`policy.fairness.engine_priority`: tier first), then arrival, then id.
+1. A request waits in the engine's queue until a slot frees. Interactive requests wait
+   as the engine worker holds them (`fair_share="vtc"`, its default: sim/fair.py, the
+   real `policy.fairness`): the highest tier, then the tenant served least, with its
+   guards; with `"fcfs"` by tier, then arrival. Batch waits behind them, by arrival.
 2. Batch holds at most the cap `policy.preemption.batch_slots` gives (hysteresis on
    interactive demand), raised to `starvation_floor`'s share once squeezed long enough;
    batch above the cap is preempted by `victims`, waits again, and on resuming re-prefills
@@ -33,6 +35,7 @@ from policy.preemption import Floor, Running, SlotDemand, SlotState, batch_slots
 from protocol.fleet import EngineReport
 from protocol.tiers import RANK, Tier
 from sim.cache import LruBlocks
+from sim.fair import FairQueue
 from sim.trace import Arrival
 
 EPS_STEPS = 1e-6  # float slack when an event lands on the step it was computed for
@@ -58,6 +61,14 @@ class EngineSpec:
     cool_down_s: float = 2.0
     batch_min_share: float = 0.05
     starve_after_s: float = 30.0
+    # Tenants' turns within a tier: config/scheduling.py's defaults (engine/fair_share.py).
+    fair_share: str = "vtc"  # or "fcfs": by arrival within a tier
+    fair_headroom: float = 0.05  # of the slots, kept from one tenant while another is about
+    fair_recent_s: float = 60.0  # "about": active or seen this recently
+    flex_min_share: float = 0.05
+    flex_starve_after_s: float = 30.0
+    fair_long_prompt: int = 1024  # tokens; 0: no limit on long prefills at once
+    fair_long_prefills: int = 1
 
     def step(self, seqs: int) -> float:
         return self.step_s + self.seq_s * seqs
@@ -67,7 +78,7 @@ class Job:
     """A request's progress through the fleet (simulation state, so mutable)."""
 
     __slots__ = ("arrival", "batch", "priority", "done", "epoch", "base", "placed", "first", "finished", "queried",
-                 "cached", "preempted", "engine")
+                 "cached", "preempted", "engine", "charged", "long")
 
     def __init__(self, arrival: Arrival, placed: float):
         self.arrival = arrival
@@ -83,6 +94,8 @@ class Job:
         self.cached = 0  # of those, hits
         self.preempted = 0
         self.engine = ""
+        self.charged = 0  # output tokens charged to its tenant's counter (vtc)
+        self.long = False  # holds one of the long-prefill places until its first token (vtc)
 
 
 def batch_cap(spec: EngineSpec, interactive: int, slot: SlotState, floor: Floor, now: float
@@ -119,10 +132,22 @@ class Engine:
         self.busy_s = 0.0  # time with a sequence running
         self.seq_time = 0.0  # ∫ running sequences dt
         self._view: EngineView | None = None
+        self.fair = self._fair()
+        self._synced = -1.0  # `steps` when the running requests' output was last charged
+
+    def _fair(self) -> FairQueue[Job] | None:
+        s = self.spec
+        if s.fair_share == "fcfs":
+            return None
+        assert s.fair_share == "vtc", s.fair_share
+        return FairQueue(s.max_seqs, headroom=min_slots(s.fair_headroom, s.max_seqs),
+                         floors={Tier.FLEX: min_slots(s.flex_min_share, s.max_seqs)},
+                         starve_after_s=s.flex_starve_after_s, long_prompt=s.fair_long_prompt,
+                         long_prefills=s.fair_long_prefills, recent_s=s.fair_recent_s)
 
     @property
     def inflight(self) -> int:
-        return len(self.running) + len(self._waiting) + len(self._arriving)
+        return len(self.running) + len(self._waiting) + len(self._arriving) + (self.fair.waiting if self.fair else 0)
 
     def view(self) -> EngineView:
         """What the router sees: the in-flight counts as the placing API counts them."""
@@ -155,15 +180,40 @@ class Engine:
         if self.spec.delay_s > 0:
             heapq.heappush(self._arriving, (t + self.spec.delay_s, job.arrival.id, job))
         else:
-            heapq.heappush(self._waiting, (job.priority, job.arrival.at, job.arrival.id, job))
+            self._enqueue(job, t)
         self._settle(t)
+
+    def _enqueue(self, job: Job, t: float) -> None:
+        """The job reaches the engine's queue (its worker's, for an interactive one under vtc)."""
+        a = job.arrival
+        if self.fair is None or job.batch:
+            heapq.heappush(self._waiting, (job.priority, a.at, a.id, job))
+            return
+        if str(a.tenant) not in self.fair.load:
+            self._sync()  # the lift reads the active tenants' counters
+        self.fair.enter(job, str(a.tenant), a.tier, a.prompt, t)
+
+    def _sync(self) -> None:
+        """Charge every running interactive request's output so far (the worker charges each
+        step's tokens as they come; the sim, before each read of the counters)."""
+        if self.fair is None or self._synced == self.steps:
+            return
+        self._synced = self.steps
+        owed: dict[str, int] = {}
+        for job in self.running.values():
+            if not job.batch:
+                n = min(job.arrival.output, job.done + int(self.steps - job.base + EPS_STEPS)) - job.charged
+                if n > 0:
+                    job.charged += n
+                    owed[str(job.arrival.tenant)] = owed.get(str(job.arrival.tenant), 0) + n
+        for tenant, n in sorted(owed.items()):
+            self.fair.produced(tenant, n)
 
     def fire(self, t: float) -> list[Job]:
         """Take the marks due by `t`; the jobs that finished."""
         self.advance(t)
         while self._arriving and self._arriving[0][0] <= t:
-            came = heapq.heappop(self._arriving)[2]
-            heapq.heappush(self._waiting, (came.priority, came.arrival.at, came.arrival.id, came))
+            self._enqueue(heapq.heappop(self._arriving)[2], t)
         done: list[Job] = []
         marks = self._marks
         while marks and marks[0][0] <= self.steps + EPS_STEPS:
@@ -173,6 +223,8 @@ class Engine:
                 continue
             if kind == 0:
                 job.first = t
+                if self.fair is not None and not job.batch:
+                    self.fair.first_token(job.long)
                 continue
             del self.running[jid]
             job.done = job.arrival.output
@@ -181,6 +233,11 @@ class Engine:
                 self.batch -= 1
             else:
                 self.interactive -= 1
+                if self.fair is not None:
+                    a = job.arrival
+                    self.fair.produced(str(a.tenant), a.output - job.charged)
+                    job.charged = a.output
+                    self.fair.leave(str(a.tenant), a.tier, t)
             done.append(job)
         self._settle(t)
         return done
@@ -189,14 +246,17 @@ class Engine:
         """The engine is gone: every job it held, to be placed again from scratch."""
         self.advance(t)
         self.up = False
-        jobs = sorted([*self.running.values(), *(w[3] for w in self._waiting), *(a[2] for a in self._arriving)],
-                      key=lambda j: j.arrival.id)
+        queued = [w.item for q in self.fair.queues.values() for w in q] if self.fair else []
+        jobs = sorted([*self.running.values(), *(w[3] for w in self._waiting), *(a[2] for a in self._arriving),
+                       *queued], key=lambda j: j.arrival.id)
         for job in self.running.values():
             job.done += self._produced(job)
+            job.charged = job.done  # its tenant's counter here is gone with the engine
         self.running.clear()
         self._waiting.clear()
         self._arriving.clear()
         self._marks.clear()
+        self.fair = self._fair()
         self.interactive = self.batch = self.batch_waiting = 0
         self.version += 1
         self._view = None
@@ -236,12 +296,20 @@ class Engine:
         if self.batch > self.cap:
             for jid in victims(self._batch_running(), self.cap):
                 self._preempt(self.running[int(jid)], t)
-        while self._waiting and len(self.running) < self.spec.max_seqs:
-            if self._waiting[0][3].batch and self.batch >= self.cap:
+        fair = self.fair
+        if fair is not None and fair.waiting:
+            self._sync()
+        while len(self.running) < self.spec.max_seqs:
+            w = fair.pick(t, len(self.running) - self.batch) if fair is not None and fair.waiting else None
+            if w is not None:
+                job = w.item
+                job.long = w.long
+            elif self._waiting and not (self._waiting[0][3].batch and self.batch >= self.cap):
+                job = heapq.heappop(self._waiting)[3]
+                if job.batch:
+                    self.batch_waiting -= 1
+            else:
                 break  # batch waits last in the queue: nothing behind it may go
-            job = heapq.heappop(self._waiting)[3]
-            if job.batch:
-                self.batch_waiting -= 1
             self._start(job, t)
         if not self.running:
             self._marks.clear()  # a preempted run's, all stale: steps stand still until a start
@@ -284,6 +352,8 @@ class Engine:
         job.base = self.steps  # frozen through the stall
         if job.first is None:
             heapq.heappush(self._marks, (job.base + 1, 0, a.id, job.epoch))
+        elif self.fair is not None and not job.batch:
+            self.fair.first_token(job.long)  # placed again after its first token: no mark to free its place
         heapq.heappush(self._marks, (job.base + a.output - job.done, 1, a.id, job.epoch))
         self.running[a.id] = job
         assert len(self.running) <= s.max_seqs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sim.fairness import FairnessResult
+from sim.grouping import GroupingResult
 from sim.loop import Outcome
 from sim.placement import HIT_RATIO, MAX_IMBALANCE, PlacementResult
 from sim.quota import QuotaResult
@@ -89,4 +91,34 @@ def replay(r: Replay) -> str:
                     f"sim {r.ratio('sim'):.2f}×.")
     rows += ["", "| tolerance | met | figures |", "|---|---|---|"]
     rows += [f"| {c.what} | {'met' if c.met else '**not met**'} | {c.detail} |" for c in verdict(r)]
+    return "\n".join(rows)
+
+
+def fairness(r: FairnessResult) -> str:
+    s = r.setup
+    rows = [f"{s.engines} engines (affinity placement), {s.seconds:g} s, default tier (seed {s.seed}): tenant 0 sends "
+            f"{s.heavy_rate:g}/s ({s.overload:g} × the pool's ~{s.capacity_per_engine * s.engines:g}/s), "
+            f"tenants 1–{s.light_tenants} {s.light_rate:g}/s each. Served: input + 2 × output tokens by the last "
+            f"arrival ({r.until:.1f} s).", "",
+            "| queue | tenant | requests | TTFT p50 / p99 (ms) | served (k) | served / demand | share of served |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for a in r.arms:
+        for t in a.tenants:
+            who = f"{t.tenant} (heavy)" if t.tenant == 0 else f"{t.tenant}"
+            rows.append(f"| {a.arm} | {who} | {t.requests:,} | {_ms(t.ttft[0])} / {_ms(t.ttft[1])} | "
+                        f"{t.served / 1000:,.0f} | {t.served / max(1e-9, t.demand):.2f} | {t.share:.3f} |")
+    return "\n".join(rows)
+
+
+def grouping(r: GroupingResult) -> str:
+    s, b = r.setup, r.setup.batch
+    rows = [f"One batch of {b.items:,} items on {s.engines} idle engines ({s.engine.cache_blocks:,} cache blocks "
+            f"each), {b.prefixes} shared prefixes (median {b.prefix_median:,} tokens) + a question (median "
+            f"{b.user_median}), concurrency {s.concurrency}, groups of ≤ {s.group_size} (seed {b.seed}).", "",
+            "| arm | items | groups | prefix hit rate | prefill tokens (M) | completion (s) | items on busiest engine "
+            "/ mean | CPU s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for a in r.arms:
+        rows.append(f"| {a.arm} | {a.items:,} | {a.groups:,} | {a.hit_rate:.3f} | {a.prefilled / 1e6:.2f} | "
+                    f"{a.completion_s:.1f} | {a.spread:.3f} | {a.cpu_s:.1f} |")
     return "\n".join(rows)

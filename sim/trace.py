@@ -156,3 +156,57 @@ def _cumsum(xs: list[float]) -> list[float]:
         total += x
         out.append(total)
     return out
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One line of a batch file: its prompt's head as text (what `policy.grouping` reads:
+    the first `head_chars` characters, activities/batch.py's PREFIX_KEY_CHARS) and as
+    blocks (what the engine's cache reads)."""
+
+    idx: int
+    head: str
+    prompt: int  # tokens
+    output: int
+    blocks: tuple[int, ...]
+
+    def arrival(self, at: float) -> Arrival:
+        return Arrival(self.idx, at, 0, Tier.BATCH, 0, 0, self.prompt, self.output, self.blocks)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """A prefix-heavy batch: every item is one of `prefixes` long shared prompts (a system
+    prompt, few-shot examples or a document: lognormal, median `prefix_median` tokens)
+    and its own question, in file order at random."""
+
+    items: int = 10_000
+    prefixes: int = 8
+    prefix_median: int = 2000
+    prefix_sigma: float = 0.3
+    user_median: int = 150
+    output_median: int = 100
+    output_sigma: float = 0.6
+    seed: int = 1
+    chars_per_token: int = 4
+    head_chars: int = 4096
+    block_size: int = 128
+    max_prefix: int = 12_288
+
+
+def batch_items(spec: BatchSpec) -> list[BatchItem]:
+    rng = random.Random(spec.seed)
+    tokens = [lognormal(rng, spec.prefix_median, spec.prefix_sigma, spec.block_size, spec.max_prefix)
+              for _ in range(spec.prefixes)]
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    texts = [f"[prefix {k}] " + "".join(rng.choices(letters, k=min(spec.head_chars, t * spec.chars_per_token)))
+             for k, t in enumerate(tokens)]
+    out = []
+    for i in range(spec.items):
+        k = rng.randrange(spec.prefixes)
+        user = lognormal(rng, spec.user_median, 0.5, 1, 4096)
+        prompt = tokens[k] + user
+        head = (texts[k] + f" [question {i}] ")[:spec.head_chars]
+        blocks = chain((), prompt // spec.block_size, (3, k), tokens[k] // spec.block_size, i)
+        out.append(BatchItem(i, head, prompt, lognormal(rng, spec.output_median, spec.output_sigma, 1, 2048), blocks))
+    return out

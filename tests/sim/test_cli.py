@@ -13,6 +13,12 @@ def test_ballast_sim_prints_markdown_tables(capsys):
     assert "| priority |" in out and "requests per CPU second" in out
     assert main(["sim", "quota", "--regions", "3", "--minutes", "1"]) == 0
     assert "| synchronous |" in capsys.readouterr().out
+    assert main(["sim", "fairness", "--engines", "1", "--seconds", "3", "--light-tenants", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| vtc | 0 (heavy) |" in out and "| fcfs | 2 |" in out
+    assert main(["sim", "grouping", "--engines", "2", "--items", "300", "--prefixes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| grouped |" in out and "| shared |" in out
 
 
 def test_bad_arguments_are_refused(capsys):
