@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,13 +192,16 @@ def _owner(cell: Cell, query: str, *params: Any) -> list[tuple]:
         return cur.fetchall() if cur.description else []
 
 
-def _haproxy_conf(directory: Path, port: int, cells: dict[str, Cell]) -> Path:
-    """The edge as docs/deployment.md has it: every cell, each alone, none, and the fences map."""
-    check = "check inter 500 fall 2 rise 2 on-marked-down shutdown-sessions"
-    servers = "\n".join(f"  server {c.name} {c.addr}:{API_PORT} {check} weight 100" for c in cells.values())
-    own = "".join(f"backend cells_{c.name}\n  option httpchk GET /healthz\n"
-                  f"  http-response set-header x-ballast-cell %[srv_name]\n"
-                  f"  server {c.name} {c.addr}:{API_PORT} {check}\n" for c in cells.values())
+def edge_config(directory: Path, port: int, servers: Mapping[str, str], *, check: bool = True) -> Path:
+    """The edge as docs/deployment.md has it, in `directory` (its runtime socket `admin.sock`,
+    its fences map `fences.map`, empty): a backend of every cell (`servers`: cell → its API's
+    host:port), one of each cell alone, an empty one, and the lookup of the request's key's
+    SHA-256 in the map; `check`: health-checked, a dead cell's sessions ended."""
+    health = " check inter 500 fall 2 rise 2 on-marked-down shutdown-sessions" if check else ""
+    probe = "  option httpchk GET /healthz\n" if check else ""
+    named = "  http-response set-header x-ballast-cell %[srv_name]\n"
+    every = "".join(f"  server {c} {a}{health} weight 100\n" for c, a in servers.items())
+    own = "".join(f"backend cells_{c}\n{probe}{named}  server {c} {a}{health}\n" for c, a in servers.items())
     fences = directory / "fences.map"
     fences.write_text("")
     conf = directory / "edge.cfg"
@@ -219,10 +222,7 @@ frontend edge
   default_backend cells
 backend cells
   balance roundrobin
-  option httpchk GET /healthz
-  http-response set-header x-ballast-cell %[srv_name]
-{servers}
-{own}backend cells_none
+{probe}{named}{every}{own}backend cells_none
 """)
     return conf
 
@@ -325,7 +325,8 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     edge_port = procs.free_port()
     edge_dir = work / "edge"
     edge_dir.mkdir(exist_ok=True)
-    edge = procs.spawn("edge haproxy", [haproxy(), "-db", "-f", str(_haproxy_conf(edge_dir, edge_port, cells))],
+    edge = procs.spawn("edge haproxy", [haproxy(), "-db", "-f", str(edge_config(
+        edge_dir, edge_port, {c.name: f"{c.addr}:{API_PORT}" for c in cells.values()}))],
                        env=env, log_path=edge_dir / "haproxy.log")
     sock = edge_dir / "admin.sock"
     procs.wait_until(lambda: sock.exists(), 30, "the edge's runtime socket", child=edge)

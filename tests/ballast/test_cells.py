@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import psycopg
@@ -300,34 +299,6 @@ def test_the_cells_file_names_each_cells_url_by_variable(tmp_path):
         load(f, {})
 
 
-def edge_conf(tmp_path, servers: dict[str, int]) -> tuple[Path, Path, Path, int]:
-    """An edge as docs/deployment.md has it: a backend of every cell, one per cell and an
-    empty one, and the fences map looked up by the SHA-256 of the request's key."""
-    sock, conf, fences = tmp_path / "admin.sock", tmp_path / "edge.cfg", tmp_path / "fences.map"
-    port = procs.free_port()
-    fences.write_text("")
-    every = "\n".join(f"  server {c} 127.0.0.1:{p} weight 100" for c, p in servers.items())
-    own = "".join(f"backend cells_{c}\n  server {c} 127.0.0.1:{p}\n" for c, p in servers.items())
-    conf.write_text(f"""global
-  stats socket {sock} level admin
-defaults
-  mode http
-  timeout connect 1s
-  timeout client 5s
-  timeout server 5s
-frontend edge
-  bind 127.0.0.1:{port}
-  http-request set-var(txn.key) req.hdr(authorization),word(2,' '),digest(sha256),hex,lower
-  use_backend %[var(txn.key),map({fences})] if {{ var(txn.key),map({fences}) -m found }}
-  default_backend cells
-backend cells
-  balance roundrobin
-{every}
-{own}backend cells_none
-""")
-    return sock, conf, fences, port
-
-
 class Answering:
     """A server per cell that answers every request with its cell's name."""
 
@@ -366,12 +337,14 @@ async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp
     the cell the map names and nowhere else, one fenced to no cell gets no cell, the rest go
     round the cells."""
     from ballast.cells import Edge
-    from bench.cells import _server_weights
+    from bench.cells import _server_weights, edge_config
     from bench.tls import haproxy
     from journal.tenant_store import hash_key
 
     cells = Answering()
-    sock, conf, fences, port = edge_conf(tmp_path, cells.ports())
+    port = procs.free_port()
+    conf = edge_config(tmp_path, port, {c: f"127.0.0.1:{p}" for c, p in cells.ports().items()}, check=False)
+    sock, fences = tmp_path / "admin.sock", tmp_path / "fences.map"
     edge = procs.spawn("haproxy", [haproxy(), "-db", "-f", str(conf)], log_path=tmp_path / "haproxy.log")
     try:
         procs.wait_until(sock.exists, 30, "haproxy's runtime socket", child=edge)
