@@ -78,21 +78,21 @@ async def cells(pg_server_url, cells_login) -> AsyncIterator[dict[str, Cell]]:
 
 
 @contextlib.asynccontextmanager
-async def running(cells: dict[str, Cell], tenant: str) -> AsyncIterator[None]:
-    """Each cell's admitting process and its quota fold, as the cell's API and control
-    worker run them."""
+async def running(cells: dict[str, Cell], tenant: str, folding: bool) -> AsyncIterator[None]:
+    """Each cell's admitting process and, with `folding`, its quota fold every FOLD_S, as
+    the cell's API and control worker run them (without: `settle` folds, at known times)."""
     for cell in cells.values():
         async with cell.db.begin() as conn:
             await tenant_store.ensure_tenant(conn, tenant)
         cell.admission = await Admission(cell.db, SETTINGS, holder=f"{cell.name}-{uuid.uuid4().hex[:6]}").start()
 
-    async def folding(cell: Cell) -> None:
+    async def fold_every(cell: Cell) -> None:
         while True:
             async with cell.db.begin() as conn:
                 await fold.reconcile(conn, holder_ttl_s=3600)
             await asyncio.sleep(FOLD_S)
 
-    folds = [asyncio.create_task(folding(c)) for c in cells.values()]
+    folds = [asyncio.create_task(fold_every(c)) for c in cells.values()] if folding else []
     try:
         yield
     finally:
@@ -127,7 +127,8 @@ async def in_force(cell: Cell, tenant: str) -> int | None:
 
 
 @contextlib.asynccontextmanager
-async def at_work(cells: dict[str, Cell], tenant: str, limit: int, **kw) -> AsyncIterator[Reconciler]:
+async def at_work(cells: dict[str, Cell], tenant: str, limit: int, folding: bool = False,
+                  **kw) -> AsyncIterator[Reconciler]:
     """The cells running (`running`) and a reconciler of `limit` for `tenant` between them."""
     left = DAY_S - time.time() % DAY_S
     if left < 60:  # a test's usage all in one UTC day
@@ -135,7 +136,7 @@ async def at_work(cells: dict[str, Cell], tenant: str, limit: int, **kw) -> Asyn
     engines = {c.name: cell_engine(c.cells_url, c.name) for c in cells.values()}
     rec = Reconciler(engines, [GlobalLimit(tenant, limit)], timeout_s=2.0, **kw)
     try:
-        async with running(cells, tenant):
+        async with running(cells, tenant, folding):
             yield rec
     finally:
         for e in rec.cells.values():
@@ -150,13 +151,21 @@ def fill(cell: Cell, tenant: str) -> int:
     return n
 
 
-async def settle(cells: dict[str, Cell]) -> None:
-    """Every admission written and folded, and read back by every admitting process."""
+async def settle(cells: dict[str, Cell], folding: bool = False) -> None:
+    """Every admission written and folded (by the running folds, else here), and every
+    admitting process's view (usage, allowance) read again."""
     for cell in cells.values():
         assert cell.admission is not None
         for _ in range(2):
             await cell.admission.flush()
-    await asyncio.sleep(3 * FOLD_S)
+    if folding:
+        await asyncio.sleep(3 * FOLD_S)
+    for cell in cells.values():
+        if not folding:
+            async with cell.db.begin() as conn:
+                await fold.reconcile(conn, holder_ttl_s=3600)
+        assert cell.admission is not None
+        await cell.admission.refresh()
 
 
 async def test_allowances_share_the_limit_by_demand_and_no_cell_passes_its_own(cells):
@@ -247,13 +256,13 @@ async def test_under_concurrent_load_the_overshoot_stays_within_the_stated_bound
             ticks.append(await rec.tick())
             await asyncio.sleep(0.2)
 
-    async with at_work(cells, tenant, limit, settle_s=2 * FOLD_S) as rec:
+    async with at_work(cells, tenant, limit, folding=True, settle_s=2 * FOLD_S) as rec:
         looping = asyncio.create_task(reconcile(rec))
         await asyncio.sleep(1.0)  # every cell holds an allowance before demand starts
         await asyncio.gather(*(drive(c) for c in cells.values()))
         looping.cancel()
         await asyncio.gather(looping, return_exceptions=True)
-        await settle(cells)
+        await settle(cells, folding=True)
     used = {c: await admitted(cells[c], tenant) for c in CELLS}
     peak = {c: max(r) for c, r in rates.items()}
     lag = {t.id: {c: staleness_s(SETTINGS.admission_flush_s, SETTINGS.admission_refresh_s) + s
