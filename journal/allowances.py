@@ -13,7 +13,7 @@ from sqlalchemy import Select, func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from journal.ledger import timestamp, trained_query
-from journal.schema import allowances, api_keys, engines, quota_usage, tenants
+from journal.schema import allowances_in_force, api_keys, engines, quota_usage, tenants
 from protocol.limits import ANY_MODEL
 
 
@@ -30,16 +30,29 @@ class Allowance:
 
 
 def _in_force() -> Select:
-    return (select(allowances.c.tenant, allowances.c.model, allowances.c.tokens_per_day)
-            .distinct(allowances.c.tenant, allowances.c.model)
-            .order_by(allowances.c.tenant, allowances.c.model, allowances.c.id.desc()))
+    return select(allowances_in_force.c.tenant, allowances_in_force.c.model, allowances_in_force.c.tokens_per_day)
+
+
+# The history rows and the allowances in force, in one statement: all of it or none, with
+# no transaction to open and close over a link between regions.
+_APPEND = text("""
+    WITH h AS (
+      INSERT INTO allowances (tenant, model, tokens_per_day, global_tokens_per_day, used, tick)
+      SELECT * FROM unnest(CAST(:tenant AS text[]), CAST(:model AS text[]), CAST(:n AS bigint[]),
+                           CAST(:global AS bigint[]), CAST(:used AS bigint[]), CAST(:tick AS text[]))
+      RETURNING id, tenant, model, tokens_per_day, set_at)
+    INSERT INTO allowances_in_force (tenant, model, tokens_per_day, id, set_at)
+    SELECT tenant, model, tokens_per_day, id, set_at FROM h
+    ON CONFLICT (tenant, model) DO UPDATE
+      SET tokens_per_day = excluded.tokens_per_day, id = excluded.id, set_at = excluded.set_at""")
 
 
 async def append(conn: AsyncConnection, rows: Sequence[Allowance]) -> None:
     if rows:
-        await conn.execute(allowances.insert(), [
-            dict(tenant=a.tenant, model=a.model, tokens_per_day=a.tokens_per_day,
-                 global_tokens_per_day=a.global_tokens_per_day, used=a.used, tick=a.tick) for a in rows])
+        await conn.execute(_APPEND, dict(
+            tenant=[a.tenant for a in rows], model=[a.model for a in rows], n=[a.tokens_per_day for a in rows],
+            **{"global": [a.global_tokens_per_day for a in rows]}, used=[a.used for a in rows],
+            tick=[a.tick for a in rows]))
 
 
 @dataclass(frozen=True)

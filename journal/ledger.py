@@ -36,7 +36,7 @@ from sqlalchemy import Select, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from journal.schema import admission_holders, allowances, ledger, limits, quota_usage
+from journal.schema import admission_holders, allowances_in_force, ledger, limits, quota_usage
 from protocol import keys
 from protocol.limits import ANY_MODEL, LIMITS, LimitSet
 
@@ -224,11 +224,9 @@ async def load_limits(conn: AsyncConnection, tenant: str | None = None) -> dict[
         out.setdefault(row.tenant, []).append(limit_set(row))
     # Where regions are cells, this cell's share of a global daily limit bounds the day too
     # (migration 0031): the lesser of the two applies.
-    a = (select(allowances.c.tenant, allowances.c.model, allowances.c.tokens_per_day)
-         .distinct(allowances.c.tenant, allowances.c.model)
-         .order_by(allowances.c.tenant, allowances.c.model, allowances.c.id.desc()))
+    a = select(allowances_in_force.c.tenant, allowances_in_force.c.model, allowances_in_force.c.tokens_per_day)
     if tenant is not None:
-        a = a.where(allowances.c.tenant == tenant)
+        a = a.where(allowances_in_force.c.tenant == tenant)
     for row in (await conn.execute(a)).all():
         if row.tokens_per_day is None:
             continue

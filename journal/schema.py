@@ -286,6 +286,17 @@ allowances = Table(
     Column("set_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+# The allowance in force per tenant × model (migration 0031), written with its history row.
+allowances_in_force = Table(
+    "allowances_in_force",
+    metadata,
+    Column("tenant", Text, primary_key=True),
+    Column("model", Text, primary_key=True),
+    Column("tokens_per_day", BigInteger),
+    Column("id", BigInteger, nullable=False),
+    Column("set_at", DateTime(timezone=True), nullable=False),
+)
+
 # Processes that admit, and when each was last seen (its reservations expire after a TTL).
 admission_holders = Table(
     "admission_holders",

@@ -4,9 +4,10 @@ Where regions are cells (each its own journal), a tenant's global `tokens_per_da
 into one allowance per cell; a reconciler outside every cell rebalances them on a timer
 (`ballast cells reconcile`). `allowances` is their history, append-only like the ledger:
 one row each time a cell's allowance for a tenant × model changes, with the global limit
-and the cell's usage it was computed from. The row with the highest `id` per tenant × model
-is in force: admission applies it as that scope's `tokens_per_day` (the lesser, where the
-cell's own `limits` also bound it); a row with no `tokens_per_day` lifts it.
+and the cell's usage it was computed from. `allowances_in_force` holds the latest per tenant
+× model, written with its history row in one statement: admission applies it as that
+scope's `tokens_per_day` (the lesser, where the cell's own `limits` also bound it); one with
+no `tokens_per_day` lifts it.
 
 `ballast_cells` (NOLOGIN; grant it to the reconciler's login in each cell) reads the fold's
 usage and when it last ran (`quota_usage`, `quota_fold`), training's settles (`ledger`) and
@@ -50,10 +51,20 @@ def upgrade() -> None:
         sa.Column("set_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
         sa.CheckConstraint("tokens_per_day IS NULL OR tokens_per_day >= 0", name="allowances_not_negative"),
     )
-    op.create_index("allowances_in_force", "allowances", ["tenant", "model", sa.text("id DESC")])
+    op.create_index("allowances_by_scope", "allowances", ["tenant", "model", sa.text("id DESC")])
+    # The one in force per tenant × model, written with its history row in one statement:
+    # what admission reads every refresh, whatever the length of the history.
+    op.create_table(
+        "allowances_in_force",
+        sa.Column("tenant", sa.Text, primary_key=True),
+        sa.Column("model", sa.Text, primary_key=True),
+        sa.Column("tokens_per_day", sa.BigInteger),
+        sa.Column("id", sa.BigInteger, nullable=False),  # its `allowances` row
+        sa.Column("set_at", sa.DateTime(timezone=True), nullable=False),
+    )
     role, _ = service_login(context.config)
     quote = op.get_bind().dialect.identifier_preparer.quote
-    grant_services("SELECT", "allowances")
+    grant_services("SELECT", "allowances", "allowances_in_force")
     op.execute(
         f"""
         CREATE TRIGGER allowances_no_update_delete BEFORE UPDATE OR DELETE ON allowances
@@ -74,6 +85,8 @@ def upgrade() -> None:
         GRANT USAGE ON SCHEMA public TO {CELLS};
         GRANT SELECT ON quota_usage, quota_fold, ledger, usage_by_day TO {CELLS};
         GRANT SELECT, INSERT ON allowances TO {CELLS};
+        GRANT SELECT, INSERT, UPDATE ON allowances_in_force TO {CELLS};
+        GRANT SELECT ON allowances_in_force TO {API}, {CONTROL}, {ENGINE}, {AUDITOR};
         GRANT SELECT (id, model, stats, seen_at, draining) ON engines TO {CELLS};
         CREATE POLICY engines_{CELLS} ON engines FOR SELECT TO {CELLS} USING (true);
         GRANT SELECT (hash, tenant, revoked_at) ON api_keys TO {CELLS};
@@ -90,6 +103,15 @@ def upgrade() -> None:
         CREATE POLICY allowances_readers ON allowances FOR SELECT TO {API}, {CONTROL}, {ENGINE} USING (true);
         CREATE POLICY allowances_auditor ON allowances FOR SELECT TO {AUDITOR}
           USING (tenant = current_setting('ballast.tenant', true));
+        ALTER TABLE allowances_in_force ENABLE ROW LEVEL SECURITY;
+        ALTER TABLE allowances_in_force FORCE ROW LEVEL SECURITY;
+        CREATE POLICY allowances_in_force_services ON allowances_in_force TO CURRENT_USER, {quote(role)}
+          USING (true) WITH CHECK (true);
+        CREATE POLICY allowances_in_force_{CELLS} ON allowances_in_force TO {CELLS} USING (true) WITH CHECK (true);
+        CREATE POLICY allowances_in_force_readers ON allowances_in_force FOR SELECT TO {API}, {CONTROL}, {ENGINE}
+          USING (true);
+        CREATE POLICY allowances_in_force_auditor ON allowances_in_force FOR SELECT TO {AUDITOR}
+          USING (tenant = current_setting('ballast.tenant', true));
         """
     )
 
@@ -101,6 +123,7 @@ def downgrade() -> None:
     op.execute(f"DROP POLICY IF EXISTS api_keys_{CELLS} ON api_keys")
     op.execute(f"REVOKE ALL ON engines, api_keys, tenants FROM {CELLS}")
     op.execute(f"REVOKE ALL ON quota_usage, quota_fold, ledger, usage_by_day FROM {CELLS}")
+    op.drop_table("allowances_in_force")
     op.drop_table("allowances")  # its triggers, policies and grants go with it
     # The role is cluster-wide and other databases may use it: it stays.
     op.execute(f"REVOKE ALL ON SCHEMA public FROM {CELLS}")

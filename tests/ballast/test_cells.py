@@ -120,10 +120,17 @@ async def admitted(cell: Cell, tenant: str) -> int:
 
 
 async def in_force(cell: Cell, tenant: str) -> int | None:
+    """The cell's allowance for the tenant: its latest history row, which the row in force
+    (what admission reads) must match."""
     async with cell.db.connect() as conn:
-        return (await conn.execute(text(
-            "SELECT tokens_per_day FROM allowances WHERE tenant = :t AND model = '*' ORDER BY id DESC LIMIT 1"),
-            dict(t=tenant))).scalar()
+        latest = (await conn.execute(text(
+            "SELECT id, tokens_per_day FROM allowances WHERE tenant = :t AND model = '*' ORDER BY id DESC LIMIT 1"),
+            dict(t=tenant))).one_or_none()
+        now = (await conn.execute(text(
+            "SELECT id, tokens_per_day FROM allowances_in_force WHERE tenant = :t AND model = '*'"),
+            dict(t=tenant))).one_or_none()
+    assert (latest and tuple(latest)) == (now and tuple(now))
+    return latest[1] if latest else None
 
 
 @contextlib.asynccontextmanager

@@ -43,6 +43,7 @@ MATRIX: dict[str, tuple[str | None, str | None, str | None]] = {
     "webhooks": (W, R, None),  # the API: every column but `secret`; control: with it, to sign (0021)
     "reservations": (W, R, R),  # the API projects the admin's changes; the others read them
     "allowances": (R, R, R),  # the cells reconciler (ballast_cells) appends them; every service admits by them
+    "allowances_in_force": (R, R, R),  # the latest of each, written by the reconciler with its history row
     **{t: (R, W, R) for t in _QUOTA},
     **{t: (R, R, None) for t in _VIEWS},
     "alembic_version": (None, None, None),
