@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -54,6 +55,15 @@ from protocol.limits import ANY_MODEL
 log = logging.getLogger("ballast.cells")
 # A cell's demand is smoothed over ticks: the weight of the last tick's rate.
 DEMAND_ALPHA = 0.3
+# A cell whose quota fold is older than this is named: its usage is stale, and the bound
+# assumes its control worker folds every BALLAST_ADMISSION_REFRESH_S.
+STALE_FOLD_S = 10.0
+
+
+def fold_age(s: Seen, now: float) -> float | None:
+    """Seconds since the cell's quota fold last ran, as read (None: never, or not read)."""
+    at = s.usage.folded_at if s.usage is not None else None
+    return None if at is None else max(0.0, now - at.timestamp())
 T = TypeVar("T")
 
 
@@ -200,6 +210,7 @@ class Tick:
     unreachable: tuple[str, ...]
     read_to_commit_s: dict[str, float]
     weights: dict[str, int]  # the routing weight of each cell
+    fold_age_s: dict[str, float]  # how old each reachable cell's usage was: its fold's last tick
 
 
 async def within(work: Awaitable[T], timeout_s: float, abandoned: set[asyncio.Future]) -> T:
@@ -376,7 +387,11 @@ class Reconciler:
                 await asyncio.wait_for(self.edge.set_fences(self._fenced), self.timeout_s)
             except Exception as err:  # noqa: BLE001 (the edge keeps what it had; its own checks go on)
                 log.warning("cells: could not update the edge: %s", err)
-        return Tick(tick_id, day, plans, unreachable, committed, weighed)
+        ages = {n: age for n in live if (age := fold_age(seen[n], now)) is not None}
+        if stale := sorted(n for n in live if ages.get(n, math.inf) > STALE_FOLD_S):
+            log.warning("cells: the quota fold of %s is stale or never ran (is its control worker up?): their "
+                        "usage is old, and the overshoot bound assumes a fold every refresh", ", ".join(stale))
+        return Tick(tick_id, day, plans, unreachable, committed, weighed, ages)
 
     @staticmethod
     def _changes(name: str, plans: Mapping[Scope, Plan], s: Seen, tick_id: str) -> list[store.Allowance]:
@@ -443,6 +458,7 @@ async def _reconcile(conf: CellsFile, *, once: bool) -> int:
                 id=t.id, at=round(time.time(), 3), took_s=round(time.monotonic() - started, 3),
                 unreachable=t.unreachable,
                 read_to_commit_s={c: round(s, 4) for c, s in t.read_to_commit_s.items()}, weights=t.weights,
+                fold_age_s={c: round(a, 1) for c, a in t.fold_age_s.items()},
                 allowances={f"{tenant}/{model}": p.allowances for (tenant, model), p in t.plans.items()})))
             if once:
                 return 1 if t.unreachable else 0
@@ -455,7 +471,8 @@ async def _reconcile(conf: CellsFile, *, once: bool) -> int:
 async def _status(conf: CellsFile) -> int:
     engines = _engines(conf)
     rec = Reconciler(engines, conf.limits, timeout_s=conf.timeout_s)
-    day = window_start(time.time(), DAY_S)
+    now = time.time()
+    day = window_start(now, DAY_S)
     try:
         seen = {n: await rec.read(n, day) for n in sorted(engines)}
     finally:
@@ -468,13 +485,22 @@ async def _status(conf: CellsFile) -> int:
             rows.append(dict(tenant=g.tenant, model=g.model, limit=g.tokens_per_day, cell=n,
                              used=s.usage.of(*scope) if s.usage else None,
                              allowance=s.in_force.get(scope) if s.reachable else None,
-                             state="ok" if s.reachable else f"out of reach: {s.error}"))
+                             state=_state(s, now)))
     print(f"{'tenant':<16} {'model':<16} {'global':>14} {'cell':<12} {'used today':>14} {'allowance':>14}  state")
     for x in rows:
         print(f"{x['tenant']:<16} {x['model']:<16} {x['limit']:>14,} {x['cell']:<12} "
               f"{'' if x['used'] is None else format(x['used'], ','):>14} "
               f"{'' if x['allowance'] is None else format(x['allowance'], ','):>14}  {x['state']}")
     return 0 if all(s.reachable for s in seen.values()) else 1
+
+
+def _state(s: Seen, now: float) -> str:
+    if not s.reachable:
+        return f"out of reach: {s.error}"
+    age = fold_age(s, now)
+    if age is None:
+        return "its quota fold never ran: is its control worker up?"
+    return f"ok, folded {age:.0f} s ago" if age <= STALE_FOLD_S else f"fold {age:.0f} s old: is its control worker up?"
 
 
 async def _usage(conf: CellsFile, *, days: int, tenant: str | None, as_json: bool) -> int:

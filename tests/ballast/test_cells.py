@@ -188,6 +188,7 @@ async def test_allowances_share_the_limit_by_demand_and_no_cell_passes_its_own(c
         await settle(cells)
         t = await rec.tick()  # eu's demand takes most of what is free; us and ap are lowered first
         assert set(t.read_to_commit_s) == {"us", "ap"}
+        assert set(t.fold_age_s) == set(CELLS) and max(t.fold_age_s.values()) < 10  # settle just folded each
         held = [await in_force(c, tenant) for c in (eu, us, ap)]
         # Free: 9 000 − 3 000 used. eu is at its allowance (and the busiest): 0.2/3 + 0.8 of it.
         assert held == [3_000 + 5_200, 400, 400], held
@@ -423,8 +424,10 @@ async def test_usage_across_cells_is_each_cells_audit_view_and_their_sum(cells, 
             await fold.reconcile(conn, holder_ttl_s=3600)
     f.write_text(f.read_text() + f'[[limit]]\ntenant = "{tenant}"\ntokens_per_day = 1000\n')
     assert await asyncio.to_thread(main, ["status", "--file", str(f)]) == 0
-    lines = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    raw = capsys.readouterr().out.splitlines()[1:]
+    lines = [line.split() for line in raw]
     assert {(w[3], w[4]) for w in lines} == {("eu", "180"), ("us", "7"), ("ap", "0")}
+    assert all("ok, folded" in line for line in raw), raw  # each cell's fold ran just now
 
 
 async def test_a_cell_names_its_fenced_tenants_keys_by_hash(cells):
