@@ -251,7 +251,8 @@ async def engine_worker(settings: Settings) -> None:
     slots = EngineSlots(settings.max_num_seqs, busy_cap=settings.batch_busy_cap, cool_down_s=settings.batch_cool_down_s,
                         priced=settings.batch_resume == "priced",
                         min_share=settings.batch_min_share, starve_after_s=settings.batch_starve_after_s,
-                        preemption=settings.batch_preemption, max_share=settings.batch_max_share)
+                        preemption=settings.batch_preemption, max_share=settings.batch_max_share,
+                        spare=settings.spare_seqs)
     port = settings.engine_port or procs.free_port(settings.engine_host)
     url = settings.engine_url or f"http://{settings.engine_host}:{port}"
     engine_id = f"{socket.gethostname()}-{os.getpid()}"

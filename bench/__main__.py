@@ -99,7 +99,8 @@ def _promises(s: Settings, a: argparse.Namespace) -> int:
 def _reserved(s: Settings, a: argparse.Namespace) -> int:
     from bench.reserved import main
 
-    return main(s, seconds=a.seconds, rate=a.rate, slots=a.slots, streams=a.streams)
+    return main(s, seconds=a.seconds, rate=a.rate, slots=a.slots, streams=a.streams,
+                spare=a.slots if a.spare is None else a.spare)
 
 
 def _overload(s: Settings, a: argparse.Namespace) -> int:
@@ -189,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--rate", type=float, default=4.0, help="its chats a second (Poisson)")
     b.add_argument("--slots", type=int, default=2, help="slots reserved for it")
     b.add_argument("--streams", type=int, default=24, help="the other tenant's chats in flight")
+    b.add_argument("--spare", type=int, default=None,
+                   help="BALLAST_SPARE_SEQS, in every phase (default: --slots; 0: a slot taken back is aborted)")
     b = bench("overload", _overload, "the overload policy by class: the fleet shrinks, the work doubles, one tenant "
                                      "floods giant prompts; waiting time, refusals and downgrades per class")
     b.add_argument("--seconds", type=float, default=120.0, help="seconds of each phase")

@@ -108,9 +108,10 @@ def _backlog(lines: int) -> bytes:
     ).encode() + b"\n" for i in range(lines))
 
 
-async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int) -> dict:
+async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int, spare: int) -> dict:
     rng = random.Random(SEED)
-    with tempfile.TemporaryDirectory() as d, ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(MAX_SEQS)) as stack:
+    with tempfile.TemporaryDirectory() as d, ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(MAX_SEQS),
+                                                        BALLAST_SPARE_SEQS=str(spare)) as stack:
         keys, engine_url = await make_tenants(owner_url(stack.db_url, Path(d)), ["gold", "crowd"])
         admin = {"Authorization": "Bearer " + (Path(d) / "admin-key").read_text().strip()}
         base = str(stack.api.base_url).rstrip("/")
@@ -153,8 +154,18 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
                 figures[phase] = dict(ttft=ttft, samples=samples)
             await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
     lent, n = lent_share(figures["reserved"]["samples"])
-    out: dict = dict(seconds=seconds, rate=rate, slots=slots, streams=streams, max_seqs=MAX_SEQS,
-                     lent_share=round(lent, 3), lent_samples=n)
+    # How often gold asked beyond its reservation: its requests in flight on the engine at
+    # each sample, and those of its requests that waited for a slot (the engine's count).
+    rs = [s for s in figures["reserved"]["samples"] if "fairness" in s]
+    held = [s["fairness"]["running_of"].get("gold", 0) for s in rs]
+    waited = (rs[-1]["fairness"].get("queued_by", {}).get("gold", 0) - rs[0]["fairness"].get("queued_by", {}).get(
+        "gold", 0)) if rs else 0
+    out: dict = dict(seconds=seconds, rate=rate, slots=slots, streams=streams, max_seqs=MAX_SEQS, spare_seqs=spare,
+                     lent_share=round(lent, 3), lent_samples=n,
+                     gold_in_flight=dict(mean=round(sum(held) / max(1, len(held)), 2), max=max(held, default=0),
+                                         at_or_over_reservation=round(sum(h >= slots for h in held) / max(1, len(held)),
+                                                                      3)),
+                     gold_waited_for_a_slot=waited)
     for phase, xs in (("alone", alone), ("reserved", figures["reserved"]["ttft"]),
                       ("shared", figures["shared"]["ttft"])):
         out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1))
@@ -163,8 +174,9 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
     return out
 
 
-def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24) -> int:
-    f = asyncio.run(_run(settings, seconds, rate, slots, streams))
+def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24,
+         spare: int = 2) -> int:
+    f = asyncio.run(_run(settings, seconds, rate, slots, streams, spare))
     print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}")
     for phase in ("alone", "reserved", "shared"):
         r = f[phase]

@@ -49,6 +49,15 @@ class SchedulingSettings(Section):
     batch_preemption: bool = True
     batch_max_share: float = Field(1.0, gt=0, le=1)
 
+    # Sequences vLLM may run beyond max_num_seqs (its max_num_seqs is the sum), for
+    # reserved tenants taking back slots lent to batch: the tenant's request starts at the
+    # engine's next step beside the batch generation on that slot, which runs on to its end
+    # (batch gets no new slot meanwhile) rather than being aborted and re-prefilled when
+    # the slot may be lent again a moment later; and lent slots stay lent through a surge.
+    # Set it to the most slots reserved on one engine. 0: a slot taken back is freed by
+    # aborting its generation (every token journaled), and nothing is lent in a surge.
+    spare_seqs: int = Field(0, ge=0)
+
     # Batch's floor: squeezed below batch_min_share of an engine's slots (by chat or a
     # surge) for longer than batch_starve_after_s, batch gets that share back, so
     # continuous chat slows batch down but never stops it. 0 disables the floor.

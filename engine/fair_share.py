@@ -121,9 +121,10 @@ class FairShare:
         self.queued_total = 0  # requests that ever waited here for a slot
         self.queued_by: dict[str, int] = {}  # … by tenant
         self.reserved: dict[str, int] = {}  # tenant → slots of this engine reserved for it
-        # Told the reserved slots left unused after every change (EngineSlots.lend): batch's meanwhile.
-        self.lending: Callable[[int], Coroutine[Any, Any, None]] | None = None
-        self._lent = 0
+        # Told after every change the reserved slots left unused (batch's meanwhile) and those
+        # their tenants hold (EngineSlots.lend).
+        self.lending: Callable[[int, int], Coroutine[Any, Any, None]] | None = None
+        self._lent = (0, 0)
         self._lends: set[asyncio.Task] = set()
         self._seq = itertools.count()
 
@@ -135,12 +136,13 @@ class FairShare:
             self._lend()
 
     def _lend(self) -> None:
-        """Tell the slots what is left unused of the reservations, when it changed."""
-        unused = sum(reservations.unused(self.reserved, self.running_of).values())
-        if self.lending is None or unused == self._lent:
+        """Tell the slots what is left unused of the reservations and what is taken, when it changed."""
+        lent = (sum(reservations.unused(self.reserved, self.running_of).values()),
+                sum(reservations.used(self.reserved, self.running_of).values()))
+        if self.lending is None or lent == self._lent:
             return
-        self._lent = unused
-        task = asyncio.get_running_loop().create_task(self.lending(unused))
+        self._lent = lent
+        task = asyncio.get_running_loop().create_task(self.lending(*lent))
         self._lends.add(task)
         task.add_done_callback(self._lends.discard)
 

@@ -85,8 +85,12 @@ class SlotStats:
 class EngineSlots:
     def __init__(self, max_seqs: int, *, busy_cap: int = 0, cool_down_s: float = 2.0, min_share: float = 0.0,
                  starve_after_s: float = 30.0, preemption: bool = True, max_share: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic, report_window: int = 3, priced: bool = False):
+                 clock: Callable[[], float] = time.monotonic, report_window: int = 3, priced: bool = False,
+                 spare: int = 0):
         self.max_seqs = max_seqs
+        # Sequences vLLM runs beyond max_seqs: a reserved tenant's request taking back a lent
+        # slot starts on one at the next step, so the generation on that slot runs on.
+        self.spare = spare
         self.busy_cap = busy_cap
         self.batch_max = None if max_share >= 1 else min_slots(max_share, max_seqs)
         self.cool_down_s = cool_down_s
@@ -107,6 +111,7 @@ class EngineSlots:
         self.fleet_cap: int | None = None  # the fleet controller's, while the pool surges
         self.interactive = 0
         self.lendable = 0  # reserved slots their tenants leave unused: batch's while they do
+        self.taken = 0  # reserved slots their tenants' requests hold
         self.interactive_peak = 0  # most in flight at once since the last report
         # In flight now by the API process that sent them: each API places by its own
         # streams (current) plus the others' (as of this report), not by the peak.
@@ -254,15 +259,23 @@ class EngineSlots:
     @property
     def by_floor(self) -> bool:
         """Batch holds slots now only by its floor: chat (or a surge) left it none."""
-        plain = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
-        return plain < self._cap
+        return self._plain_cap() < self._cap
 
-    async def lend(self, slots: int) -> None:
-        """Reserved slots now unused (engine/fair_share.py): lent to batch; asked for, batch
-        yields them at once (the cap falls, its victims are aborted)."""
-        if slots != self.lendable:
-            self.lendable = slots
+    async def lend(self, slots: int, taken: int = 0) -> None:
+        """Reserved slots now unused (engine/fair_share.py), and those their tenants hold:
+        the unused are lent to batch. Asked for, batch yields them at once: the cap falls,
+        and its victims are aborted beyond the `parked` few left to end on their own."""
+        if (slots, taken) != (self.lendable, self.taken):
+            self.lendable, self.taken = slots, taken
             await self._rebalance()
+
+    @property
+    def parked(self) -> int:
+        """Batch generations over the cap left running: as many as the spare sequences give
+        the reserved slots taken back. The tenant's requests run beside them (vLLM's
+        priority puts them first), batch gets no new slot until they end, and nothing is
+        aborted, flushed and re-prefilled for a slot that may be lent again a moment later."""
+        return min(self.spare, self.taken)
 
     async def direct(self, fleet_cap: int | None) -> None:
         """Apply the fleet controller's cap (None lifts it)."""
@@ -298,8 +311,15 @@ class EngineSlots:
         demand = SlotDemand(self.interactive, self.max_seqs, self.busy_cap, self.batch_max, self.lendable)
         now = self.clock()
         self.state = batch_slots(demand, self.state, now, self.wait_s)
-        cap = self.state.cap if self.fleet_cap is None else min(self.state.cap, self.fleet_cap)
-        self._cap, self.floor = starvation_floor(cap, self.floor, now, self.starve_after_s)
+        self._cap, self.floor = starvation_floor(self._plain_cap(), self.floor, now, self.starve_after_s)
+
+    def _plain_cap(self) -> int:
+        """The cap but for the floor: the engine's own, under the fleet's while the pool
+        surges. A surge caps the shared slots; the unused reserved ones that can be taken
+        back without an abort (spare sequences) are lent on top of it."""
+        if self.fleet_cap is None:
+            return self.state.cap
+        return min(self.state.cap, self.fleet_cap + min(self.lendable, self.spare))
 
     async def _rebalance(self) -> None:
         async with self._changed:
@@ -309,7 +329,7 @@ class EngineSlots:
             return
         live = [h for h in self.holds.values() if h.preempted_at is None]
         running = [Running(h.id, h.tier, h.unsaved, h.generated, h.started_at) for h in live]
-        for id in victims(running, self.cap):
+        for id in victims(running, self.cap + self.parked):
             hold = self.holds[id]
             hold.preempted_at = self.clock()
             hold.preempted.set()

@@ -116,7 +116,7 @@ def engine_args(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     """The vLLM engine arguments of an engine worker run with `settings`: one source for the
     product and for every benchmark arm that must compare like with like. The operator's
     own vLLM flags (`vllm_args`) win over Ballast's defaults."""
-    return vllm_args(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
+    return vllm_args(spec, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs + settings.spare_seqs,
                      max_num_batched_tokens=settings.max_num_batched_tokens,
                      long_prefill_tokens=settings.long_prefill_tokens, lora=settings.serve_fine_tuned,
                      max_loras=settings.max_loras,

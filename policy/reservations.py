@@ -8,7 +8,8 @@ its tenant is not using is held back from the others' interactive requests (`hel
 so the tenant's next request finds a slot at once whatever the load. The engine's batch
 work is lent them (EngineSlots.lend), even while other tenants' chats keep batch out of the
 rest, and gives one up the moment the tenant's request takes it: its victim is aborted
-within an engine step, every token it had journaled (engine/slots.py).
+within an engine step, every token it had journaled, or, where vLLM runs spare sequences,
+left to end on its own beside the tenant's request (engine/slots.py).
 """
 
 from __future__ import annotations

@@ -500,10 +500,10 @@ def test_shell_a_reservation_is_kept_free_of_others_and_taken_at_once_at_the_top
 def test_shell_tells_the_slots_what_its_reservations_leave_unused_as_it_changes():
     async def run():
         share = FairShare("vtc", limit=4)
-        told: list[int] = []
+        told: list[tuple[int, int]] = []
 
-        async def lend(n: int) -> None:
-            told.append(n)
+        async def lend(n: int, taken: int) -> None:
+            told.append((n, taken))
 
         share.lending = lend
         share.reserve({"gold": 2})
@@ -522,6 +522,6 @@ def test_shell_tells_the_slots_what_its_reservations_leave_unused_as_it_changes(
             await asyncio.sleep(0)
         # 2 unused; 1, then 0 as gold's requests take them (its third and b's change nothing);
         # back to 2 as they end
-        assert told == [2, 1, 0, 1, 2]
+        assert told == [(2, 0), (1, 1), (0, 2), (1, 1), (2, 0)]
 
     asyncio.run(run())

@@ -289,6 +289,43 @@ async def test_reserved_slots_left_unused_are_lent_to_batch_through_chat_and_ask
         await tasks[0]
 
 
+async def test_with_spare_sequences_a_slot_taken_back_is_not_aborted_and_lent_slots_outlast_a_surge():
+    """vLLM runs two sequences beyond the slots: the reserved tenant's request starts beside
+    the batch generation on its slot, which runs on (parked) while batch is granted nothing
+    new; and through a surge the unused reserved slots stay lent."""
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=0, cool_down_s=2.0, clock=clock, spare=2)
+    await slots.lend(2)
+    tasks = await start_batch(slots, ["a", "b", "c"], clock, aborted)
+    await slots.direct(0)  # the pool surges: the shared slots go, the lent two stay
+    assert slots.cap == 2 and aborted == ["c"]
+    await tasks[2]
+    async with slots.interactive_request():
+        await slots.lend(1, taken=1)  # the reserved tenant's request takes one
+        assert slots.cap == 1 and slots.parked == 1 and aborted == ["c"]  # nothing more aborted
+        waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # over the cap: no new slot while one is parked
+        await slots.lend(0, taken=2)  # both taken: both generations run on
+        assert slots.cap == 0 and aborted == ["c"]
+        await slots.lend(2, taken=0)  # the tenant's requests end: the slots are lent again
+        assert slots.cap == 2 and slots.parked == 0 and aborted == ["c"]
+    waiter.cancel()
+    for t in tasks[:2]:
+        t.cancel()
+    await asyncio.gather(waiter, *tasks[:2], return_exceptions=True)
+
+
+async def test_without_spare_sequences_a_surge_lends_nothing_and_a_taken_slot_is_aborted():
+    clock, aborted = Clock(), []
+    slots = EngineSlots(4, busy_cap=0, cool_down_s=2.0, clock=clock)
+    await slots.lend(2)
+    tasks = await start_batch(slots, ["a", "b"], clock, aborted)
+    await slots.direct(0)
+    assert slots.cap == 0 and aborted == ["b", "a"]
+    await asyncio.gather(*tasks)
+
+
 async def test_busy_seconds_count_only_while_batch_work_holds_a_slot():
     """The time a batch pace is measured over (policy/promises.py): overlapping holds count
     once, idle gaps not at all."""
