@@ -7,7 +7,9 @@ reconciler reads every cell's usage of the day, splits what is left of each glob
 the cells' demand (policy/allowances.py), writes the allowances that go down, waits for the
 cells to read them, then writes the ones that go up. It also weighs each cell's share of
 the traffic from its live capacity and whether it answered (policy/routing.py) and sets the
-weights on an HAProxy edge in front of the cells, where one is named. It holds nothing of
+weights on an HAProxy edge in front of the cells, where one is named, with the maps that
+keep a fenced tenant in its regions and send a key's files, batches and fine-tuning jobs to
+its home cell. It holds nothing of
 its own: a restarted reconciler picks up from the allowances in force in the cells.
 
 The cells file (TOML), no secret in it: each cell names the environment variable that holds
@@ -17,6 +19,7 @@ its URL (a login granted `ballast_cells` there):
     [edge]                 # optional: an HAProxy whose backend `cells` has a server per cell
     haproxy_socket = "/run/haproxy/admin.sock"
     fences_map = "/etc/haproxy/fences.map"   # optional: fenced tenants to their regions
+    homes_map = "/etc/haproxy/homes.map"     # optional: a key's files, batches, fine-tunes to one cell
     [[cell]]
     name = "eu-west"
     database_url_env = "CELL_EU_WEST_DATABASE_URL"
@@ -49,7 +52,7 @@ from journal import allowances as store
 from journal.db import connect
 from policy.admission import DAY_S, window_start
 from policy.allowances import CellDay, lowered, split
-from policy.routing import CellCapacity, fenced, weights
+from policy.routing import CellCapacity, fenced, homes, weights
 from protocol.limits import ANY_MODEL
 
 log = logging.getLogger("ballast.cells")
@@ -79,12 +82,14 @@ class Edge:
     """An HAProxy in front of the cells: backend `backend` has a server per cell (named as
     the cell), backend `{backend}_{cell}` that cell's server alone and `{backend}_none` none;
     `fences` is the map file its frontend looks a key's SHA-256 up in to send a fenced
-    tenant to its backend (docs/deployment.md). The reconciler sets the weights and the map
-    through its runtime API each tick."""
+    tenant to its backend, `homes` the one it looks the key up in for calls that make or
+    find a file, batch or fine-tuning job (docs/deployment.md). The reconciler sets the
+    weights and the maps through its runtime API each tick."""
 
     socket: str  # its `stats socket … level admin`
     backend: str = "cells"
-    fences: str | None = None  # the map file, as the frontend names it
+    fences: str | None = None  # the map files, as the frontend names them
+    homes: str | None = None
 
     async def _ask(self, command: str) -> str:
         reader, writer = await asyncio.open_unix_connection(self.socket)
@@ -101,17 +106,33 @@ class Edge:
             raise RuntimeError(f"haproxy at {self.socket}: {answer} (to `{command}`)")
 
     async def set_fences(self, routes: Mapping[str, str]) -> int:
-        """Key hash → cell ("": none) in the map, changing only what differs; changes made."""
-        if self.fences is None:
-            return 0
+        """Key hash → cell ("": none) in the fences map, changing only what differs; changes made."""
+        return 0 if self.fences is None else await self._set_map(self.fences, routes)
+
+    async def held_homes(self) -> dict[str, str]:
+        """Key hash → cell, as the homes map has it now."""
+        if self.homes is None:
+            return {}
+        cut = len(self.backend) + 1
+        return {k: v[cut:] for k, v in (await self._map(self.homes)).items()}
+
+    async def set_homes(self, routes: Mapping[str, str]) -> int:
+        """Key hash → cell in the homes map, changing only what differs; changes made."""
+        return 0 if self.homes is None else await self._set_map(self.homes, routes)
+
+    async def _map(self, path: str) -> dict[str, str]:
         held = {}
-        for line in (await self._ask(f"show map {self.fences}")).splitlines():
+        for line in (await self._ask(f"show map {path}")).splitlines():
             parts = line.split()
             if len(parts) == 3:  # "<ref> <key> <value>"
                 held[parts[1]] = parts[2]
+        return held
+
+    async def _set_map(self, path: str, routes: Mapping[str, str]) -> int:
+        held = await self._map(path)
         want = {k: f"{self.backend}_{c or 'none'}" for k, c in routes.items()}
-        commands = [f"del map {self.fences} {k}" for k in sorted(held.keys() - want.keys())]
-        commands += [f"{'set' if k in held else 'add'} map {self.fences} {k} {v}"
+        commands = [f"del map {path} {k}" for k in sorted(held.keys() - want.keys())]
+        commands += [f"{'set' if k in held else 'add'} map {path} {k} {v}"
                      for k, v in sorted(want.items()) if held.get(k) != v]
         for command in commands:  # one at a time: an answer names the command it is for
             answer = await self._ask(command)
@@ -167,7 +188,7 @@ def load(path: Path, env: Mapping[str, str] = os.environ) -> CellsFile:
     if (e := raw.get("edge")) is not None:
         if not e.get("haproxy_socket"):
             raise CellsError(f"{path}: [edge] needs `haproxy_socket` (HAProxy's `stats socket … level admin`)")
-        edge = Edge(e["haproxy_socket"], e.get("backend", "cells"), e.get("fences_map"))
+        edge = Edge(e["haproxy_socket"], e.get("backend", "cells"), e.get("fences_map"), e.get("homes_map"))
     knobs = {k: float(raw[k]) for k in ("tick_s", "settle_s", "timeout_s") if k in raw}
     return CellsFile(cells, tuple(limits), edge, **knobs)
 
@@ -181,6 +202,7 @@ class Seen:
     in_force: dict[tuple[str, str], int | None] = field(default_factory=dict)
     capacity: tuple[int, int] = (0, 0)  # its live slots, and those busy with chat
     fenced: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key hash → its tenant's regions
+    free: frozenset[str] = frozenset()  # the hash of each live key of a tenant fenced nowhere
     read_at: float = 0.0
     error: str = ""
 
@@ -250,7 +272,7 @@ class Reconciler:
         async def read() -> Seen:
             async with self.cells[name].connect() as conn:
                 v = await store.view(conn, day)
-            return Seen(True, v.usage, v.in_force, v.capacity, v.fenced)
+            return Seen(True, v.usage, v.in_force, v.capacity, v.fenced, v.free)
 
         at = self.clock()
         try:
@@ -385,6 +407,14 @@ class Reconciler:
                 else:  # every cell answered: a key none holds any more (revoked) goes
                     self._fenced = routes
                 await asyncio.wait_for(self.edge.set_fences(self._fenced), self.timeout_s)
+                if not unreachable:  # a home is never moved on a partial read: only a cell holding
+                    # the key decides, and one out of reach may be its home
+                    held: dict[str, list[str]] = {}
+                    for n in names:
+                        for key in seen[n].free:
+                            held.setdefault(key, []).append(n)
+                    routes = homes(held, await asyncio.wait_for(self.edge.held_homes(), self.timeout_s))
+                    await asyncio.wait_for(self.edge.set_homes(routes), self.timeout_s)
             except Exception as err:  # noqa: BLE001 (the edge keeps what it had; its own checks go on)
                 log.warning("cells: could not update the edge: %s", err)
         ages = {n: age for n in live if (age := fold_age(seen[n], now)) is not None}

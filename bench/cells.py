@@ -11,8 +11,9 @@ each chunk for the delay, in both directions), and the client. One tenant's key 
 every cell, with a global `tokens_per_day` in the cells file and no limit of its own in
 any cell.
 
-The run: chats through the edge at a steady rate; a batch (another tenant) sent straight to
-one cell; that cell's link cut (`ip link set … down`: it runs on, unreachable) and mended;
+The run: chats through the edge at a steady rate; a batch (another tenant, whose key one
+cell holds) uploaded and made through the edge, which sends it to that cell, the key's
+home; that cell's link cut (`ip link set … down`: it runs on, unreachable) and mended;
 the load goes on until the global limit is spent. Judged from the outside: what the client
 sent and got (status, which cell answered: the edge's header), and each cell's ledger and
 batch read back in SQL. Figures: overshoot against the bound (docs/quotas-and-audit.md),
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -194,7 +196,7 @@ def _owner(cell: Cell, query: str, *params: Any) -> list[tuple]:
 
 def edge_config(directory: Path, port: int, servers: Mapping[str, str], *, check: bool = True) -> Path:
     """The edge as docs/deployment.md has it, in `directory` (its runtime socket `admin.sock`,
-    its fences map `fences.map`, empty): a backend of every cell (`servers`: cell → its API's
+    its fences map `fences.map` and homes map `homes.map`, empty): a backend of every cell (`servers`: cell → its API's
     host:port), one of each cell alone, an empty one, and the lookup of the request's key's
     SHA-256 in the map; `check`: health-checked, a dead cell's sessions ended."""
     health = " check inter 500 fall 2 rise 2 on-marked-down shutdown-sessions" if check else ""
@@ -202,8 +204,9 @@ def edge_config(directory: Path, port: int, servers: Mapping[str, str], *, check
     named = "  http-response set-header x-ballast-cell %[srv_name]\n"
     every = "".join(f"  server {c} {a}{health} weight 100\n" for c, a in servers.items())
     own = "".join(f"backend cells_{c}\n{probe}{named}  server {c} {a}{health}\n" for c, a in servers.items())
-    fences = directory / "fences.map"
+    fences, homes = directory / "fences.map", directory / "homes.map"
     fences.write_text("")
+    homes.write_text("")
     conf = directory / "edge.cfg"
     conf.write_text(f"""global
   stats socket {directory / 'admin.sock'} level admin
@@ -219,6 +222,8 @@ frontend edge
   bind 127.0.0.1:{port}
   http-request set-var(txn.key) req.hdr(authorization),word(2,' '),digest(sha256),hex,lower
   use_backend %[var(txn.key),map({fences})] if {{ var(txn.key),map({fences}) -m found }}
+  acl stateful path_beg /v1/files /v1/batches /v1/fine_tuning
+  use_backend %[var(txn.key),map({homes})] if stateful {{ var(txn.key),map({homes}) -m found }}
   default_backend cells
 backend cells
   balance roundrobin
@@ -237,6 +242,17 @@ def _stat(sock: Path) -> dict[str, list[str]]:
             raw += chunk
     rows = [line.split(",") for line in raw.decode().splitlines() if line and not line.startswith("#")]
     return {r[1]: r for r in rows if r[0] == "cells" and r[1] not in ("BACKEND", "FRONTEND")}
+
+
+def _map(sock: Path, path: Path) -> dict[str, str]:
+    """An HAProxy map as it holds it now (`show map`): key → value."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sock))
+        s.sendall(f"show map {path}\n".encode())
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    return {p[1]: p[2] for p in (line.split() for line in raw.decode().splitlines()) if len(p) == 3}
 
 
 def _server_states(sock: Path) -> dict[str, str]:
@@ -336,6 +352,7 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
     (work / "cells.toml").write_text(
         f"tick_s = {tick_s}\nsettle_s = {settle_s}\ntimeout_s = {timeout_s}\n"
         f'[edge]\nhaproxy_socket = "{sock}"\nbackend = "cells"\nfences_map = "{edge_dir / "fences.map"}"\n'
+        f'homes_map = "{edge_dir / "homes.map"}"\n'
         + "".join(f'[[cell]]\nname = "{c}"\ndatabase_url_env = "CELL_{c.upper()}_URL"\n' for c in cells)
         + f'[[limit]]\ntenant = "{tenant}"\ntokens_per_day = {limit}\n')
     reconciler = procs.spawn("ballast cells reconcile", [*_ballast("cells", "reconcile", "--file",
@@ -384,6 +401,7 @@ def run(net: Network, cells: dict[str, Cell], settings: Settings, *, seconds: fl
         f"bound {bound}")
     b = out["batch"]
     out["ok"] = bool(out["quota"]["within"] and b["status"] == "completed" and b["once"] and out["audit"]["agree"]
+                     and b["made_at"] == [LOST, LOST]
                      and out["fenced"]["outside_fence"] == 0 and out["fenced"]["ok"] > 0
                      and out["edge"]["failed_after_down"] == 0 and out["quota"]["total"] >= 0.9 * limit)
     return out
@@ -395,15 +413,24 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, f
 
     lost = cells[LOST]
     model = settings.model_name
-    # A batch on the cell to be lost, from its own `default` tenant (ballast up's key).
-    own = OpenAI(base_url=f"{lost.api}/v1", api_key=(lost.dir / "data" / "api-key").read_text().strip(),
-                 max_retries=3, timeout=60)
+    # A batch through the edge, from the lost cell's own `default` tenant (ballast up's key,
+    # which only that cell holds): its home is that cell, once the reconciler has put the
+    # key in the edge's homes map.
+    own_key = (lost.dir / "data" / "api-key").read_text().strip()
+    own_hash = hashlib.sha256(own_key.encode()).hexdigest()  # as the edge hashes it
+    procs.wait_until(lambda: own_hash in _map(sock, sock.parent / "homes.map"), 30, "the key's home at the edge")
+    own = OpenAI(base_url=f"http://127.0.0.1:{edge_port}/v1", api_key=own_key, max_retries=3, timeout=60)
     items = 96  # enough that the cell is lost mid-batch
     body = "\n".join(json.dumps(dict(custom_id=f"item-{i}", method="POST", url="/v1/chat/completions", body=dict(
         model=model, max_tokens=256, temperature=0, ignore_eos=True,
         messages=[{"role": "user", "content": f"count to {i}"}]))) for i in range(items))
-    upload = own.files.create(file=("batch.jsonl", body.encode()), purpose="batch")
-    batch = own.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    made = own.files.with_raw_response.create(file=("batch.jsonl", body.encode()), purpose="batch")
+    upload = made.parse()
+    made_at = [made.headers.get("x-ballast-cell")]
+    made_batch = own.batches.with_raw_response.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h")
+    batch = made_batch.parse()
+    made_at.append(made_batch.headers.get("x-ballast-cell"))
 
     records: list[dict[str, Any]] = []
     fenced: list[dict[str, Any]] = []  # the fenced tenant's, at a chat a second
@@ -529,7 +556,7 @@ def _drive(net: Network, cells: dict[str, Cell], settings: Settings, key: str, f
         edge=dict(down_after_s=round(down_at - cut_at, 2), failed_after_down=len(after_down),
                   sent_between_cut_and_down=len(in_window), their_max_s=round(slow[-1], 2) if slow else None,
                   to_lost_after_down=sum(1 for r in ok if r["cell"] == LOST and down_at < r["sent"] < mended_at)),
-        batch=dict(status=batch.status, items=items, done_when_lost=done_before,
+        batch=dict(status=batch.status, items=items, made_at=made_at, done_when_lost=done_before,
                    chunks_journaled_when_lost=chunks_before, output_lines=sum(seen.values()),
                    finished_after_return_s=round(finished_after_s, 1),
                    once=sorted(seen) == sorted(f"item-{i}" for i in range(items)) and set(seen.values()) == {1}

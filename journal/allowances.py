@@ -79,6 +79,7 @@ class CellView:
     in_force: dict[tuple[str, str], int | None]
     capacity: tuple[int, int]  # its live, non-draining engines' slots, and those chat holds
     fenced: dict[str, tuple[str, ...]]  # the hash of each live key of a fenced tenant → its regions
+    free: frozenset[str] = frozenset()  # the hash of each live key of a tenant fenced nowhere
 
 
 def _rows(q: Select) -> Any:
@@ -99,9 +100,9 @@ def _capacity_query(within_s: float) -> Select:
         engines.c.seen_at > func.now() - text(f"interval '{float(within_s)} seconds'"), engines.c.draining.is_(False))
 
 
-def _fenced_query() -> Select:
+def _keys_query() -> Select:
     return (select(api_keys.c.hash, tenants.c.regions).join(tenants, tenants.c.id == api_keys.c.tenant)
-            .where(api_keys.c.revoked_at.is_(None), tenants.c.regions.is_not(None)))
+            .where(api_keys.c.revoked_at.is_(None)))
 
 
 def _slots(stats: Sequence[dict[str, Any]]) -> tuple[int, int]:
@@ -112,16 +113,17 @@ async def view(conn: AsyncConnection, day: float, within_s: float = 5.0) -> Cell
     """The cell's usage of the UTC day starting at `day` (unix seconds), as its admission
     counts it against `tokens_per_day`: the fold's day rows of every admitting process
     (what each admitted as of the fold's last tick) and training's settles; the allowances
-    in force; its capacity; its fenced tenants' keys (by hash) and their regions."""
+    in force; its capacity; its tenants' live keys (by hash), the fenced ones' with their regions."""
     row = (await conn.execute(select(
         _rows(_usage_query(day)), _rows(trained_query(day)), _rows(_in_force()),
         _rows(_capacity_query(within_s)), text("(SELECT max(folded_at) FROM quota_fold)"),
-        _rows(_fenced_query())))).one()
+        _rows(_keys_query())))).one()
     tokens: dict[tuple[str, str], int] = {}
     for tenant, model, n in (*row[0], *row[1]):
         tokens[(tenant, model)] = tokens.get((tenant, model), 0) + int(n)
     return CellView(DayUsage(tokens, row[4]), {(t, m): a for t, m, a in row[2]}, _slots([s for (s,) in row[3]]),
-                    {h: tuple(regions) for h, regions in row[5]})
+                    {h: tuple(regions) for h, regions in row[5] if regions is not None},
+                    frozenset(h for h, regions in row[5] if regions is None))
 
 
 async def settled_by_day(conn: AsyncConnection, since: float, tenant: str | None = None) -> list[dict[str, Any]]:

@@ -10,11 +10,16 @@ before it is full.
 A tenant fenced to some regions goes to one of them alone (`fenced`): the one of its
 regions weighing most now, so its traffic moves within its fence when that cell is lost,
 and never outside it.
+
+What a key makes and finds again (files, batches, fine-tuning jobs) lives in one cell's
+journal, so those calls of the key go to one cell, its home (`homes`), whatever the
+weights; chats, which leave nothing to find, go by weight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_WEIGHT = 256  # HAProxy's range (0–256); Envoy's and DNS weights scale alike
@@ -46,3 +51,20 @@ def fenced(fences: Mapping[str, Sequence[str]], weights: Mapping[str, int]) -> d
         mine = [r for r in regions if r in weights]
         out[key] = min(mine, key=lambda c: (-weights[c], c)) if mine else ""
     return out
+
+
+def homes(held: Mapping[str, Collection[str]], current: Mapping[str, str]) -> dict[str, str]:
+    """Key hash → its home: its `current` one while that cell still holds the key (a home
+    never moves under what was made there); else, of the cells holding the key, the one
+    ranking highest for it (rendezvous hashing: every reconciler, and the same one after a
+    restart, picks the same). A key no cell holds has none."""
+    out = {}
+    for key, cells in held.items():
+        if cells:
+            here = current.get(key)
+            out[key] = here if here is not None and here in cells else max(cells, key=lambda c: _rank(key, c))
+    return out
+
+
+def _rank(key: str, cell: str) -> bytes:
+    return hashlib.sha256(f"{key}/{cell}".encode()).digest()

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
 import psycopg
@@ -24,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.services.admission import Admission, Ticket
 from ballast import procs
-from ballast.cells import GlobalLimit, Reconciler, cell_engine, load
+from ballast.cells import Edge, GlobalLimit, Reconciler, cell_engine, load
 from config import Settings
 from config.database import as_role, libpq_url
 from journal import fold, tenant_store
@@ -348,11 +349,11 @@ class Answering:
             s.server_close()
 
 
-async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp_path):
+async def test_the_edge_takes_the_weights_the_fences_and_the_homes_the_reconciler_sets(tmp_path):
     """A real HAProxy with a server per cell: the weights set through its runtime API are the
     ones it then reports (`show stat`), a cell at 0 included; a fenced tenant's key goes to
     the cell the map names and nowhere else, one fenced to no cell gets no cell, the rest go
-    round the cells."""
+    round the cells, but for their files, batches and fine-tuning jobs: to their home."""
     from ballast.cells import Edge
     from bench.cells import _server_weights, edge_config
     from bench.tls import haproxy
@@ -365,7 +366,7 @@ async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp
     edge = procs.spawn("haproxy", [haproxy(), "-db", "-f", str(conf)], log_path=tmp_path / "haproxy.log")
     try:
         procs.wait_until(sock.exists, 30, "haproxy's runtime socket", child=edge)
-        e = Edge(str(sock), fences=str(fences))
+        e = Edge(str(sock), fences=str(fences), homes=str(tmp_path / "homes.map"))
         await e.set_weights({"eu": 256, "us": 17, "ap": 0})
         assert _server_weights(sock) == {"eu": 256, "us": 17, "ap": 0}
         with pytest.raises(RuntimeError, match="nowhere"):
@@ -375,10 +376,10 @@ async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp
         assert await e.set_fences({hash_key(fenced_us): "us", hash_key(fenced_none): ""}) == 2
         assert await e.set_fences({hash_key(fenced_us): "us", hash_key(fenced_none): ""}) == 0  # nothing differs
 
-        def where(key: str, n: int = 6) -> list[str | int]:
+        def where(key: str, n: int = 6, path: str = "/") -> list[str | int]:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
                 return [r.text if r.status_code == 200 else r.status_code
-                        for r in (c.get("/", headers={"Authorization": f"Bearer {key}"}) for _ in range(n))]
+                        for r in (c.get(path, headers={"Authorization": f"Bearer {key}"}) for _ in range(n))]
 
         assert await asyncio.to_thread(where, fenced_us) == ["us"] * 6
         assert await asyncio.to_thread(where, fenced_none) == [503] * 6
@@ -387,6 +388,16 @@ async def test_the_edge_takes_the_weights_and_the_fences_the_reconciler_sets(tmp
         assert await e.set_fences({hash_key(fenced_us): "ap"}) == 2
         assert await asyncio.to_thread(where, fenced_us) == ["ap"] * 6
         assert sorted(set(await asyncio.to_thread(where, fenced_none))) == ["ap", "eu", "us"]
+        # Homes: the free key's files, batches and fine-tuning jobs go to eu alone; its chats
+        # still go round; a fenced key's home is its fence.
+        assert await e.set_homes({hash_key(free): "eu", hash_key(fenced_us): "us"}) == 2
+        assert await e.held_homes() == {hash_key(free): "eu", hash_key(fenced_us): "us"}
+        for path in ("/v1/files", "/v1/batches/batch_1", "/v1/fine_tuning/jobs"):
+            assert await asyncio.to_thread(where, free, 6, path) == ["eu"] * 6
+            assert await asyncio.to_thread(where, fenced_us, 6, path) == ["ap"] * 6
+        assert sorted(set(await asyncio.to_thread(where, free, 6, "/v1/chat/completions"))) == ["ap", "eu", "us"]
+        assert await e.set_homes({hash_key(free): "us"}) == 2  # moved (one set), and one gone (one del)
+        assert await asyncio.to_thread(where, free, 6, "/v1/batches") == ["us"] * 6
     finally:
         edge.stop(10)
         cells.close()
@@ -445,10 +456,82 @@ async def test_a_cell_names_its_fenced_tenants_keys_by_hash(cells):
         revoked, _ = await tenant_store.create_key(conn, fenced)
         await tenant_store.revoke(conn, revoked)
         await tenant_store.create_key(conn, free)
+        _, free_key = await tenant_store.create_key(conn, free)
     engine = cell_engine(cells["eu"].cells_url, "eu")
     try:
         async with engine.connect() as conn:
-            got = (await view(conn, window_start(time.time(), DAY_S))).fenced
+            got = await view(conn, window_start(time.time(), DAY_S))
     finally:
         await engine.dispose()
-    assert {h: r for h, r in got.items() if r == ("us", "ap")} == {tenant_store.hash_key(key): ("us", "ap")}
+    assert {h: r for h, r in got.fenced.items() if r == ("us", "ap")} == {tenant_store.hash_key(key): ("us", "ap")}
+    # The rest, by hash alone: where their files and batches are made and found (their home).
+    assert tenant_store.hash_key(free_key) in got.free and tenant_store.hash_key(key) not in got.free
+
+
+class Recorded:
+    """An edge that keeps what it is told, in memory (Edge's interface)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, int] = {}
+        self.homes_set: list[dict[str, str]] = []
+        self.held: dict[str, str] = {}
+
+    async def set_weights(self, weights):
+        self.weights = dict(weights)
+
+    async def set_fences(self, routes):
+        return 0
+
+    async def held_homes(self):
+        return dict(self.held)
+
+    async def set_homes(self, routes):
+        self.homes_set.append(dict(routes))
+        self.held = dict(routes)
+        return len(routes)
+
+
+async def test_each_key_gets_a_home_among_the_cells_holding_it_and_none_moves_while_a_cell_is_out_of_reach(
+        cells):
+    """The homes the reconciler gives the edge: a key held by one cell lives there; one held
+    by every cell gets one of them and keeps it, tick after tick; revoked in its home, it
+    moves to a cell still holding it; while any cell is out of reach nothing moves (that
+    cell may be a key's home, and what was made there is there)."""
+    tenant = f"home-{uuid.uuid4().hex[:6]}"
+    async with cells["eu"].db.begin() as conn:
+        await tenant_store.ensure_tenant(conn, tenant)
+        _, only_eu = await tenant_store.create_key(conn, tenant)
+        everywhere_id, everywhere = await tenant_store.create_key(conn, tenant)
+    for c in ("us", "ap"):  # the same key in every cell, as an operator copies its row
+        with psycopg.connect(libpq_url(cells[c].owner_url), autocommit=True) as conn:
+            conn.execute("INSERT INTO tenants (id) VALUES (%s) ON CONFLICT DO NOTHING", (tenant,))
+            conn.execute("INSERT INTO api_keys (id, tenant, hash, prefix) VALUES (%s, %s, %s, 'sk-ballast-')",
+                         (everywhere_id, tenant, tenant_store.hash_key(everywhere)))
+    h_eu, h_all = tenant_store.hash_key(only_eu), tenant_store.hash_key(everywhere)
+    edge = Recorded()
+    engines = {c.name: cell_engine(c.cells_url, c.name) for c in cells.values()}
+    rec = Reconciler(engines, [], timeout_s=2.0, settle_s=0, edge=cast(Edge, edge))
+    try:
+        await rec.tick()
+        first = edge.held
+        assert first[h_eu] == "eu" and first[h_all] in CELLS
+        home = first[h_all]
+        for _ in range(2):
+            await rec.tick()
+            assert (edge.held[h_eu], edge.held[h_all]) == ("eu", home)
+        # Revoked in its home: it moves to a cell that still holds it.
+        with psycopg.connect(libpq_url(cells[home].owner_url), autocommit=True) as conn:
+            conn.execute("UPDATE api_keys SET revoked_at = now() WHERE id = %s", (everywhere_id,))
+        await rec.tick()
+        moved = edge.held[h_all]
+        assert moved in CELLS and moved != home
+        # A cell out of reach: the homes are not touched at all, whichever cell it is.
+        lost = "eu" if moved != "eu" else "us"
+        told = len(edge.homes_set)
+        await rec.cells[lost].dispose()
+        rec.cells[lost] = connect("postgresql://nobody@127.0.0.1:9/none", pool_size=1)
+        t = await rec.tick()
+        assert t.unreachable == (lost,) and len(edge.homes_set) == told and edge.held[h_all] == moved
+    finally:
+        for e in rec.cells.values():
+            await e.dispose()

@@ -19,3 +19,23 @@ def test_a_fenced_key_goes_to_the_heaviest_of_its_regions_and_never_outside():
     w = {"eu": 100, "us": 256, "ap": 0, "sa": 256}
     assert fenced({"k1": ["eu", "us"], "k2": ["ap"], "k3": ["mars"], "k4": ["sa", "us"], "k5": ["eu", "ap"]}, w) == {
         "k1": "us", "k2": "ap", "k3": "", "k4": "sa", "k5": "eu"}
+
+
+def test_a_key_keeps_its_home_while_that_cell_holds_it_and_is_given_one_that_does_otherwise():
+    import hashlib
+
+    from policy.routing import homes
+
+    def ranked_first(key: str, cells: list[str]) -> str:  # rendezvous hashing, as documented
+        return max(cells, key=lambda c: hashlib.sha256(f"{key}/{c}".encode()).digest())
+
+    held = {"k1": ["eu"], "k2": ["eu", "us", "ap"], "k3": ["us", "ap"], "k4": []}
+    fresh = homes(held, {})
+    assert fresh == {"k1": "eu", "k2": ranked_first("k2", ["eu", "us", "ap"]), "k3": ranked_first("k3", ["us", "ap"])}
+    assert homes(held, {}) == fresh  # any reconciler, any restart: the same homes
+    # A home already set stays while its cell holds the key (a cell added ranks no key away).
+    assert homes({**held, "k2": ["eu", "us", "ap", "sa"]}, {"k2": "us"})["k2"] == "us"
+    # Its cell no longer holds it (revoked there): another that does.
+    assert homes({"k2": ["eu", "ap"]}, {"k2": "us"}) == {"k2": ranked_first("k2", ["eu", "ap"])}
+    # A key gone everywhere has no home; one the map held that no cell holds is dropped.
+    assert homes({"k4": []}, {"k4": "eu", "k9": "us"}) == {}
