@@ -10,8 +10,8 @@
      router's prefix index predicts (policy/prefix.py): a hit in vLLM's prefix cache;
    - load: the share of its slots not taken by interactive work (batch yields to it).
 3. A bound keeps affinity from piling onto one engine: an engine whose interactive load
-   has reached `load_bound` × the mean (consistent hashing with bounded loads, Mirrokni,
-   Thorup and Zadimoghaddam) scores no affinity, so the prefix spills to the next best
+   has reached `load_bound` × the mean, rounded down (`load_cap`; consistent hashing with
+   bounded loads, Mirrokni, Thorup and Zadimoghaddam) scores no affinity, so the prefix spills to the next best
    and, being sent there, is cached there too.
 4. The picker ranks by the weighted sum, best first (the caller falls back down the list);
    ties go to the engine with less batch work (fewer to preempt), then to the highest
@@ -98,9 +98,12 @@ def load_score(e: EngineView) -> float:
 
 def load_cap(engines: list[EngineView], bound: float) -> int:
     """The interactive load at which an engine stops attracting its prefixes: `bound` ×
-    the mean once this request is counted, rounded up (never below 1)."""
-    total = sum(e.interactive for e in engines) + 1
-    return max(1, math.ceil(bound * total / max(1, len(engines))))
+    the mean once this request is counted, rounded down, so that no engine passes the
+    bound by placement; but above the mean, rounded down, so that an engine at the mean can
+    always take one more (at a mean of a few requests the bound then allows more than
+    `bound` × the mean: a request is whole)."""
+    mean = (sum(e.interactive for e in engines) + 1) / max(1, len(engines))
+    return max(math.floor(bound * mean), math.floor(mean) + 1)
 
 
 # -- 4. the picker ------------------------------------------------------------------------

@@ -52,9 +52,13 @@ def test_affinity_score_is_the_share_of_leading_blocks_held():
 
 
 def test_the_load_cap_is_the_bound_times_the_mean_counting_this_request():
-    assert load_cap([ev("a"), ev("b")], 1.25) == 1  # ceil(1.25 * 1 / 2)
-    assert load_cap([ev("a", interactive=4), ev("b", interactive=0)], 1.25) == 4  # ceil(1.25 * 5 / 2)
-    assert load_cap([ev("a", interactive=6), ev("b", interactive=6), ev("c", interactive=6)], 1.25) == 8
+    assert load_cap([ev("a"), ev("b")], 1.25) == 1  # mean 0.5: floor(0.625) = 0, but above the mean: 1
+    assert load_cap([ev("a", interactive=4), ev("b", interactive=0)], 1.25) == 3  # floor(1.25 * 5 / 2)
+    assert load_cap([ev("a", interactive=6), ev("b", interactive=6), ev("c", interactive=6)], 1.25) == 7
+    # 16 engines at 13 each: floor(1.25 × 209 / 16) = 16, so none passes 1.25 × the mean by placement.
+    assert load_cap([ev(str(i), interactive=13) for i in range(16)], 1.25) == 16
+    # At 2 each floor(1.25 × 33 / 16) = 2 is the mean, rounded down: one more, 3.
+    assert load_cap([ev(str(i), interactive=2) for i in range(16)], 1.25) == 3
 
 
 # -- the picker ---------------------------------------------------------------------------
@@ -68,9 +72,9 @@ def test_without_a_prefix_the_least_loaded_wins_then_less_batch():
 def test_a_held_prefix_wins_over_an_idler_engine_until_the_bound_then_spills():
     req = Request("m", blocks=(7, 8, 9, 10))
     # a holds the whole prefix and is busier than b: affinity wins...
-    assert ids(rank([ev("a", interactive=4), ev("b", interactive=2)], req, {"a": 4}))[0] == "a"
-    # ...until a reaches the bound (1.25 × the mean, this request counted: 5): then b.
-    assert ids(rank([ev("a", interactive=5), ev("b", interactive=2)], req, {"a": 4}))[0] == "b"
+    assert ids(rank([ev("a", interactive=3), ev("b", interactive=2)], req, {"a": 4}))[0] == "a"
+    # ...until a reaches the bound (1.25 × the mean, this request counted, rounded down: 4): then b.
+    assert ids(rank([ev("a", interactive=4), ev("b", interactive=2)], req, {"a": 4}))[0] == "b"
     # A partial match weighs its share.
     assert ids(rank([ev("a", interactive=4), ev("b", interactive=0)], req, {"a": 1}))[0] == "b"
 
