@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import pwd
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,28 @@ READY_FILE_ENV = "BALLAST_READY_FILE"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (another process may still take it first)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on right now (another process may still take it first),
+    from below the kernel's ephemeral range: a port from that range can be handed to any
+    outgoing connection in the moments before its server binds it (an engine worker binds
+    ~20 s after its port is chosen, once vLLM is up), and the bind then fails."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(max(1024, low - 12_000), low)
+        if port_is_free(port, host):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is full: any
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_PORTS = random.Random()  # its own: a test seeding the module's random must not repeat our ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def listen_nodelay(host: str, port: int) -> socket.socket:
