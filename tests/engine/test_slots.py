@@ -303,9 +303,10 @@ async def test_with_spare_sequences_a_slot_taken_back_is_not_aborted_and_lent_sl
     async with slots.interactive_request():
         await slots.lend(1, taken=1)  # the reserved tenant's request takes one
         assert slots.cap == 1 and slots.parked == 1 and aborted == ["c"]  # nothing more aborted
-        waiter = asyncio.create_task(start_batch(slots, ["d"], clock, aborted))
+        granted = asyncio.Event()  # its own hold, not start_batch's: cancelled, nothing is left waiting
+        waiter = asyncio.create_task(hold(slots, "d", 10, aborted, granted))
         await asyncio.sleep(0.05)
-        assert not waiter.done()  # over the cap: no new slot while one is parked
+        assert not waiter.done() and not granted.is_set()  # over the cap: no new slot while one is parked
         await slots.lend(0, taken=2)  # both taken: both generations run on
         assert slots.cap == 0 and aborted == ["c"]
         await slots.lend(2, taken=0)  # the tenant's requests end: the slots are lent again
