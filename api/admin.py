@@ -75,11 +75,14 @@ class Limits(BaseModel):
 
 
 class Reservation(BaseModel):
-    """Sequence slots of `model`'s pool kept for the tenant, spread over its engine workers
-    (0: none). What the tenant does not use is lent to batch work, which yields it back."""
+    """Sequence slots of `model`'s pool kept for the tenant, spread over its engine workers,
+    or output tokens a second there, kept as the slots that give them at the pool's
+    measured rate with every slot busy: one of the two (0: none). What the tenant does not
+    use is lent to batch work, which yields it back."""
 
     model: str = Field(min_length=1, max_length=256)
-    slots: int = Field(ge=0, le=1_000_000)
+    slots: int | None = Field(default=None, ge=0, le=1_000_000)
+    tokens_per_s: int | None = Field(default=None, ge=0, le=1_000_000_000)
     # Kept on that region's engine workers of the pool alone ("": anywhere in the pool).
     region: str = Field(default="", max_length=64)
 
@@ -284,8 +287,10 @@ async def set_limits(tenant_id: str, body: Limits, svc: ServicesDep, _: AdminDep
 
 def reservation_object(row: dict[str, Any], engines: list[EngineStats] | None = None) -> dict[str, Any]:
     region = row.get("region", "")
+    tokens_per_s = row.get("tokens_per_s", 0)
     out = dict(object="reservation", tenant=row["tenant"], model=row["model"], region=region or None,
-               slots=row["slots"], set_at=row.get("set_at", row.get("at")))
+               slots=None if tokens_per_s else row["slots"], tokens_per_s=tokens_per_s or None,
+               set_at=row.get("set_at", row.get("at")))
     if engines is not None:  # as its pool's engine workers (of its region) last said: kept for it, held by it
         here = [e for e in engines if not region or e.region == region]
         out.update(on_engines=sum(e.reserved.get(row["tenant"], 0) for e in here),
@@ -300,10 +305,14 @@ async def set_reservation(tenant_id: str, body: Reservation, svc: ServicesDep, a
     if body.model == ANY_MODEL:
         raise APIError(400, "A reservation is on one model's pool: name the model.", param="model",
                        code="invalid_value")
+    if (body.slots is None) == (body.tokens_per_s is None):
+        raise APIError(400, "A reservation is in sequence slots or in output tokens a second: give `slots` or "
+                       "`tokens_per_s`, not both (0 withdraws it).", param="slots", code="invalid_value")
     async with svc.db.begin() as conn:
         if await tenant_store.get_tenant(conn, tenant_id) is None:
             raise _unknown(tenant_id)
-        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots, admin.key_id, body.region)
+        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots or 0, admin.key_id, body.region,
+                                              tokens_per_s=body.tokens_per_s or 0)
     return reservation_object(change)
 
 

@@ -736,27 +736,35 @@ def admin_tiers(state: State, tenant: str, tiers: str | None) -> int:
 
 @command(admin, "reservations")
 @click.argument("tenant", required=False)
-@click.option("--model", help="The model's pool the reservation is on (with --slots).")
+@click.option("--model", help="The model's pool the reservation is on (with --slots or --tokens-per-s).")
 @click.option("--slots", type=click.IntRange(0), help="Sequence slots to keep for TENANT on --model's pool (0: none).")
+@click.option("--tokens-per-s", type=click.IntRange(0),
+              help="Or output tokens a second: kept as the slots that give them at the pool's measured rate (0: none).")
 @click.option("--region", default="", help="Keep them on that region's engine workers alone (default: anywhere).")
-def admin_reservations(state: State, tenant: str | None, model: str | None, slots: int | None, region: str) -> int:
+def admin_reservations(state: State, tenant: str | None, model: str | None, slots: int | None,
+                       tokens_per_s: int | None, region: str) -> int:
     """Reserved capacity: every reservation in force with what its pool's engine workers
     keep and its requests use now; or TENANT's, with every change to them; or set one."""
     c = state.client
-    if slots is not None:
+    if slots is not None or tokens_per_s is not None:
         if not tenant or not model:
-            raise ApiError(Exit.USAGE, "--slots needs a TENANT and --model")
-        c.put(f"/admin/tenants/{tenant}/reservations", dict(model=model, slots=slots, region=region))
+            raise ApiError(Exit.USAGE, "--slots or --tokens-per-s needs a TENANT and --model")
+        if slots is not None and tokens_per_s is not None:
+            raise ApiError(Exit.USAGE, "a reservation is in --slots or in --tokens-per-s, not both")
+        body = dict(model=model, region=region, **(dict(slots=slots) if slots is not None else
+                                                   dict(tokens_per_s=tokens_per_s)))
+        c.put(f"/admin/tenants/{tenant}/reservations", body)
+    size = [("SLOTS", lambda r: "-" if r["slots"] is None else r["slots"]),
+            ("TOKENS/S", lambda r: r.get("tokens_per_s") or "-")]
     if tenant is None:
         emit(state, c.get("/admin/reservations"), [("TENANT", lambda r: r["tenant"]), ("MODEL", lambda r: r["model"]),
-                                                   ("REGION", lambda r: r["region"] or "-"),
-                                                   ("SLOTS", lambda r: r["slots"]),
+                                                   ("REGION", lambda r: r["region"] or "-"), *size,
                                                    ("ON ENGINES", lambda r: r["on_engines"]),
                                                    ("USED", lambda r: r["used"])])
         return Exit.OK
     got = c.get(f"/admin/tenants/{tenant}/reservations")
     emit(state, dict(object="list", data=got["history"]),
-         [("MODEL", lambda r: r["model"]), ("REGION", lambda r: r["region"] or "-"), ("SLOTS", lambda r: r["slots"]),
+         [("MODEL", lambda r: r["model"]), ("REGION", lambda r: r["region"] or "-"), *size,
           ("SET AT", lambda r: r["set_at"]),
           ("BY", lambda r: r["by"])])
     return Exit.OK

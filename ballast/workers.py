@@ -238,7 +238,8 @@ async def engine_worker(settings: Settings) -> None:
                 if settings.serve_fine_tuned and not spec.embeds else None)
     # The settings' vLLM arguments, from the one mapping every benchmark's raw arm uses too.
     engine: Engine | GatedEngine = await Engine.from_args(spec, engine_args(spec, settings),
-                                                          nice=settings.engine_nice, adapters=adapters)
+                                                          nice=settings.engine_nice, adapters=adapters,
+                                                          full_at=settings.max_num_seqs)
     if settings.engine_gate is not None:  # a test seam: batch generations hold at the file's budgets
         from engine.gate import GatedEngine
 
@@ -365,39 +366,46 @@ async def _announce(db, engine_id: str, url: str, spec, queue: str, settings: Se
     """Every second, off the request path: tell the API and the fleet controller where this
     engine streams from and how loaded it is; take the controller's batch cap back, and
     whether an operator is draining this engine; its batch pace, which completion windows
-    are promised on (policy/promises.py); and its part of its pool's reservations, which
-    it keeps for their tenants (policy/reservations.py)."""
+    are promised on (policy/promises.py), and its rate at full load; and its part of its
+    pool's reservations, those in tokens a second as slots at the pool's rate at full load,
+    which it keeps for their tenants (policy/reservations.py)."""
     from dataclasses import asdict
 
     from journal import engine_registry, reservations
     from policy import reservations as reserving
     from policy.promises import Pace, paced
 
-    pace = Pace()
+    pace = full = Pace()
     while True:
         try:
             report = slots.report()
             batch_tokens = int(families.total(families.BATCH_TOKENS))
             pace = paced(pace, slots.busy_s(), batch_tokens)
+            full = paced(full, engine.load.full_s, engine.load.full_tokens)
             reserved, used = fair.reserved, reserving.used(fair.reserved, fair.running_of)
             lent = min(report["batch"], sum(reserved.values()) - sum(used.values()))
             async with db.begin() as conn:
-                pool = [reserving.Reserved(r["tenant"], r["slots"], r["region"])
+                pool = [reserving.Reserved(r["tenant"], r["slots"], r["region"], r["tokens_per_s"])
                         for r in await reservations.in_force(conn, model=spec.name)]
-                peers = {e["id"]: EngineStats.from_json(e["stats"]).region
+                peers = {e["id"]: reserving.Peer(s.region, s.max_seqs, s.full_rate, s.spare_seqs)
                          for e in await engine_registry.live(conn, settings.announce_s * 5)
-                         if e["model"] == spec.name and not e["draining"]}
+                         if e["model"] == spec.name and not e["draining"]
+                         for s in [EngineStats.from_json(e["stats"])]}
                 if not draining.drained.is_set():  # a draining engine leaves its part to its peers
-                    peers[engine_id] = settings.region
+                    peers[engine_id] = reserving.Peer(settings.region, settings.max_num_seqs, full.rate,
+                                                       settings.spare_seqs)
                 cap, drained = await engine_registry.announce(
                     conn, engine_id, url, spec.name, queue,
                     EngineStats(**report, **asdict(engine.load), max_seqs=settings.max_num_seqs,
+                                spare_seqs=settings.spare_seqs,
                                 flex=fair.in_tier(Tier.FLEX), flex_floor=fair.floors.get(Tier.FLEX, 0),
                                 block_size=engine.block_size, region=settings.region,
                                 max_model_len=spec.max_model_len, model_source=spec.path, task=spec.task,
-                                batch_tokens=batch_tokens, batch_rate=round(pace.rate, 3), reserved=reserved,
+                                batch_tokens=batch_tokens, batch_rate=round(pace.rate, 3),
+                                full_rate=round(full.rate, 3), reserved=reserved,
                                 reserved_used=used, lent=lent).to_json())
-            fair.reserve(reserving.shares(pool, peers, engine_id))
+            fair.reserve(reserving.shares(reserving.in_slots(pool, peers),
+                                          {e: p.region for e, p in peers.items()}, engine_id))
             await slots.direct(cap)
             draining.set(drained)
         except Exception as err:  # the database is back soon; the API sees us as stale meanwhile

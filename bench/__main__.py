@@ -97,8 +97,11 @@ def _promises(s: Settings, a: argparse.Namespace) -> int:
 
 
 def _reserved(s: Settings, a: argparse.Namespace) -> int:
-    from bench.reserved import main
+    from bench.reserved import main, main_tokens
 
+    if a.in_tokens:
+        return main_tokens(s, seconds=a.seconds, share=a.share, gold_streams=a.gold_streams, streams=a.streams,
+                           spare=a.slots if a.spare is None else a.spare)
     return main(s, seconds=a.seconds, rate=a.rate, slots=a.slots, streams=a.streams,
                 spare=a.slots if a.spare is None else a.spare)
 
@@ -192,6 +195,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--streams", type=int, default=24, help="the other tenant's chats in flight")
     b.add_argument("--spare", type=int, default=None,
                    help="BALLAST_SPARE_SEQS, in every phase (default: --slots; 0: a slot taken back is aborted)")
+    b.add_argument("--in-tokens", action="store_true",
+                   help="reserve output tokens a second instead, and measure what the tenant is delivered")
+    b.add_argument("--share", type=float, default=0.5,
+                   help="with --in-tokens: the reservation as a share of the engine's measured generation rate")
+    b.add_argument("--gold-streams", type=int, default=16, help="with --in-tokens: its chats in flight")
     b = bench("overload", _overload, "the overload policy by class: the fleet shrinks, the work doubles, one tenant "
                                      "floods giant prompts; waiting time, refusals and downgrades per class")
     b.add_argument("--seconds", type=float, default=120.0, help="seconds of each phase")

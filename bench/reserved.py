@@ -19,6 +19,14 @@ reservation's idle time lent out. Targets: gold's TTFT p99 reserved ≤ 1.10 × 
 ≥ 0.9.
 
 Prints a table, then one JSON line with the figures.
+
+With `--in-tokens`, the reservation is in output tokens a second instead (`tokens_per_s`,
+`--share` of the generation rate the engine measured while full) and gold asks for more
+than it: `--gold-streams` chats in flight, closed loop, beside the crowd and the batch, in
+two phases (shared, then reserved). Gold's delivered output tokens a second are the sum of
+the `usage.completion_tokens` of its chats (the client's own count), each spread evenly
+from its first token to its end and counted for the part inside the phase, over the
+phase's seconds. Target: delivered ≥ the reservation.
 """
 
 from __future__ import annotations
@@ -28,14 +36,16 @@ import contextlib
 import io
 import json
 import random
+import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import httpx
 
 from bench.fairness import make_tenants, owner_url
-from bench.stack import ballast_up
+from bench.stack import Stack, ballast_up
 from bench.stats import p50, pct
 from config import Settings
 
@@ -88,6 +98,56 @@ async def _sample(http: httpx.AsyncClient, engine_url: str, headers: dict[str, s
         await asyncio.sleep(0.1)
 
 
+async def _tokens(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> tuple[float, float, int]:
+    """One streamed chat: when its first content token came, when it ended (perf_counter
+    seconds) and its completion tokens as its usage chunk says (0: it failed)."""
+    body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
+                stream_options=dict(include_usage=True), ignore_eos=True, temperature=0)
+    n, first = 0, None
+    async with http.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return time.perf_counter(), time.perf_counter(), 0
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"content":' in line:
+                first = time.perf_counter()
+            if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", n)
+    end = time.perf_counter()
+    return (first or end), end, n
+
+
+async def _delivered(http: httpx.AsyncClient, key: str, streams: int, seconds: float,
+                     failed: list[int] | None = None) -> float:
+    """Output tokens a second delivered to `streams` chats kept in flight for `seconds`:
+    each chat's tokens, spread evenly from its first token to its end, counted for the part
+    of that span inside the phase (a chat still running at the end is let finish)."""
+    start = time.perf_counter()
+    end = start + seconds
+    chats: list[tuple[float, float, int]] = []
+
+    async def loop(i: int) -> None:
+        n = 0
+        while time.perf_counter() < end:
+            chat = await _tokens(http, key, 128, f"Gold {i}.{n}: go on.")
+            if chat[2]:
+                chats.append(chat)
+            elif failed is not None:
+                failed.append(1)
+            n += 1
+
+    await asyncio.gather(*(loop(i) for i in range(streams)))
+    return inside(chats, start, end) / seconds
+
+
+def inside(chats: list[tuple[float, float, int]], start: float, end: float) -> float:
+    """The tokens of `chats` ((first token, end, tokens) each) that came between `start`
+    and `end`, each chat's spread evenly over its span."""
+    return sum(k * max(0.0, min(b, end) - max(a, start)) / (b - a) if b > a else k * (start <= b <= end)
+               for a, b, k in chats)
+
+
 def lent_share(samples: list[dict], max_seqs: int = MAX_SEQS) -> tuple[float, int]:
     """(Σ unused reserved slots batch held ÷ Σ unused reserved slots, samples with any unused)."""
     held = idle = n = 0
@@ -108,51 +168,123 @@ def _backlog(lines: int) -> bytes:
     ).encode() + b"\n" for i in range(lines))
 
 
-async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int, spare: int) -> dict:
-    rng = random.Random(SEED)
+async def _engine(http: httpx.AsyncClient, admin: dict[str, str]) -> dict:
+    """The pool's engine worker as it last announced itself."""
+    got = (await http.get("/admin/engines", headers=admin)).json()["data"]
+    return next(e["stats"] for e in got if e["model"] == MODEL)
+
+
+@contextlib.asynccontextmanager
+async def _up(settings: Settings, spare: int) -> AsyncIterator[tuple[Stack, httpx.AsyncClient, dict[str, str], str,
+                                                                     dict[str, str]]]:
+    """The stack, a client of its API, the tenants' keys, its engine worker's URL, the admin's header."""
     with tempfile.TemporaryDirectory() as d, ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(MAX_SEQS),
                                                         BALLAST_SPARE_SEQS=str(spare)) as stack:
         keys, engine_url = await make_tenants(owner_url(stack.db_url, Path(d)), ["gold", "crowd"])
         admin = {"Authorization": "Bearer " + (Path(d) / "admin-key").read_text().strip()}
-        base = str(stack.api.base_url).rstrip("/")
-        async with httpx.AsyncClient(base_url=base, timeout=300) as http:
-            async def reserve(n: int) -> None:
-                r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, slots=n), headers=admin)
-                assert r.status_code == 200, r.text
-                for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
-                    got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
-                    if got["fairness"].get("reserved", {}).get("gold", 0) == n:
-                        return
-                    await asyncio.sleep(0.1)
-                raise AssertionError(f"the engine never kept gold's {n} slots")
+        async with httpx.AsyncClient(base_url=str(stack.api.base_url).rstrip("/"), timeout=300) as http:
+            yield stack, http, keys, engine_url, admin
 
-            await _chat(http, keys["gold"], 4, "warm up")
-            alone = await _paced(http, keys["gold"], rate, seconds, rng)
 
-            f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
-                                data=dict(purpose="batch"), headers={"Authorization": f"Bearer {keys['crowd']}"})
-            assert f.status_code == 200, f.text
-            crowd_key = {"Authorization": f"Bearer {keys['crowd']}"}
-            batch = await http.post("/v1/batches", headers=crowd_key, json=dict(
-                input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window="24h"))
-            assert batch.status_code == 200, batch.text
-            for _ in range(600):  # validated and running before either phase: its start's CPU in neither
-                got = (await http.get(f"/v1/batches/{batch.json()['id']}", headers=crowd_key)).json()
-                if got["status"] == "in_progress" and got["request_counts"]["completed"]:
-                    break
+async def _run_tokens(settings: Settings, seconds: float, share: float, gold_streams: int, streams: int,
+                      spare: int) -> dict:
+    async with _up(settings, spare) as (stack, http, keys, engine_url, admin):
+        crowd_key = {"Authorization": f"Bearer {keys['crowd']}"}
+        f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
+                            data=dict(purpose="batch"), headers=crowd_key)
+        assert f.status_code == 200, f.text
+        batch = await http.post("/v1/batches", headers=crowd_key, json=dict(
+            input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window="24h"))
+        assert batch.status_code == 200, batch.text
+        stop = asyncio.Event()
+        crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
+        await asyncio.sleep(5)  # the crowd and the batch fill the engine
+
+        async def phase() -> tuple[float, dict]:
+            halt, samples, failed = asyncio.Event(), list[dict](), list[int]()
+            sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, halt, samples))
+            got = await _delivered(http, keys["gold"], gold_streams, seconds, failed)
+            halt.set()
+            await sampler
+            ok = [x for x in samples if "fairness" in x]
+            fair = [x["fairness"] for x in ok]
+
+            def mean(xs: Iterable[float]) -> float:
+                return round(statistics.fmean(xs), 2)
+
+            return got, dict(failed=len(failed), samples=len(fair),
+                             gold_running=mean(f["running_of"].get("gold", 0) for f in fair),
+                             gold_waiting=mean(f["waiting"].get("gold", 0) for f in fair),
+                             crowd_waiting=mean(f["waiting"].get("crowd", 0) for f in fair),
+                             running=mean(f["running"] for f in fair), batch=mean(x["batch"] for x in ok),
+                             preemptions=ok[-1]["preemptions"] - ok[0]["preemptions"] if ok else 0)
+
+        shared, shared_seen = await phase()
+        rate = (await _engine(http, admin))["full_rate"]
+        assert rate > 0, "the engine measured no rate at full load"
+        tokens_per_s = max(1, round(share * rate))
+        r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, tokens_per_s=tokens_per_s),
+                           headers=admin)
+        assert r.status_code == 200, r.text
+        kept = 0
+        for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
+            got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
+            if kept := got["fairness"].get("reserved", {}).get("gold", 0):
+                break
+            await asyncio.sleep(0.1)
+        assert kept, "the engine never kept gold's reservation"
+        reserved, reserved_seen = await phase()
+        after = await _engine(http, admin)
+        stop.set()
+        await crowd
+        await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
+    return dict(seconds=seconds, max_seqs=MAX_SEQS, spare_seqs=spare, streams=streams, gold_streams=gold_streams,
+                full_rate=rate, full_rate_after=after["full_rate"], tokens_per_s=tokens_per_s, slots_kept=kept,
+                slots_kept_after=after["reserved"].get("gold", 0), delivered_shared=round(shared, 1),
+                delivered_reserved=round(reserved, 1), reserved_over_reservation=round(reserved / tokens_per_s, 3),
+                shared_engine=shared_seen, reserved_engine=reserved_seen)
+
+
+async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int, spare: int) -> dict:
+    rng = random.Random(SEED)
+    async with _up(settings, spare) as (stack, http, keys, engine_url, admin):
+        async def reserve(n: int) -> None:
+            r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, slots=n), headers=admin)
+            assert r.status_code == 200, r.text
+            for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
+                got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
+                if got["fairness"].get("reserved", {}).get("gold", 0) == n:
+                    return
                 await asyncio.sleep(0.1)
-            figures: dict = {}
-            for phase, n in (("shared", 0), ("reserved", slots)):
-                await reserve(n)
-                stop, samples = asyncio.Event(), list[dict]()
-                crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
-                sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
-                await asyncio.sleep(3)  # the crowd fills the engine
-                ttft = await _paced(http, keys["gold"], rate, seconds, rng)
-                stop.set()
-                await asyncio.gather(crowd, sampler)
-                figures[phase] = dict(ttft=ttft, samples=samples)
-            await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
+            raise AssertionError(f"the engine never kept gold's {n} slots")
+
+        await _chat(http, keys["gold"], 4, "warm up")
+        alone = await _paced(http, keys["gold"], rate, seconds, rng)
+
+        f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
+                            data=dict(purpose="batch"), headers={"Authorization": f"Bearer {keys['crowd']}"})
+        assert f.status_code == 200, f.text
+        crowd_key = {"Authorization": f"Bearer {keys['crowd']}"}
+        batch = await http.post("/v1/batches", headers=crowd_key, json=dict(
+            input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window="24h"))
+        assert batch.status_code == 200, batch.text
+        for _ in range(600):  # validated and running before either phase: its start's CPU in neither
+            got = (await http.get(f"/v1/batches/{batch.json()['id']}", headers=crowd_key)).json()
+            if got["status"] == "in_progress" and got["request_counts"]["completed"]:
+                break
+            await asyncio.sleep(0.1)
+        figures: dict = {}
+        for phase, n in (("shared", 0), ("reserved", slots)):
+            await reserve(n)
+            stop, samples = asyncio.Event(), list[dict]()
+            crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
+            sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
+            await asyncio.sleep(3)  # the crowd fills the engine
+            ttft = await _paced(http, keys["gold"], rate, seconds, rng)
+            stop.set()
+            await asyncio.gather(crowd, sampler)
+            figures[phase] = dict(ttft=ttft, samples=samples)
+        await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
     lent, n = lent_share(figures["reserved"]["samples"])
     # How often gold asked beyond its reservation: its requests in flight on the engine at
     # each sample, and those of its requests that waited for a slot (the engine's count).
@@ -172,6 +304,17 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
     out["reserved_over_alone_p99"] = round(out["reserved"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     out["shared_over_alone_p99"] = round(out["shared"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     return out
+
+
+def main_tokens(settings: Settings, seconds: float = 60.0, share: float = 0.5, gold_streams: int = 16,
+                streams: int = 24, spare: int = 2) -> int:
+    f = asyncio.run(_run_tokens(settings, seconds, share, gold_streams, streams, spare))
+    print(f"reservation {f['tokens_per_s']} tokens/s ({share} of the {f['full_rate']} tokens/s the engine measured "
+          "at full load), "
+          f"kept as {f['slots_kept']} slots; gold delivered {f['delivered_shared']} tokens/s without it, "
+          f"{f['delivered_reserved']} with it ({f['reserved_over_reservation']} of the reservation)")
+    print(json.dumps(f))
+    return 0 if f["reserved_over_reservation"] >= 1.0 else 1
 
 
 def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24,

@@ -4,7 +4,9 @@ model the in-process arms run, with its own embedded Postgres (nothing else is t
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,9 +55,27 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
         token = env.get("BALLAST_ENGINE_TOKEN", "").strip() or (data_dir / "engine-token").read_text().strip()
         yield Stack(api, f"127.0.0.1:{temporal_port}", db_url.render_as_string(hide_password=False),
                     {"Authorization": f"Bearer {token}"}, up.pid)
+    except BaseException:
+        _keep_logs(data_dir)
+        raise
+    else:
+        if os.environ.get("BALLAST_BENCH_KEEP_LOGS"):
+            _keep_logs(data_dir)
     finally:
         api.close()
         up.stop(60)
+
+
+def _keep_logs(data_dir: Path) -> None:
+    """A run that failed (or any, with BALLAST_BENCH_KEEP_LOGS set) keeps its stack's logs
+    (its data dir is a temporary one), and says where."""
+    kept = Path(".ballast") / "bench-logs" / time.strftime("%Y%m%d-%H%M%S")
+    for log in [data_dir / "up.log", *(data_dir / "logs").glob("*.log")]:
+        if log.is_file():
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(log, kept / log.name)
+    if kept.exists():
+        print(f"the stack's logs are kept in {kept}", file=sys.stderr)
 
 
 def _healthy(api: httpx.Client) -> bool:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shlex
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,12 @@ class Load:
     # preempted one's re-prefill is not counted): placement's measure of its affinity.
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Output tokens vLLM generated while running full (every slot Ballast counts busy), all
+    # work, and the seconds it stepped so: a slot's rate at full load, which reservations in
+    # tokens a second are kept by (policy/reservations.py). Only full steps count: a rate
+    # taken at a lighter load would fall as a reservation held slots idle, and raise it.
+    full_tokens: int = 0
+    full_s: float = 0.0
 
 
 def vllm_args(
@@ -248,22 +255,24 @@ class Engine:
 
     @classmethod
     async def from_args(cls, spec: ModelSpec, args: dict[str, Any], *, nice: int = 0,
-                        adapters: Adapters | None = None) -> Engine:
+                        adapters: Adapters | None = None, full_at: int = 0) -> Engine:
         """Start an engine on vLLM's own engine arguments (`vllm_args`, `engine_args`), as
         Engine.start does: the one way an engine's vLLM is configured, for the product and
-        for a benchmark's raw-vLLM arm alike. The arguments are logged, one JSON line."""
+        for a benchmark's raw-vLLM arm alike. The arguments are logged, one JSON line.
+        `full_at`: the running sequences at which it counts as full (`Load`; 0: vLLM's
+        max_num_seqs)."""
         if adapters is not None and not args.get("enable_lora"):
             raise ValueError("fine-tuned models' adapters need vLLM's LoRA support (enable_lora)")
         log.info("vLLM engine args: %s", json.dumps(args, sort_keys=True))
         before = _vllm_processes() if nice > 0 else set()
-        engine = await asyncio.to_thread(cls._start_blocking, spec, args)
+        engine = await asyncio.to_thread(cls._start_blocking, spec, args, full_at or args.get("max_num_seqs", 256))
         engine.adapters = adapters
         if nice > 0:
             _lower_priority(_vllm_processes() - before, nice)
         return engine
 
     @classmethod
-    def _start_blocking(cls, spec: ModelSpec, args: dict[str, Any]) -> Engine:
+    def _start_blocking(cls, spec: ModelSpec, args: dict[str, Any], full_at: int = 256) -> Engine:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no phoning home
         # engine/logits.py is a processor of vLLM's V1 model runner, which vLLM's GPU default
         # (V2) does not load.
@@ -275,7 +284,8 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         load = Load()
-        return cls(spec, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_load_gauge(load)]), load)
+        return cls(spec, AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_load_gauge(load, full_at)]),
+                   load)
 
     @property
     def model_config(self) -> Any:
@@ -448,16 +458,27 @@ def _alternatives(positions: Any) -> list[Alternatives] | None:
     return [[[token, floor(lp.logprob)] for token, lp in alts.items()] for alts in positions]
 
 
-def _load_gauge(load: Load):
+def record_step(load: Load, full_at: int, since: float, now: float, tokens: int) -> None:
+    """A step's output (`tokens`, at `now`; the last at `since`) counted toward the rate at
+    full load when vLLM ran at least `full_at` sequences through it (as of the last step)."""
+    if full_at > 0 and load.running >= full_at:
+        load.full_s += now - since
+        load.full_tokens += tokens
+
+
+def _load_gauge(load: Load, full_at: int):
     """A vLLM stat logger that keeps `load` current (vLLM calls it after each step, in the
     output loop; no default loggers run)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadGauge(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
-            pass
+            self.at = time.monotonic()
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            record_step(load, full_at, self.at, now := time.monotonic(),
+                        iteration_stats.num_generation_tokens if iteration_stats is not None else 0)
+            self.at = now
             if scheduler_stats is not None:
                 load.running = scheduler_stats.num_running_reqs
                 load.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs

@@ -85,11 +85,12 @@ async def _reservation_set(conn, evs):
         region = p.get("region", "")  # changes made before regions: the whole pool
         key = ((reservations.c.tenant == p["tenant"]) & (reservations.c.model == p["model"])
                & (reservations.c.region == region))
-        if not p["slots"]:
+        tokens_per_s = p.get("tokens_per_s", 0)  # changes made before tokens a second: slots
+        if not p["slots"] and not tokens_per_s:
             await conn.execute(delete(reservations).where(key, reservations.c.position < e.position))
             continue
-        row = dict(tenant=p["tenant"], model=p["model"], region=region, slots=p["slots"], set_at=p["at"],
-                   position=e.position)
+        row = dict(tenant=p["tenant"], model=p["model"], region=region, slots=p["slots"], tokens_per_s=tokens_per_s,
+                   set_at=p["at"], position=e.position)
         stmt = insert(reservations).values(row)
         await conn.execute(stmt.on_conflict_do_update(
             index_elements=[reservations.c.tenant, reservations.c.model, reservations.c.region], set_=row,

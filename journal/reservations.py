@@ -1,5 +1,5 @@
-"""Reserved capacity: a tenant's sequence slots on a model's pool, anywhere in it or in one
-region, set by an admin. Every change is a `reservation_set` event (the history);
+"""Reserved capacity: a tenant's sequence slots on a model's pool, or output tokens a second
+there, anywhere in it or in one region, set by an admin. Every change is a `reservation_set` event (the history);
 `reservations` holds the ones in force."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ def _stream(tenant: str, model: str) -> str:
 
 
 async def set_slots(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None,
-                    region: str = "") -> dict[str, Any]:
-    """Journal `tenant`'s reservation on `model` (in `region`; "": anywhere) as `slots`
-    (0: none); returns the change."""
+                    region: str = "", tokens_per_s: int = 0) -> dict[str, Any]:
+    """Journal `tenant`'s reservation on `model` (in `region`; "": anywhere) as `slots`, or
+    as `tokens_per_s` output tokens a second with `slots` 0 (both 0: none); returns the change."""
     stream = _stream(tenant, model)
-    change = dict(tenant=tenant, model=model, region=region, slots=slots, by=by, at=int(time.time()))
+    change = dict(tenant=tenant, model=model, region=region, slots=slots, tokens_per_s=tokens_per_s, by=by,
+                  at=int(time.time()))
     await append_one(conn, NewEvent(stream, EventType.RESERVATION_SET, change, f"{stream}:{uuid.uuid4().hex}",
                                     tenant))
     return change
@@ -44,4 +45,5 @@ async def history(conn: AsyncConnection, tenant: str) -> list[dict[str, Any]]:
     """Every change to `tenant`'s reservations, oldest first."""
     q = (select(events.c.payload).where(events.c.type == EventType.RESERVATION_SET, events.c.tenant == tenant)
          .order_by(events.c.position))
-    return [dict(p, region=p.get("region", "")) for p in (await conn.execute(q)).scalars().all()]
+    changes = (await conn.execute(q)).scalars().all()
+    return [dict(p, region=p.get("region", ""), tokens_per_s=p.get("tokens_per_s", 0)) for p in changes]

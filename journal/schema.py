@@ -221,8 +221,9 @@ limits = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-# A tenant's sequence slots reserved on a model's pool (migration 0029): the projection of
-# its `reservation_set` events, the one in force; none where slots went to 0.
+# A tenant's sequence slots reserved on a model's pool (migration 0029), or output tokens a
+# second there (0032, `slots` 0): the projection of its `reservation_set` events, the one
+# in force; none where both went to 0.
 reservations = Table(
     "reservations",
     metadata,
@@ -230,6 +231,7 @@ reservations = Table(
     Column("model", Text, primary_key=True),
     Column("region", Text, primary_key=True, server_default=""),  # "": anywhere in the pool (migration 0030)
     Column("slots", Integer, nullable=False),
+    Column("tokens_per_s", Integer, nullable=False, server_default="0"),
     Column("set_at", BigInteger, nullable=False),
     Column("position", BigInteger, nullable=False),
 )

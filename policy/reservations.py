@@ -1,4 +1,5 @@
-"""Reserved capacity: a tenant's sequence slots on a model's pool, kept from every other
+"""Reserved capacity: a tenant's sequence slots on a model's pool, or output tokens a
+second there (held as the slots that give them), kept from every other
 tenant's interactive work and lent only to work that yields without loss (batch, which is
 preempted with every token journaled). Pure.
 
@@ -14,8 +15,9 @@ left to end on its own beside the tenant's request (engine/slots.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def share(slots: int, engines: Iterable[str], me: str) -> int:
@@ -28,11 +30,52 @@ def share(slots: int, engines: Iterable[str], me: str) -> int:
 
 @dataclass(frozen=True)
 class Reserved:
-    """A reservation in force: `slots` of the pool for `tenant`, in `region` ("": anywhere)."""
+    """A reservation in force: `slots` of the pool for `tenant`, in `region` ("": anywhere);
+    or `tokens_per_s` output tokens a second there, which `in_slots` turns into slots."""
 
     tenant: str
     slots: int
     region: str = ""
+    tokens_per_s: int = 0
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A live engine worker of the pool, as it last announced itself."""
+
+    region: str = ""
+    seqs: int = 0  # its sequence slots
+    rate: float = 0.0  # output tokens a second it generates at full load, all work (0: not measured)
+    spare: int = 0  # sequences vLLM runs beyond its slots, which share that rate too
+
+
+def slots_for(tokens_per_s: int, peers: Iterable[Peer]) -> int:
+    """The slots that give `tokens_per_s` output tokens a second on `peers` even with every
+    sequence busy. vLLM gives each running sequence a token a step, so a slot's rate at
+    full load is the peers' rate measured at full load over every sequence they may run
+    (spares included; a step with fewer running only raises each one's share). Where
+    nothing is measured yet, one slot: a pool that has not run full has room for the
+    tenant's requests anyway, and the first time it does, the rate is measured."""
+    peers = list(peers)
+    seqs, rate = sum(p.seqs for p in peers), sum(p.rate for p in peers)
+    if tokens_per_s <= 0 or seqs <= 0:
+        return 0
+    if rate <= 0:
+        return 1
+    running = seqs + sum(p.spare for p in peers)
+    return min(seqs, max(1, math.ceil(tokens_per_s * running / rate)))
+
+
+def in_slots(pool: Iterable[Reserved], peers: Mapping[str, Peer]) -> list[Reserved]:
+    """The pool's reservations in slots: one in tokens a second becomes the slots that give
+    them on its region's engine workers (`peers`: live, not draining), or the pool's."""
+    out = []
+    for r in pool:
+        if r.tokens_per_s:
+            here = [p for p in peers.values() if not r.region or p.region == r.region]
+            r = replace(r, slots=slots_for(r.tokens_per_s, here))
+        out.append(r)
+    return out
 
 
 def shares(pool: Iterable[Reserved], engines: Mapping[str, str], me: str) -> dict[str, int]:

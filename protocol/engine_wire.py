@@ -151,6 +151,7 @@ class EngineStats:
     defaults for what an older engine worker does not say."""
 
     max_seqs: int = 1
+    spare_seqs: int = 0  # sequences vLLM runs beyond max_seqs (BALLAST_SPARE_SEQS)
     interactive: int = 0  # the most interactive requests in flight at once over its last few reports
     # In flight per API process (None: an engine too old to say).
     interactive_by: dict[str, int] | None = None
@@ -166,6 +167,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     prefix_queries: int = 0  # vLLM's prefix-cache counters since start, in prompt tokens
     prefix_hits: int = 0
+    full_tokens: int = 0  # output tokens vLLM generated running full (every slot busy), all work
+    full_s: float = 0.0  # seconds it stepped so
+    # Its rate at full load: output tokens a second while full (0: not measured), which
+    # reservations in tokens a second are kept by (policy/reservations.py).
+    full_rate: float = 0.0
     block_size: int = 16
     region: str = ""
     # Its model's pool (the model itself is the `engines` row's): the context length its

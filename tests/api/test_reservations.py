@@ -61,6 +61,31 @@ async def test_a_regional_reservation_stands_beside_the_pools_own(admin, gold, o
     assert [tuple(r) for r in rows] == [("", 3), ("eu-west", 2)]
 
 
+async def test_a_reservation_in_tokens_a_second_replaces_one_in_slots_with_its_history(admin, gold, owner):
+    model = f"pool-{uuid.uuid4().hex[:6]}"
+    # Withdrawn (either 0), it reads as 0 slots.
+    for body, shown in ((dict(slots=2), (2, None)), (dict(tokens_per_s=400), (None, 400)),
+                        (dict(tokens_per_s=0), (0, None))):
+        r = await admin.put(f"/admin/tenants/{gold}/reservations", json=dict(model=model, **body))
+        assert r.status_code == 200, r.text
+        assert (r.json()["slots"], r.json()["tokens_per_s"]) == shown
+        if shown == (None, 400):
+            got = (await admin.get(f"/admin/tenants/{gold}/reservations")).json()
+            assert [(d["slots"], d["tokens_per_s"]) for d in got["data"]] == [(None, 400)]
+            async with owner.connect() as conn:
+                row = (await conn.execute(text("SELECT slots, tokens_per_s FROM reservations WHERE tenant = :t"),
+                                          dict(t=gold))).all()
+            assert [tuple(x) for x in row] == [(0, 400)]
+    got = (await admin.get(f"/admin/tenants/{gold}/reservations")).json()
+    assert got["data"] == []
+    assert [(c["slots"], c["tokens_per_s"]) for c in got["history"]] == [(2, None), (None, 400), (0, None)]
+    async with owner.connect() as conn:
+        journaled = (await conn.execute(text(
+            "SELECT payload->>'slots', payload->>'tokens_per_s' FROM events WHERE type = 'reservation_set' "
+            "AND tenant = :t ORDER BY position"), dict(t=gold))).all()
+    assert [tuple(x) for x in journaled] == [("2", "0"), ("0", "400"), ("0", "0")]
+
+
 @pytest.mark.parametrize("body, param", [
     (dict(model="m", slots=1, region="eu\x00"), "region"),
     (dict(model="m", slots=1, region="r" * 65), "region"),
@@ -69,6 +94,10 @@ async def test_a_regional_reservation_stands_beside_the_pools_own(admin, gold, o
     (dict(model="", slots=1), "model"),
     (dict(slots=1), "model"),
     (dict(model="m", slots="many"), "slots"),
+    (dict(model="m"), "slots"),
+    (dict(model="m", slots=1, tokens_per_s=100), "slots"),
+    (dict(model="m", tokens_per_s=-5), "tokens_per_s"),
+    (dict(model="m", tokens_per_s=1.5), "tokens_per_s"),
     (dict(model="m\x00", slots=1), "model"),
 ])
 async def test_bad_reservations_are_a_400_and_change_nothing(admin, gold, owner, body, param):

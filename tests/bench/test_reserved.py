@@ -1,10 +1,10 @@
-"""`bench reserved`'s lent share, on engine samples worked out by hand."""
+"""`bench reserved`'s lent share and delivered tokens, on samples worked out by hand."""
 
 from __future__ import annotations
 
 import math
 
-from bench.reserved import lent_share
+from bench.reserved import inside, lent_share
 
 
 def sample(reserved: dict, running_of: dict, running: int, batch: int) -> dict:
@@ -21,3 +21,12 @@ def test_the_unused_reserved_slots_batch_holds_over_those_it_could():
     share, n = lent_share(samples, max_seqs=8)
     assert n == 3 and share == (2 + 1 + 1) / (2 + 2 + 2)
     assert math.isnan(lent_share([], max_seqs=8)[0])
+
+
+def test_tokens_delivered_inside_a_phase_spread_over_each_chats_span():
+    chats = [(0.0, 10.0, 100),  # wholly inside [0, 20]: 100
+             (15.0, 25.0, 50),  # half inside: 25
+             (20.0, 21.0, 9),  # after: 0
+             (5.0, 5.0, 4)]  # one instant, inside: 4
+    assert inside(chats, 0.0, 20.0) == 100 + 25 + 0 + 4
+    assert inside([], 0.0, 1.0) == 0

@@ -67,3 +67,30 @@ def test_a_reservation_reaches_the_engine_which_keeps_it_and_counts_its_use(stac
         _until(lambda: not any(s.get("reserved", {}).get(tenant) for s in engines()), "the engine lets the slots go")
         history = a.get(f"/admin/tenants/{tenant}/reservations").json()["history"]
         assert [c["slots"] for c in history] == [3, 0]
+
+
+def test_a_reservation_in_tokens_a_second_reaches_the_engine_which_keeps_a_slot_until_it_has_run_full(
+        stack, db_url):
+    tenant = f"gold-{uuid.uuid4().hex[:8]}"
+    admin = make_admin_key(db_url)
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {admin}"}, timeout=30) as a:
+        def engines() -> list[dict]:
+            return [e["stats"] for e in a.get("/admin/engines").json()["data"] if e["model"] == MODEL]
+
+        def kept() -> int:
+            return sum(s.get("reserved", {}).get(tenant, 0) for s in engines())
+
+        # This stack's engines have far more slots than the tests ever fill: no rate at full load.
+        assert engines() and not any(s["full_rate"] for s in engines())
+        try:
+            r = a.put(f"/admin/tenants/{tenant}/reservations", json=dict(model=MODEL, tokens_per_s=10**8))
+            assert r.status_code == 200 and r.json()["tokens_per_s"] == 10**8, r.text
+            _until(lambda: kept() == 1, "the pool's engine workers keep one slot")
+            live = [d for d in a.get("/admin/reservations").json()["data"] if d["tenant"] == tenant]
+            assert [(d["slots"], d["tokens_per_s"], d["on_engines"]) for d in live] == [(None, 10**8, 1)]
+        finally:
+            assert a.put(f"/admin/tenants/{tenant}/reservations",
+                         json=dict(model=MODEL, tokens_per_s=0)).status_code == 200
+        _until(lambda: not kept(), "the engine lets the slot go")
+        history = a.get(f"/admin/tenants/{tenant}/reservations").json()["history"]
+        assert [(c["slots"], c["tokens_per_s"]) for c in history] == [(None, 10**8), (0, None)]

@@ -525,3 +525,15 @@ def test_shell_tells_the_slots_what_its_reservations_leave_unused_as_it_changes(
         assert told == [(2, 0), (1, 1), (0, 2), (1, 1), (2, 0)]
 
     asyncio.run(run())
+
+
+def test_a_steps_tokens_count_toward_the_rate_at_full_load_only_when_vllm_ran_full():
+    from engine.vllm_engine import Load, record_step
+
+    load = Load()
+    for running, since, now, tokens in ((3, 0.0, 0.1, 3), (4, 0.1, 0.25, 4), (5, 0.25, 0.35, 5), (2, 0.35, 0.4, 2)):
+        load.running = running  # as of the step before: the one the interval was stepped at
+        record_step(load, 4, since, now, tokens)
+    assert load.full_tokens == 4 + 5 and abs(load.full_s - (0.15 + 0.10)) < 1e-9
+    record_step(load, 0, 0.4, 9.0, 100)  # no threshold: nothing counts
+    assert load.full_tokens == 9
