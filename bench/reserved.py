@@ -11,7 +11,8 @@ other work fills it. Tenant `gold` sends short streamed chats, open loop (Poisso
 3. shared: the same load without the reservation (what gold gets without one), run
    before the reserved phase, both after the crowd's batch is validated and running.
 
-Gold's TTFT is measured at the client (its first content token). The engine worker's
+Gold's TTFT is measured at the client (its first content token); the crowd's chats are
+sent and read by a process of their own, so that its streams never queue gold's reads. The engine worker's
 /stats, sampled every 100 ms in phase 2, says how many of the reserved slots gold left
 unused and how many batch generations and interactive requests held slots: the unused
 reserved slots batch held (lent) over those it could have held is the share of the
@@ -35,11 +36,13 @@ import asyncio
 import contextlib
 import io
 import json
+import multiprocessing
 import random
 import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import httpx
@@ -80,14 +83,45 @@ async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float,
     return [x for x in await asyncio.gather(*tasks) if x is not None]
 
 
-async def _crowd(http: httpx.AsyncClient, key: str, streams: int, stop: asyncio.Event) -> None:
-    async def loop(i: int) -> None:
-        n = 0
-        while not stop.is_set():
-            await _chat(http, key, 64, f"Crowd {i}.{n}: tell me more.")
-            n += 1
+def _crowd(base: str, key: str, streams: int, stop: EventType) -> None:
+    """The crowd's streamed chats, `streams` in flight until `stop`, in a process of its
+    own: read in the measuring process, dozens of streams' chunks queued its event loop
+    ahead of the measured tenant's, and the client's own lag was counted as the service's."""
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2)
+        async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
+            async def loop(i: int) -> None:
+                n = 0
+                while not stop.is_set():
+                    body = dict(model=MODEL, messages=[dict(role="user", content=f"Crowd {i}.{n}: tell me more.")],
+                                max_tokens=64, stream=True, ignore_eos=True, temperature=0)
+                    with contextlib.suppress(httpx.HTTPError):
+                        async with http.stream("POST", "/v1/chat/completions", json=body,
+                                               headers={"Authorization": f"Bearer {key}"}) as r:
+                            async for _ in r.aiter_raw():
+                                pass
+                    n += 1
 
-    await asyncio.gather(*(loop(i) for i in range(streams)))
+            await asyncio.gather(*(loop(i) for i in range(streams)))
+
+    asyncio.run(run())
+
+
+@contextlib.asynccontextmanager
+async def _crowding(base: str, key: str, streams: int) -> AsyncIterator[None]:
+    """The crowd's chats in flight for the block (ended by its process's PID if it hangs)."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    crowd = ctx.Process(target=_crowd, args=(base, key, streams, stop), name="crowd")
+    crowd.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(crowd.join, 120)
+        if crowd.is_alive():
+            crowd.kill()
+            crowd.join()
 
 
 async def _sample(http: httpx.AsyncClient, engine_url: str, headers: dict[str, str], stop: asyncio.Event,
@@ -196,47 +230,44 @@ async def _run_tokens(settings: Settings, seconds: float, share: float, gold_str
         batch = await http.post("/v1/batches", headers=crowd_key, json=dict(
             input_file_id=f.json()["id"], endpoint="/v1/chat/completions", completion_window="24h"))
         assert batch.status_code == 200, batch.text
-        stop = asyncio.Event()
-        crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
-        await asyncio.sleep(5)  # the crowd and the batch fill the engine
+        async with _crowding(str(http.base_url), keys["crowd"], streams):
+            await asyncio.sleep(5)  # the crowd and the batch fill the engine
 
-        async def phase() -> tuple[float, dict]:
-            halt, samples, failed = asyncio.Event(), list[dict](), list[int]()
-            sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, halt, samples))
-            got = await _delivered(http, keys["gold"], gold_streams, seconds, failed)
-            halt.set()
-            await sampler
-            ok = [x for x in samples if "fairness" in x]
-            fair = [x["fairness"] for x in ok]
+            async def phase() -> tuple[float, dict]:
+                halt, samples, failed = asyncio.Event(), list[dict](), list[int]()
+                sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, halt, samples))
+                got = await _delivered(http, keys["gold"], gold_streams, seconds, failed)
+                halt.set()
+                await sampler
+                ok = [x for x in samples if "fairness" in x]
+                fair = [x["fairness"] for x in ok]
 
-            def mean(xs: Iterable[float]) -> float:
-                return round(statistics.fmean(xs), 2)
+                def mean(xs: Iterable[float]) -> float:
+                    return round(statistics.fmean(xs), 2)
 
-            return got, dict(failed=len(failed), samples=len(fair),
-                             gold_running=mean(f["running_of"].get("gold", 0) for f in fair),
-                             gold_waiting=mean(f["waiting"].get("gold", 0) for f in fair),
-                             crowd_waiting=mean(f["waiting"].get("crowd", 0) for f in fair),
-                             running=mean(f["running"] for f in fair), batch=mean(x["batch"] for x in ok),
-                             preemptions=ok[-1]["preemptions"] - ok[0]["preemptions"] if ok else 0)
+                return got, dict(failed=len(failed), samples=len(fair),
+                                 gold_running=mean(f["running_of"].get("gold", 0) for f in fair),
+                                 gold_waiting=mean(f["waiting"].get("gold", 0) for f in fair),
+                                 crowd_waiting=mean(f["waiting"].get("crowd", 0) for f in fair),
+                                 running=mean(f["running"] for f in fair), batch=mean(x["batch"] for x in ok),
+                                 preemptions=ok[-1]["preemptions"] - ok[0]["preemptions"] if ok else 0)
 
-        shared, shared_seen = await phase()
-        rate = (await _engine(http, admin))["full_rate"]
-        assert rate > 0, "the engine measured no rate at full load"
-        tokens_per_s = max(1, round(share * rate))
-        r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, tokens_per_s=tokens_per_s),
-                           headers=admin)
-        assert r.status_code == 200, r.text
-        kept = 0
-        for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
-            got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
-            if kept := got["fairness"].get("reserved", {}).get("gold", 0):
-                break
-            await asyncio.sleep(0.1)
-        assert kept, "the engine never kept gold's reservation"
-        reserved, reserved_seen = await phase()
-        after = await _engine(http, admin)
-        stop.set()
-        await crowd
+            shared, shared_seen = await phase()
+            rate = (await _engine(http, admin))["full_rate"]
+            assert rate > 0, "the engine measured no rate at full load"
+            tokens_per_s = max(1, round(share * rate))
+            r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, tokens_per_s=tokens_per_s),
+                               headers=admin)
+            assert r.status_code == 200, r.text
+            kept = 0
+            for _ in range(100):  # until the engine worker keeps it (it reads its pool's every second)
+                got = (await http.get(f"{engine_url}/stats", headers=stack.engine_headers)).json()
+                if kept := got["fairness"].get("reserved", {}).get("gold", 0):
+                    break
+                await asyncio.sleep(0.1)
+            assert kept, "the engine never kept gold's reservation"
+            reserved, reserved_seen = await phase()
+            after = await _engine(http, admin)
         await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
     return dict(seconds=seconds, max_seqs=MAX_SEQS, spare_seqs=spare, streams=streams, gold_streams=gold_streams,
                 full_rate=rate, full_rate_after=after["full_rate"], tokens_per_s=tokens_per_s, slots_kept=kept,
@@ -277,12 +308,12 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
         for phase, n in (("shared", 0), ("reserved", slots)):
             await reserve(n)
             stop, samples = asyncio.Event(), list[dict]()
-            crowd = asyncio.create_task(_crowd(http, keys["crowd"], streams, stop))
-            sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
-            await asyncio.sleep(3)  # the crowd fills the engine
-            ttft = await _paced(http, keys["gold"], rate, seconds, rng)
-            stop.set()
-            await asyncio.gather(crowd, sampler)
+            async with _crowding(str(http.base_url), keys["crowd"], streams):
+                sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
+                await asyncio.sleep(3)  # the crowd fills the engine
+                ttft = await _paced(http, keys["gold"], rate, seconds, rng)
+                stop.set()
+                await sampler
             figures[phase] = dict(ttft=ttft, samples=samples)
         await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
     lent, n = lent_share(figures["reserved"]["samples"])

@@ -43,7 +43,7 @@ async def _engine_worker_args(monkeypatch, settings: Settings) -> dict:
     arguments reaching AsyncEngineArgs, caught before anything starts."""
     from ballast import workers
 
-    def caught(cls, spec, args):
+    def caught(cls, spec, args, full_at=0):
         raise _Started(args)
 
     monkeypatch.setattr(Engine, "_start_blocking", classmethod(caught))

@@ -72,6 +72,7 @@ def test_a_reservation_reaches_the_engine_which_keeps_it_and_counts_its_use(stac
 def test_a_reservation_in_tokens_a_second_reaches_the_engine_which_keeps_a_slot_until_it_has_run_full(
         stack, db_url):
     tenant = f"gold-{uuid.uuid4().hex[:8]}"
+    make_key(db_url, tenant)  # the tenant, with a key
     admin = make_admin_key(db_url)
     with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {admin}"}, timeout=30) as a:
         def engines() -> list[dict]:
