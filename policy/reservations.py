@@ -52,17 +52,19 @@ class Peer:
 def slots_for(tokens_per_s: int, peers: Iterable[Peer]) -> int:
     """The slots that give `tokens_per_s` output tokens a second on `peers` even with every
     sequence busy. vLLM gives each running sequence a token a step, so a slot's rate at
-    full load is the peers' rate measured at full load over every sequence they may run
-    (spares included; a step with fewer running only raises each one's share). Where
+    full load is the rate measured at full load over every sequence run meanwhile (spares
+    included; a step with fewer running only raises each one's share), over the peers that
+    have measured one: an engine not yet run full counts for slots, not for the rate. Where
     nothing is measured yet, one slot: a pool that has not run full has room for the
     tenant's requests anyway, and the first time it does, the rate is measured."""
     peers = list(peers)
-    seqs, rate = sum(p.seqs for p in peers), sum(p.rate for p in peers)
+    seqs = sum(p.seqs for p in peers)
+    measured = [p for p in peers if p.rate > 0]  # an engine not yet run full says nothing of the rate
     if tokens_per_s <= 0 or seqs <= 0:
         return 0
-    if rate <= 0:
+    if not measured:
         return 1
-    running = seqs + sum(p.spare for p in peers)
+    running, rate = sum(p.seqs + p.spare for p in measured), sum(p.rate for p in measured)
     return min(seqs, max(1, math.ceil(tokens_per_s * running / rate)))
 
 

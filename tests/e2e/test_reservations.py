@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import make_admin_key, make_key
+from tests.e2e.conftest import make_admin_key, make_key, vllm_paused
 
 pytestmark = pytest.mark.e2e
 
@@ -53,15 +53,19 @@ def test_a_reservation_reaches_the_engine_which_keeps_it_and_counts_its_use(stac
                 stream.close()
 
             talking = threading.Thread(target=chat)
-            talking.start()
             try:
-                _until(lambda: sum(s.get("reserved_used", {}).get(tenant, 0) for s in engines()) == 1,
-                       "the engine says the tenant's request holds one of its reserved slots")
-                live = [d for d in a.get("/admin/reservations").json()["data"] if d["tenant"] == tenant]
-                assert [(d["slots"], d["on_engines"]) for d in live] == [(3, 3)]
+                # vLLM held still: the request holds its slot until the engine has said so,
+                # however fast the machine generates its 900 tokens.
+                with vllm_paused(stack):
+                    talking.start()
+                    _until(lambda: sum(s.get("reserved_used", {}).get(tenant, 0) for s in engines()) == 1,
+                           "the engine says the tenant's request holds one of its reserved slots")
+                    live = [d for d in a.get("/admin/reservations").json()["data"] if d["tenant"] == tenant]
+                    assert [(d["slots"], d["on_engines"]) for d in live] == [(3, 3)]
             finally:
                 done.set()
-                talking.join(120)
+                if talking.is_alive():
+                    talking.join(120)
         finally:
             assert a.put(f"/admin/tenants/{tenant}/reservations", json=dict(model=MODEL, slots=0)).status_code == 200
         _until(lambda: not any(s.get("reserved", {}).get(tenant) for s in engines()), "the engine lets the slots go")

@@ -13,6 +13,8 @@ def test_tokens_a_second_are_the_slots_that_give_them_with_every_slot_busy():
     assert [slots_for(t, pool) for t in (100, 101, 20, 1)] == [5, 6, 1, 1]
     # More than the pool gives: every slot, no more.
     assert slots_for(10_000, pool) == 16
+    # An engine that has not run full yet counts for slots, not for the rate: still 5.
+    assert slots_for(100, [*pool, Peer("eu", 8, 0.0)]) == 5
     # Nothing measured yet: one slot, so the tenant's first request starts at once.
     assert slots_for(500, [Peer("eu", 8, 0.0)]) == 1
     # Spare sequences share the rate too: 20 a slot becomes 16 over 8 slots and 2 spares
