@@ -30,6 +30,9 @@ class Stack:
     pid: int  # `ballast up`'s: every process of the stack runs under it
 
 
+KEEP_LOGS_ENV = "BALLAST_BENCH_KEEP_LOGS"  # set: every run keeps its stack's logs, not only a failed one
+
+
 @contextmanager
 def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator[Stack]:
     from engine.model_spec import resolve_model
@@ -59,7 +62,7 @@ def ballast_up(settings: Settings, data_dir: Path, **extra_env: str) -> Iterator
         _keep_logs(data_dir)
         raise
     else:
-        if os.environ.get("BALLAST_BENCH_KEEP_LOGS"):
+        if os.environ.get(KEEP_LOGS_ENV):
             _keep_logs(data_dir)
     finally:
         api.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ballast import procs
 from ballast.client import CLIENT_ENV
+from bench.stack import KEEP_LOGS_ENV
 from config import Settings
 from config.reference import render
 
@@ -43,4 +44,4 @@ def test_the_docs_name_only_settings_that_exist():
 # Read by the test suite (histories), by a supervisor's child before any settings are (the
 # readiness file ballast/procs.py writes), by the client CLI, or by `ballast cells` (its own
 # file, not the settings of a process of a cell): never a setting.
-NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV, *CLIENT_ENV, "BALLAST_CELLS_FILE"}
+NOT_SETTINGS = {"BALLAST_RECORD_HISTORIES", procs.READY_FILE_ENV, *CLIENT_ENV, "BALLAST_CELLS_FILE", KEEP_LOGS_ENV}
