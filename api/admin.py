@@ -311,8 +311,8 @@ async def set_reservation(tenant_id: str, body: Reservation, svc: ServicesDep, a
     async with svc.db.begin() as conn:
         if await tenant_store.get_tenant(conn, tenant_id) is None:
             raise _unknown(tenant_id)
-        change = await reservations.set_slots(conn, tenant_id, body.model, body.slots or 0, admin.key_id, body.region,
-                                              tokens_per_s=body.tokens_per_s or 0)
+        change = await reservations.set_reservation(conn, tenant_id, body.model, body.slots or 0, admin.key_id,
+                                                    body.region, tokens_per_s=body.tokens_per_s or 0)
     return reservation_object(change)
 
 

@@ -12,8 +12,8 @@ other work fills it. Tenant `gold` sends short streamed chats, open loop (Poisso
    before the reserved phase, both after the crowd's batch is validated and running.
 
 Gold's TTFT is measured at the client (its first content token); the crowd's chats are
-sent and read by a process of their own, so that its streams never queue gold's reads. The engine worker's
-/stats, sampled every 100 ms in phase 2, says how many of the reserved slots gold left
+sent and read by a process of their own, so that its streams never queue gold's reads.
+The engine worker's /stats, sampled every 100 ms in phase 2, says how many of the reserved slots gold left
 unused and how many batch generations and interactive requests held slots: the unused
 reserved slots batch held (lent) over those it could have held is the share of the
 reservation's idle time lent out. Targets: gold's TTFT p99 reserved ≤ 1.10 × alone; lent
@@ -42,6 +42,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
@@ -57,21 +58,40 @@ MODEL = "ballast-tiny"
 MAX_SEQS = 8
 
 
-async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> float | None:
-    """One streamed chat: seconds to its first content token (None: it failed)."""
+@dataclass(frozen=True)
+class Chat:
+    """One streamed chat as the client saw it (perf_counter seconds): sent, first content
+    token (None: none came), ended; its completion tokens as its usage chunk says (0: it failed)."""
+
+    sent: float
+    first: float | None
+    ended: float
+    tokens: int
+
+
+async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> Chat:
     body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
-                ignore_eos=True, temperature=0)
-    t0 = time.perf_counter()
+                stream_options=dict(include_usage=True), ignore_eos=True, temperature=0)
+    sent, first, n = time.perf_counter(), None, 0
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
             await r.aread()
-            return None
-        first = None
+            return Chat(sent, None, time.perf_counter(), 0)
         async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and '"content":' in line:
-                first = time.perf_counter() - t0
-        return first
+            if not line.startswith("data: {"):
+                continue
+            if first is None and '"content":' in line:
+                first = time.perf_counter()
+            if '"usage":{' in line.replace(" ", ""):
+                n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", n)
+    return Chat(sent, first, time.perf_counter(), n)
+
+
+async def _ttft(http: httpx.AsyncClient, key: str, content: str) -> float | None:
+    """One short chat's seconds to its first content token (None: it failed)."""
+    chat = await _chat(http, key, 16, content)
+    return None if chat.first is None else chat.first - chat.sent
 
 
 async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[float]:
@@ -79,7 +99,7 @@ async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float,
     t, start = 0.0, time.perf_counter()
     while (t := t + rng.expovariate(rate)) < seconds:
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-        tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?")))
+        tasks.append(asyncio.create_task(_ttft(http, key, f"Gold {len(tasks)}: hello?")))
     return [x for x in await asyncio.gather(*tasks) if x is not None]
 
 
@@ -132,47 +152,24 @@ async def _sample(http: httpx.AsyncClient, engine_url: str, headers: dict[str, s
         await asyncio.sleep(0.1)
 
 
-async def _tokens(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> tuple[float, float, int]:
-    """One streamed chat: when its first content token came, when it ended (perf_counter
-    seconds) and its completion tokens as its usage chunk says (0: it failed)."""
-    body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
-                stream_options=dict(include_usage=True), ignore_eos=True, temperature=0)
-    n, first = 0, None
-    async with http.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"Authorization": f"Bearer {key}"}) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return time.perf_counter(), time.perf_counter(), 0
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and '"content":' in line:
-                first = time.perf_counter()
-            if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
-                n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", n)
-    end = time.perf_counter()
-    return (first or end), end, n
-
-
-async def _delivered(http: httpx.AsyncClient, key: str, streams: int, seconds: float,
-                     failed: list[int] | None = None) -> float:
-    """Output tokens a second delivered to `streams` chats kept in flight for `seconds`:
-    each chat's tokens, spread evenly from its first token to its end, counted for the part
-    of that span inside the phase (a chat still running at the end is let finish)."""
+async def _delivered(http: httpx.AsyncClient, key: str, streams: int, seconds: float) -> tuple[float, int]:
+    """Output tokens a second delivered to `streams` chats kept in flight for `seconds`
+    (each chat's tokens spread evenly from its first token to its end, counted for the part
+    of that span inside the phase; a chat still running at the end is let finish), and how
+    many chats failed."""
     start = time.perf_counter()
     end = start + seconds
-    chats: list[tuple[float, float, int]] = []
+    chats: list[Chat] = []
 
     async def loop(i: int) -> None:
         n = 0
         while time.perf_counter() < end:
-            chat = await _tokens(http, key, 128, f"Gold {i}.{n}: go on.")
-            if chat[2]:
-                chats.append(chat)
-            elif failed is not None:
-                failed.append(1)
+            chats.append(await _chat(http, key, 128, f"Gold {i}.{n}: go on."))
             n += 1
 
     await asyncio.gather(*(loop(i) for i in range(streams)))
-    return inside(chats, start, end) / seconds
+    spans = [(c.first or c.ended, c.ended, c.tokens) for c in chats if c.tokens]
+    return inside(spans, start, end) / seconds, sum(not c.tokens for c in chats)
 
 
 def inside(chats: list[tuple[float, float, int]], start: float, end: float) -> float:
@@ -234,9 +231,9 @@ async def _run_tokens(settings: Settings, seconds: float, share: float, gold_str
             await asyncio.sleep(5)  # the crowd and the batch fill the engine
 
             async def phase() -> tuple[float, dict]:
-                halt, samples, failed = asyncio.Event(), list[dict](), list[int]()
+                halt, samples = asyncio.Event(), list[dict]()
                 sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, halt, samples))
-                got = await _delivered(http, keys["gold"], gold_streams, seconds, failed)
+                got, failed = await _delivered(http, keys["gold"], gold_streams, seconds)
                 halt.set()
                 await sampler
                 ok = [x for x in samples if "fairness" in x]
@@ -245,7 +242,7 @@ async def _run_tokens(settings: Settings, seconds: float, share: float, gold_str
                 def mean(xs: Iterable[float]) -> float:
                     return round(statistics.fmean(xs), 2)
 
-                return got, dict(failed=len(failed), samples=len(fair),
+                return got, dict(failed=failed, samples=len(fair),
                                  gold_running=mean(f["running_of"].get("gold", 0) for f in fair),
                                  gold_waiting=mean(f["waiting"].get("gold", 0) for f in fair),
                                  crowd_waiting=mean(f["waiting"].get("crowd", 0) for f in fair),
@@ -289,7 +286,7 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
                 await asyncio.sleep(0.1)
             raise AssertionError(f"the engine never kept gold's {n} slots")
 
-        await _chat(http, keys["gold"], 4, "warm up")
+        await _ttft(http, keys["gold"], "warm up")
         alone = await _paced(http, keys["gold"], rate, seconds, rng)
 
         f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),

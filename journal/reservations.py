@@ -20,7 +20,7 @@ def _stream(tenant: str, model: str) -> str:
     return f"reservation:{tenant}:{model}"
 
 
-async def set_slots(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None,
+async def set_reservation(conn: AsyncConnection, tenant: str, model: str, slots: int, by: str | None,
                     region: str = "", tokens_per_s: int = 0) -> dict[str, Any]:
     """Journal `tenant`'s reservation on `model` (in `region`; "": anywhere) as `slots`, or
     as `tokens_per_s` output tokens a second with `slots` 0 (both 0: none); returns the change."""
