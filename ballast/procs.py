@@ -153,7 +153,7 @@ class Child:
 
         Returns the leader's exit code. Safe to call more than once.
         """
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        pgid = self.proc.pid  # a session or a group of its own: the leader's pid is the group id
         if self.proc.poll() is not None and not group_members(pgid):
             return self.proc.returncode  # all gone: signalling now could hit a reused id
         self._signal_group(pgid, signal.SIGTERM)
@@ -212,6 +212,7 @@ def spawn(
     death_signal: int = signal.SIGTERM,
     nice: int = 0,
     cpus: Collection[int] | None = None,
+    session: bool = True,
 ) -> Child:
     """Start `argv` in a new session; stdout and stderr go to `log_path` (appended) if given.
 
@@ -221,6 +222,12 @@ def spawn(
     `user` runs the child as that user (the preexec hook runs after the uid change, which
     matters because changing credentials clears the death signal). `nice` > 0 runs it at a
     lower CPU priority. `cpus`: the cores it may run on (Linux), whatever ours are.
+
+    `session` False: a process group of its own in our session, not a session of its own.
+    Where the kernel groups scheduling by session (autogroup, on in most distributions),
+    each session shares the CPU as one and `nice` orders only the processes inside one:
+    a stack whose processes rank one another (vLLM below the request path) keeps them in
+    one session, or a niced vLLM still takes a whole session's share from the API.
     """
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +241,8 @@ def spawn(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
-            start_new_session=True,
+            start_new_session=session,
+            process_group=None if session else 0,
             preexec_fn=_pdeathsig_preexec(death_signal, nice, cpus),
         )
     return Child(name, proc, log_path)

@@ -127,7 +127,7 @@ def _start(settings: Settings, data: Path, logs: Path,
         _step(f"starting the Temporal dev server on 127.0.0.1:{port} (state in {data / 'temporal'})")
         temporal = stack.enter_context(TemporalDevServer(data / "temporal", port=port, ui_port=ui,
                                                          namespace=settings.temporal_namespace,
-                                                         nice=settings.bookkeeping_nice))
+                                                         nice=settings.bookkeeping_nice, session=False))
         assert temporal.child is not None  # started
         supervisor.adopt("temporal dev server", temporal.child, temporal.restart, temporal.log_path)
         env["BALLAST_TEMPORAL_ADDRESS"] = temporal.address

@@ -55,7 +55,9 @@ class Supervisor:
 
         def spawn() -> procs.Child:
             ready_file.unlink(missing_ok=True)
-            return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice, cpus=self.cpus)
+            # In our session, where the nice values its processes are given rank them
+            # against one another (procs.spawn).
+            return procs.spawn(name, argv, env=env, log_path=log_path, nice=nice, cpus=self.cpus, session=False)
 
         service = Service(name, log_path, spawn, spawn(), self.clock(), ready_file=ready_file)
         self.services.append(service)

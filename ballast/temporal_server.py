@@ -53,6 +53,7 @@ class TemporalDevServer:
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
         nice: int = 0,
+        session: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
         self.port = port if port is not None else procs.free_port()
@@ -68,6 +69,7 @@ class TemporalDevServer:
         self.log_path = log_path
         self.extra_args = list(extra_args)
         self.nice = nice
+        self.session = session  # False: in our session, where `nice` ranks it (procs.spawn)
         self.child: procs.Child | None = None
 
     @property
@@ -103,7 +105,8 @@ class TemporalDevServer:
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + timeout
-        self.child = procs.spawn("temporal dev server", self.argv(), log_path=self.log_path, nice=self.nice)
+        self.child = procs.spawn("temporal dev server", self.argv(), log_path=self.log_path, nice=self.nice,
+                                 session=self.session)
         try:
             procs.wait_until(
                 lambda: procs.port_open(self.port), timeout,

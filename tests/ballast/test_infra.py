@@ -88,6 +88,32 @@ def test_child_dies_with_sigkilled_parent(tmp_path: Path) -> None:
         parent.wait()
 
 
+def autogroup(pid: int | str) -> str | None:
+    """The scheduling autogroup of `pid` (None where the kernel has none)."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except OSError:
+        return None
+
+
+def test_a_child_in_our_session_is_a_group_of_its_own_and_shares_our_autogroup(tmp_path: Path) -> None:
+    """Where the kernel schedules by session, nice ranks processes of one session only: a
+    stack keeps its processes in its session to rank them. Stopping still stops its group."""
+    apart = procs.spawn("apart", ["sleep", "1000"])
+    kept = procs.spawn("kept", ["bash", "-c", "sleep 1000 & sleep 1000"], session=False)
+    try:
+        assert os.getsid(apart.pid) == apart.pid and os.getsid(kept.pid) == os.getsid(0)
+        assert os.getpgid(kept.pid) == kept.pid != os.getpgid(0)
+        if autogroup("self") is not None:
+            assert autogroup(kept.pid) == autogroup("self") != autogroup(apart.pid)
+        procs.wait_until(lambda: len(procs.group_members(kept.pid)) == 3, 10, "bash and its two sleeps")
+        members = procs.group_members(kept.pid)
+    finally:
+        kept.stop(timeout=5)
+        apart.stop(timeout=5)
+    assert procs.group_members(kept.pid) == [] and all(gone(pid) for pid in members)
+
+
 def test_a_niced_child_and_every_thread_it_starts_run_at_the_lower_priority(tmp_path: Path) -> None:
     log = tmp_path / "nice.log"
     code = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.nice(0))); "

@@ -38,6 +38,8 @@ def test_a_crashing_child_is_restarted_with_its_exit_code_said_then_a_loop_gives
         assert [m.split(";")[0] for m in said if m.startswith("flaky exited")] == ["flaky exited (code 3)"] * 2
         assert "restarting in 0.1 s" in said[0] and "restarting in 0.2 s" in said[2]  # doubling
         assert crash.restarts == 2 and calm.restarts == 0 and calm.child.alive
+        # In our session (its nice values rank it against the others'), in a group of its own.
+        assert os.getsid(calm.child.pid) == os.getsid(0) and os.getpgid(calm.child.pid) == calm.child.pid
     finally:
         sup.stop_all(5)
     assert not calm.child.alive
