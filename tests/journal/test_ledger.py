@@ -1,6 +1,7 @@
 """The quota ledger: idempotent rows, append-only by the database itself, a fold that an
 independent SQL query agrees with, and expiry of a dead holder's reservations."""
 
+import asyncio
 import json
 from datetime import timedelta
 
@@ -78,6 +79,34 @@ async def test_a_settle_without_a_reservation_writes_one_first(db):
     async with db.begin() as c:
         await ledger.settle(c, Entry(ledger.SETTLE, s, t, "m", "flex", 5, 5), reserve(s, t, 5, 5))
     assert await rows(db, s) == [("reserve", 5, 5), ("settle", 5, 5)]
+
+
+async def test_two_writers_of_the_same_reservations_in_opposite_orders_do_not_deadlock(db):
+    """The API's flusher and a request's journaling both write its reservation, each in
+    its own order. One holds the first key (uncommitted) while the other writes both,
+    second key first: without one order for every writer the other would hold the second
+    and wait on the first, the first then wait on it, and Postgres would abort one."""
+    t = uid("t")
+    first, second = (reserve(keys.request(uid(f"r{i}")), t, 10, 10) for i in range(2))
+    if first.key > second.key:
+        first, second = second, first
+    async with db.connect() as a, db.connect() as b:
+        await a.begin()
+        assert await ledger.insert(a, [first]) == [first.key]
+
+        async def other() -> list[str]:
+            await b.begin()
+            written = await ledger.insert(b, [second, first])
+            await b.commit()
+            return written
+
+        writing = asyncio.create_task(other())
+        await asyncio.sleep(0.5)  # it waits on the first key; it must not hold the second
+        assert not writing.done()
+        assert await asyncio.wait_for(ledger.insert(a, [second]), 10) == [second.key]
+        await a.commit()
+        assert await asyncio.wait_for(writing, 10) == []  # both written already: the first row stands
+    assert await rows(db, first.subject) == await rows(db, second.subject) == [("reserve", 10, 10)]
 
 
 async def test_a_batch_refund_releases_its_reservation_once(db):
