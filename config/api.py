@@ -27,7 +27,9 @@ class ApiSettings(Section):
     admin_host: str = "127.0.0.1"
 
     # How long an API process trusts what it looked up about a key: a revoked key stops
-    # working within this bound (at once in the process that revoked it).
+    # working within this bound and the query that finds it (at once in the process that
+    # revoked it); a known key is asked again from then on while its answer still serves,
+    # for up to twice this bound.
     key_cache_s: float = Field(5.0, ge=0)
     # /openapi.json, /docs and /redoc, open to anyone who reaches the API: they list every
     # route, the admin API's too, so they are served only where this says so.

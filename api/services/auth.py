@@ -6,11 +6,15 @@ leaves the principal in the request's state, where `api.deps` finds it.
 
 `KeyCache` is per process. A key's answer (its principal, or that it is unknown or
 revoked) is kept for `ttl_s` (BALLAST_KEY_CACHE_S) and then asked again, so a revoked key
-stops working everywhere within that bound and at once in the process that revoked it.
-A miss costs one query (a value that is not shaped like a key costs none: `authenticate`
-refuses it first); requests for the same key meanwhile share it. Unknown keys are
-remembered too, for as long, so a client retrying a bad key does not cost a query each
-time, but only the most recent `max_unknown` of them: random keys cannot grow memory.
+stops working everywhere within that bound (and the one query that finds it revoked) and
+at once in the process that revoked it. A known key's requests do not wait for that
+query: they are answered from memory while it runs, up to 2 × `ttl_s` after the answer
+was fetched (past that, they wait for it), so a slow database never stalls every stream
+of a busy key at once. A miss costs one query (a value that is not shaped like a key
+costs none: `authenticate` refuses it first); requests for the same key meanwhile share
+it. Unknown keys are remembered too, for as long, so a client retrying a bad key does not
+cost a query each time, but only the most recent `max_unknown` of them: random keys
+cannot grow memory.
 Known keys are as many as the database holds, and are kept all.
 """
 
@@ -59,17 +63,25 @@ class KeyCache:
         database cannot be asked (a key is never taken on trust)."""
         h = tenant_store.hash_key(plaintext)
         now = self._clock()
-        if (known := self._known.get(h)) and now - known[0] < self.ttl_s:
-            return known[1]
+        if known := self._known.get(h):
+            age = now - known[0]
+            if age < self.ttl_s:
+                return known[1]
+            if age < 2 * self.ttl_s:  # due: asked again while this answer still serves
+                self._ask(h, plaintext, now)
+                return known[1]
         if (at := self._unknown.get(h)) is not None and now - at < self.ttl_s:
             return None
-        # One query per key however many requests wait on it, in a task of its own so
-        # that a caller going away does not cancel it for the others.
+        return await asyncio.shield(self._ask(h, plaintext, now))
+
+    def _ask(self, h: str, plaintext: str, now: float) -> asyncio.Task[Principal | None]:
+        """One query per key however many requests wait on it, in a task of its own so
+        that a caller going away does not cancel it for the others."""
         task = self._pending.get(h)
         if task is None:
             task = self._pending[h] = asyncio.create_task(self._fetch(h, plaintext, now))
             task.add_done_callback(_retrieved)
-        return await asyncio.shield(task)
+        return task
 
     async def _fetch(self, h: str, plaintext: str, now: float) -> Principal | None:
         try:

@@ -256,6 +256,48 @@ async def test_the_cache_asks_once_per_key_and_again_after_its_bound():
     assert len(asked) == 4
 
 
+async def test_a_known_key_due_again_is_answered_from_memory_while_one_query_refreshes_it():
+    """Past the bound a known key's requests do not wait for the query that asks again
+    (a slow database would stall every stream of the key at once) up to twice the bound;
+    what the query finds (here: revoked) answers from then on; past twice the bound with
+    no answer they wait for it."""
+    clock = Clock()
+    known = {"good": Principal("t", "k")}
+    gate = asyncio.Event()
+    asked: list[str] = []
+
+    async def lookup(key: str) -> Principal | None:
+        asked.append(key)
+        if len(asked) > 1:
+            await gate.wait()  # the database is slow to answer the second time
+        return known.get(key)
+
+    cache = KeyCache(lookup, ttl_s=5, clock=clock)
+    assert await cache.principal("good") == Principal("t", "k")
+    del known["good"]  # revoked elsewhere
+    clock.now = 6.0
+    got = await asyncio.wait_for(asyncio.gather(*[cache.principal("good") for _ in range(20)]), 1)
+    assert got == [Principal("t", "k")] * 20
+    await asyncio.sleep(0)
+    assert asked == ["good", "good"]  # one query, however many asked meanwhile
+    gate.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert await cache.principal("good") is None and len(asked) == 2  # its answer stands
+
+    slow = KeyCache(lookup, ttl_s=5, clock=clock)
+    known["good"] = Principal("t", "k")
+    clock.now = 0.0
+    await slow.principal("good")
+    gate.clear()
+    clock.now = 10.0  # twice the bound: not answered from memory any more
+    waiting = asyncio.ensure_future(slow.principal("good"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    gate.set()
+    assert await waiting == Principal("t", "k")
+
+
 async def test_unknown_keys_are_bounded_and_a_failed_lookup_is_not_remembered():
     lookup, asked = counting({})
     cache = KeyCache(lookup, ttl_s=60, max_unknown=100)
