@@ -153,13 +153,18 @@ def _api(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
-    from ballast.procs import listen_nodelay, notify_ready
+    from ballast.procs import freeze_heap, listen_nodelay, notify_ready
     from telemetry import tracing
 
     _need(settings, "service_db_url", "temporal_address")
     _need_engine_token(settings)
     tracing.setup("ballast-api", settings)  # before the app connects to Temporal: its starts are traced
-    config = uvicorn.Config(create_app(settings, on_ready=notify_ready), log_level="warning")
+
+    def ready() -> None:
+        freeze_heap()
+        notify_ready()
+
+    config = uvicorn.Config(create_app(settings, on_ready=ready), log_level="warning")
     sockets = [listen_nodelay(settings.api_host, settings.api_port)]
     if settings.admin_port is not None:  # /admin only there (api/app.py, AdminListener)
         sockets.append(listen_nodelay(settings.admin_host, settings.admin_port))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import pwd
 import random
@@ -268,6 +269,14 @@ def notify_ready() -> None:
         tmp = Path(f"{path}.{os.getpid()}")
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, path)
+
+
+def freeze_heap() -> None:
+    """A serving process's heap so far (modules, settings, the model's frontend) lives as
+    long as the process: out of the garbage collector's sight from here on, so that a full
+    collection walks what requests made since, not everything. Under load the API's full
+    collections took the event loop for 120-450 ms each, a tail on every stream it relays."""
+    gc.freeze()
 
 
 def said_ready(path: Path, pid: int) -> bool:

@@ -182,6 +182,7 @@ async def control_worker(settings: Settings) -> None:
         await start_quota(client, settings, searchable)
         async with interactive, webhooks:
             polling.set()
+            procs.freeze_heap()
             procs.notify_ready()
             await _run_until_signalled(worker)
     finally:
@@ -313,6 +314,7 @@ async def engine_worker(settings: Settings) -> None:
                            graceful_shutdown_timeout=timedelta(seconds=5)) for q in queues]
 
         log.info("engine worker %s polling %s, streaming at %s", engine_id, " and ".join(queues), url)
+        procs.freeze_heap()
         procs.notify_ready()
         await _run_until_drained(make_workers, draining, engine_id, polling)
 

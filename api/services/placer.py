@@ -15,6 +15,7 @@ and corrected when the engine reports the prompt's size.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -95,6 +96,9 @@ class Placer:
                 # The first render compiles the chat template (tens of ms): here, not on a request.
                 prompts.render_chat(tok, [dict(role="user", content="warm up")])
                 self._tokenizers[model] = tok
+                # It and what loading it imported live as long as the process: kept out of
+                # every full collection's walk, as the rest of the heap at start (ballast/procs.py).
+                gc.freeze()
             except Exception as err:  # no files here (an API on another host): place by load
                 log.warning("no tokenizer for %s's prefix affinity at %s (%s): placing by load only", model, path, err)
         return self._tokenizers.get(model)
