@@ -414,19 +414,25 @@ def cumulative(events: list[tuple[float, float]], start: float, end: float, step
     return out
 
 
-def journaled_ttfts(db_url: str, request_ids: list[str]) -> dict[str, list[float]]:
-    """Each request's TTFT as the API and as the engine worker measured it (journaled with
-    its `request_finished` event): where the time went, before or inside the engine."""
+def journaled(db_url: str, request_ids: list[str]) -> dict[str, tuple[float | None, float | None]]:
+    """Each request's TTFT in ms as the API and as the engine worker measured it (journaled
+    with its `request_finished` event), by id: where the time went, before or inside the engine."""
     import psycopg
 
     with psycopg.connect(db_url) as conn:
         for _ in range(100):  # journaled a moment after the response, in the background
-            rows = conn.execute("SELECT (record->>'ttft_ms')::float, (record->>'engine_ttft_ms')::float"
+            rows = conn.execute("SELECT request_id, (record->>'ttft_ms')::float, (record->>'engine_ttft_ms')::float"
                                 " FROM finished_requests WHERE request_id = ANY(%s)", (request_ids,)).fetchall()
             if len(rows) >= len(request_ids):
                 break
             time.sleep(0.1)
-    return dict(api=[r[0] for r in rows if r[0] is not None], engine=[r[1] for r in rows if r[1] is not None])
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def journaled_ttfts(db_url: str, request_ids: list[str]) -> dict[str, list[float]]:
+    """The requests' TTFTs in ms as the API and as the engine worker measured them."""
+    rows = journaled(db_url, request_ids).values()
+    return dict(api=[a for a, _ in rows if a is not None], engine=[e for _, e in rows if e is not None])
 
 
 async def giant_prompts(sc: Scene, seconds: float, rate: float, prompt: int, giant: int, giant_streams: int) -> dict:

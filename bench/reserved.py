@@ -48,7 +48,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.fairness import make_tenants, owner_url
+from bench.fairness import journaled, make_tenants, owner_url, token_event
 from bench.stack import Stack, ballast_up
 from bench.stats import p50, pct
 from config import Settings
@@ -67,12 +67,17 @@ class Chat:
     first: float | None
     ended: float
     tokens: int
+    id: str = ""  # the completion's id: its request's in the journal
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
 
 
 async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> Chat:
     body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
                 stream_options=dict(include_usage=True), ignore_eos=True, temperature=0)
-    sent, first, n = time.perf_counter(), None, 0
+    sent, first, n, rid = time.perf_counter(), None, 0, ""
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
@@ -81,26 +86,23 @@ async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            if first is None and '"content":' in line:
+            chunk = json.loads(line[6:])
+            if first is None and token_event(chunk):  # not the opening chunk, sent before any token
                 first = time.perf_counter()
-            if '"usage":{' in line.replace(" ", ""):
-                n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", n)
-    return Chat(sent, first, time.perf_counter(), n)
+            rid = rid or chunk.get("id", "")
+            if chunk.get("usage"):
+                n = chunk["usage"].get("completion_tokens", n)
+    return Chat(sent, first, time.perf_counter(), n, rid)
 
 
-async def _ttft(http: httpx.AsyncClient, key: str, content: str) -> float | None:
-    """One short chat's seconds to its first content token (None: it failed)."""
-    chat = await _chat(http, key, 16, content)
-    return None if chat.first is None else chat.first - chat.sent
-
-
-async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[float]:
-    tasks: list[asyncio.Task[float | None]] = []
+async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[Chat]:
+    """Short chats, Poisson at `rate` a second for `seconds`: those that got a first token."""
+    tasks: list[asyncio.Task[Chat]] = []
     t, start = 0.0, time.perf_counter()
     while (t := t + rng.expovariate(rate)) < seconds:
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-        tasks.append(asyncio.create_task(_ttft(http, key, f"Gold {len(tasks)}: hello?")))
-    return [x for x in await asyncio.gather(*tasks) if x is not None]
+        tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?")))
+    return [c for c in await asyncio.gather(*tasks) if c.first is not None]
 
 
 def _crowd(base: str, key: str, streams: int, stop: EventType) -> None:
@@ -207,19 +209,21 @@ async def _engine(http: httpx.AsyncClient, admin: dict[str, str]) -> dict:
 
 @contextlib.asynccontextmanager
 async def _up(settings: Settings, spare: int) -> AsyncIterator[tuple[Stack, httpx.AsyncClient, dict[str, str], str,
-                                                                     dict[str, str]]]:
-    """The stack, a client of its API, the tenants' keys, its engine worker's URL, the admin's header."""
+                                                                     dict[str, str], str]]:
+    """The stack, a client of its API, the tenants' keys, its engine worker's URL, the
+    admin's header, its database's URL as the owner."""
     with tempfile.TemporaryDirectory() as d, ballast_up(settings, Path(d), BALLAST_MAX_NUM_SEQS=str(MAX_SEQS),
                                                         BALLAST_SPARE_SEQS=str(spare)) as stack:
-        keys, engine_url = await make_tenants(owner_url(stack.db_url, Path(d)), ["gold", "crowd"])
+        owner = owner_url(stack.db_url, Path(d))
+        keys, engine_url = await make_tenants(owner, ["gold", "crowd"])
         admin = {"Authorization": "Bearer " + (Path(d) / "admin-key").read_text().strip()}
         async with httpx.AsyncClient(base_url=str(stack.api.base_url).rstrip("/"), timeout=300) as http:
-            yield stack, http, keys, engine_url, admin
+            yield stack, http, keys, engine_url, admin, owner
 
 
 async def _run_tokens(settings: Settings, seconds: float, share: float, gold_streams: int, streams: int,
                       spare: int) -> dict:
-    async with _up(settings, spare) as (stack, http, keys, engine_url, admin):
+    async with _up(settings, spare) as (stack, http, keys, engine_url, admin, _):
         crowd_key = {"Authorization": f"Bearer {keys['crowd']}"}
         f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
                             data=dict(purpose="batch"), headers=crowd_key)
@@ -275,7 +279,7 @@ async def _run_tokens(settings: Settings, seconds: float, share: float, gold_str
 
 async def _run(settings: Settings, seconds: float, rate: float, slots: int, streams: int, spare: int) -> dict:
     rng = random.Random(SEED)
-    async with _up(settings, spare) as (stack, http, keys, engine_url, admin):
+    async with _up(settings, spare) as (stack, http, keys, engine_url, admin, owner):
         async def reserve(n: int) -> None:
             r = await http.put("/admin/tenants/gold/reservations", json=dict(model=MODEL, slots=n), headers=admin)
             assert r.status_code == 200, r.text
@@ -286,8 +290,9 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
                 await asyncio.sleep(0.1)
             raise AssertionError(f"the engine never kept gold's {n} slots")
 
-        await _ttft(http, keys["gold"], "warm up")
+        await _chat(http, keys["gold"], 16, "warm up")
         alone = await _paced(http, keys["gold"], rate, seconds, rng)
+        chats = dict(alone=alone)
 
         f = await http.post("/v1/files", files=dict(file=("b.jsonl", io.BytesIO(_backlog(4000)))),
                             data=dict(purpose="batch"), headers={"Authorization": f"Bearer {keys['crowd']}"})
@@ -308,11 +313,15 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
             async with _crowding(str(http.base_url), keys["crowd"], streams):
                 sampler = asyncio.create_task(_sample(http, engine_url, stack.engine_headers, stop, samples))
                 await asyncio.sleep(3)  # the crowd fills the engine
-                ttft = await _paced(http, keys["gold"], rate, seconds, rng)
+                got = await _paced(http, keys["gold"], rate, seconds, rng)
                 stop.set()
                 await sampler
-            figures[phase] = dict(ttft=ttft, samples=samples)
+            figures[phase] = dict(samples=samples)
+            chats[phase] = got
         await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
+        # Each chat's TTFT as the API measured it (from its receipt) and as the engine worker
+        # did (from its receipt: its fair-share queue, vLLM's queue, the prefill): where it went.
+        inside = await asyncio.to_thread(journaled, owner, [c.id for cs in chats.values() for c in cs])
     lent, n = lent_share(figures["reserved"]["samples"])
     # How often gold asked beyond its reservation: its requests in flight on the engine at
     # each sample, and those of its requests that waited for a slot (the engine's count).
@@ -326,9 +335,13 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
                                          at_or_over_reservation=round(sum(h >= slots for h in held) / max(1, len(held)),
                                                                       3)),
                      gold_waited_for_a_slot=waited)
-    for phase, xs in (("alone", alone), ("reserved", figures["reserved"]["ttft"]),
-                      ("shared", figures["shared"]["ttft"])):
-        out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1))
+    for phase in ("alone", "reserved", "shared"):
+        xs = [c.ttft for c in chats[phase] if c.ttft is not None]
+        api = [a / 1000 for c in chats[phase] if (a := inside.get(c.id, (None, None))[0]) is not None]
+        engine = [e / 1000 for c in chats[phase] if (e := inside.get(c.id, (None, None))[1]) is not None]
+        out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1),
+                          api_p50_ms=round(1000 * p50(api), 1), api_p99_ms=round(1000 * pct(api, 99), 1),
+                          engine_p50_ms=round(1000 * p50(engine), 1), engine_p99_ms=round(1000 * pct(engine, 99), 1))
     out["reserved_over_alone_p99"] = round(out["reserved"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     out["shared_over_alone_p99"] = round(out["shared"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     return out
@@ -348,10 +361,13 @@ def main_tokens(settings: Settings, seconds: float = 60.0, share: float = 0.5, g
 def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24,
          spare: int = 2) -> int:
     f = asyncio.run(_run(settings, seconds, rate, slots, streams, spare))
-    print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}")
+    print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}  {'from the API p50':>16} {'p99':>8}  "
+          f"{'from the engine p50':>19} {'p99':>8}")
     for phase in ("alone", "reserved", "shared"):
         r = f[phase]
-        print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms")
+        print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
+              f"{r['api_p50_ms']:>14.1f}ms {r['api_p99_ms']:>6.1f}ms  {r['engine_p50_ms']:>17.1f}ms "
+              f"{r['engine_p99_ms']:>6.1f}ms")
     print(f"reserved ÷ alone p99 {f['reserved_over_alone_p99']}, shared ÷ alone {f['shared_over_alone_p99']}; "
           f"reserved slots lent while unused {f['lent_share']}")
     print(json.dumps(f))
