@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 import psycopg
 
+from bench.fairness import token_event
 from bench.stack import ballast_up
 from bench.stats import p50, pct
 from bench.training import training_file
@@ -116,7 +117,8 @@ async def _chat(http: httpx.AsyncClient, tenant: str, key: str, content: str, ma
                 return Outcome(tenant, r.status_code, code)
             first = None
             async for line in r.aiter_lines():
-                if first is None and line.startswith("data: {") and '"content":' in line:
+                # The first token, not the opening chunk (sent once an engine accepted it).
+                if first is None and line.startswith("data: {") and token_event(json.loads(line[6:])):
                     first = time.perf_counter() - t0
             return Outcome(tenant, 200, ttft=first, downgraded="x-ballast-downgraded-from" in r.headers)
     except httpx.HTTPError as err:

@@ -68,6 +68,7 @@ class Chat:
     ended: float
     tokens: int
     id: str = ""  # the completion's id: its request's in the journal
+    opened: float | None = None  # its response's headers (the API sends them once an engine accepted it)
 
     @property
     def ttft(self) -> float | None:
@@ -80,6 +81,7 @@ async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str
     sent, first, n, rid = time.perf_counter(), None, 0, ""
     async with http.stream("POST", "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {key}"}) as r:
+        opened = time.perf_counter()
         if r.status_code != 200:
             await r.aread()
             return Chat(sent, None, time.perf_counter(), 0)
@@ -92,7 +94,7 @@ async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str
             rid = rid or chunk.get("id", "")
             if chunk.get("usage"):
                 n = chunk["usage"].get("completion_tokens", n)
-    return Chat(sent, first, time.perf_counter(), n, rid)
+    return Chat(sent, first, time.perf_counter(), n, rid, opened)
 
 
 async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[Chat]:
@@ -339,7 +341,9 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
         xs = [c.ttft for c in chats[phase] if c.ttft is not None]
         api = [a / 1000 for c in chats[phase] if (a := inside.get(c.id, (None, None))[0]) is not None]
         engine = [e / 1000 for c in chats[phase] if (e := inside.get(c.id, (None, None))[1]) is not None]
+        heads = [c.opened - c.sent for c in chats[phase] if c.opened is not None]
         out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1),
+                          headers_p50_ms=round(1000 * p50(heads), 1), headers_p99_ms=round(1000 * pct(heads, 99), 1),
                           api_p50_ms=round(1000 * p50(api), 1), api_p99_ms=round(1000 * pct(api, 99), 1),
                           engine_p50_ms=round(1000 * p50(engine), 1), engine_p99_ms=round(1000 * pct(engine, 99), 1))
     out["reserved_over_alone_p99"] = round(out["reserved"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)

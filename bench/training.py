@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 import psycopg
 
+from bench.fairness import token_event
 from bench.pictures import draw_training
 from bench.stack import Stack, ballast_up
 from bench.stats import p50
@@ -107,14 +108,14 @@ def journal(stack: Stack, job_id: str) -> dict[str, Any]:
 
 
 def chat(api: httpx.Client, model: str, i: int) -> float:
-    """A streamed chat's TTFT (seconds to its first content chunk)."""
+    """A streamed chat's TTFT (seconds to its first token, not to the opening chunk)."""
     t0 = time.perf_counter()
     with api.stream("POST", "/v1/chat/completions", json=dict(
             model=model, stream=True, max_tokens=16, temperature=0,
             messages=[dict(role="user", content=f"chat {i}: tell me about {WORDS[i % len(WORDS)]}")])) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
+            if line.startswith("data: {") and token_event(json.loads(line[6:])):
                 return time.perf_counter() - t0
     raise AssertionError(f"chat {i} streamed no content")
 
