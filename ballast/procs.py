@@ -215,7 +215,8 @@ def spawn(
     cpus: Collection[int] | None = None,
     session: bool = True,
 ) -> Child:
-    """Start `argv` in a new session; stdout and stderr go to `log_path` (appended) if given.
+    """Start `argv` in a session of its own (`session` False: a process group of its own);
+    stdout and stderr go to `log_path` (appended) if given.
 
     `death_signal` reaches the child when the thread that spawned it exits (Linux ties
     PR_SET_PDEATHSIG to the thread), so spawn from a long-lived thread, not a pool worker.

@@ -89,8 +89,8 @@ _INSERT = text(
       FROM unnest(CAST(:tenant AS text[]), CAST(:model AS text[]), CAST(:tier AS text[]), CAST(:subject AS text[]),
                   CAST(:kind AS text[]), CAST(:i AS bigint[]), CAST(:o AS bigint[]), CAST(:holder AS text[]),
                   CAST(:key AS text[]), CAST(:at AS timestamptz[]))
-           AS n(tenant, model, tier, subject, kind, i, o, holder, key, at)
-     ORDER BY key
+           WITH ORDINALITY AS n(tenant, model, tier, subject, kind, i, o, holder, key, at, ord)
+     ORDER BY subject, ord
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING idempotency_key
     """
@@ -99,10 +99,11 @@ _INSERT = text(
 
 async def insert(conn: AsyncConnection, entries: Sequence[Entry]) -> list[str]:
     """One multi-row INSERT in the caller's transaction; keys already in the ledger are
-    skipped. Returns the keys written. Rows go in in key order, whatever the caller's: two
-    writers of the same keys (the API's flusher and the journaling of a request, both
-    writing its reservation) then take the unique index's locks in one order, and
-    neither waits on the other while holding what the other waits for (a deadlock)."""
+    skipped. Returns the keys written. Rows go in by subject, each subject's in the
+    caller's order (a reservation before its refund): two writers of the same subjects'
+    rows (the API's flusher and the journaling of a request, both writing its
+    reservation) then take the unique index's locks in one order, and neither waits on
+    the other while holding what the other waits for (a deadlock)."""
     if not entries:
         return []
     cols: dict[str, list[Any]] = dict(

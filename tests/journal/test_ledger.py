@@ -88,7 +88,7 @@ async def test_two_writers_of_the_same_reservations_in_opposite_orders_do_not_de
     and wait on the first, the first then wait on it, and Postgres would abort one."""
     t = uid("t")
     first, second = (reserve(keys.request(uid(f"r{i}")), t, 10, 10) for i in range(2))
-    if first.key > second.key:
+    if first.subject > second.subject:
         first, second = second, first
     async with db.connect() as a, db.connect() as b:
         await a.begin()
