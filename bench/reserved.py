@@ -11,8 +11,11 @@ other work fills it. Tenant `gold` sends short streamed chats, open loop (Poisso
 3. shared: the same load without the reservation (what gold gets without one), run
    before the reserved phase, both after the crowd's batch is validated and running.
 
-Gold's TTFT is measured at the client (its first content token); the crowd's chats are
-sent and read by a process of their own, so that its streams never queue gold's reads.
+Gold's TTFT is measured at the client (its first token: not the stream's opening chunk,
+sent once an engine accepts), and split by the journal into the API's (from its handler's
+start) and the engine worker's (from its receipt of the request), with the time the
+response's headers reached the client; the crowd's chats are sent and read by a process
+of their own, so that its streams never queue gold's reads.
 The engine worker's /stats, sampled every 100 ms in phase 2, says how many of the reserved slots gold left
 unused and how many batch generations and interactive requests held slots: the unused
 reserved slots batch held (lent) over those it could have held is the share of the
