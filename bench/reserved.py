@@ -369,12 +369,12 @@ def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: in
          spare: int = 2) -> int:
     f = asyncio.run(_run(settings, seconds, rate, slots, streams, spare))
     print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}  {'from the API p50':>16} {'p99':>8}  "
-          f"{'from the engine p50':>19} {'p99':>8}")
+          f"{'from the engine p50':>19} {'p99':>8}  {'headers p50':>11} {'p99':>8}")
     for phase in ("alone", "reserved", "shared"):
         r = f[phase]
         print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
               f"{r['api_p50_ms']:>14.1f}ms {r['api_p99_ms']:>6.1f}ms  {r['engine_p50_ms']:>17.1f}ms "
-              f"{r['engine_p99_ms']:>6.1f}ms")
+              f"{r['engine_p99_ms']:>6.1f}ms  {r['headers_p50_ms']:>9.1f}ms {r['headers_p99_ms']:>6.1f}ms")
     print(f"reserved ÷ alone p99 {f['reserved_over_alone_p99']}, shared ÷ alone {f['shared_over_alone_p99']}; "
           f"reserved slots lent while unused {f['lent_share']}")
     print(json.dumps(f))
