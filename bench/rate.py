@@ -24,6 +24,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +97,24 @@ def serve_argv(settings: Settings, port: int) -> list[str]:
             "--port", str(port), *run_batch_argv(engine_args(spec, settings))]
 
 
-def vllm_round(settings: Settings, work: Path, n: int, concurrency: int) -> dict[str, Any]:
+@contextmanager
+def vllm_serve(settings: Settings, work: Path) -> Iterator[str]:
+    """vLLM's own server on the engine worker's engine arguments, answering at the URL given
+    (its log in `work`); stopped by its PID after the block."""
     port = procs.free_port()
     server = procs.spawn("vllm serve", serve_argv(settings, port), log_path=work / "vllm-serve.log",
                          env={"VLLM_NO_USAGE_STATS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         procs.wait_until(lambda: _up(url + "/v1/models"), 300, "vllm serve to answer", child=server, interval=0.5)
-        return asyncio.run(drive(url, {}, settings.model_name, n, concurrency))
+        yield url
     finally:
         server.stop(60)
+
+
+def vllm_round(settings: Settings, work: Path, n: int, concurrency: int) -> dict[str, Any]:
+    with vllm_serve(settings, work) as url:
+        return asyncio.run(drive(url, {}, settings.model_name, n, concurrency))
 
 
 def ballast_round(settings: Settings, work: Path, n: int, concurrency: int) -> dict[str, Any]:

@@ -22,6 +22,11 @@ reserved slots batch held (lent) over those it could have held is the share of t
 reservation's idle time lent out. Targets: gold's TTFT p99 reserved ≤ 1.10 × alone; lent
 ≥ 0.9.
 
+Then what a user would run instead: gold's same chats (same seed) on vLLM's own server
+with the engine worker's engine arguments, alone; beside the crowd's `--streams` at a
+lower priority (vLLM's priority scheduling, the engine worker's too); and beside
+BALLAST_MAX_NUM_SEQS of them, a sequence always free for gold.
+
 Prints a table, then one JSON line with the figures.
 
 With `--in-tokens`, the reservation is in output tokens a second instead (`tokens_per_s`,
@@ -40,6 +45,7 @@ import contextlib
 import io
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import tempfile
@@ -52,8 +58,9 @@ from pathlib import Path
 import httpx
 
 from bench.fairness import journaled, make_tenants, owner_url, token_event
+from bench.rate import vllm_serve
 from bench.stack import Stack, ballast_up
-from bench.stats import p50, pct
+from bench.stats import pct
 from config import Settings
 
 SEED = 5
@@ -78,12 +85,15 @@ class Chat:
         return None if self.first is None else self.first - self.sent
 
 
-async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str) -> Chat:
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}  # vLLM's own server asks for none
+
+
+async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str, **extra: object) -> Chat:
     body = dict(model=MODEL, messages=[dict(role="user", content=content)], max_tokens=max_tokens, stream=True,
-                stream_options=dict(include_usage=True), ignore_eos=True, temperature=0)
+                stream_options=dict(include_usage=True), ignore_eos=True, temperature=0, **extra)
     sent, first, n, rid = time.perf_counter(), None, 0, ""
-    async with http.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"Authorization": f"Bearer {key}"}) as r:
+    async with http.stream("POST", "/v1/chat/completions", json=body, headers=_auth(key)) as r:
         opened = time.perf_counter()
         if r.status_code != 200:
             await r.aread()
@@ -100,20 +110,26 @@ async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str
     return Chat(sent, first, time.perf_counter(), n, rid, opened)
 
 
-async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random) -> list[Chat]:
+async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random,
+                 **extra: object) -> list[Chat]:
     """Short chats, Poisson at `rate` a second for `seconds`: those that got a first token."""
     tasks: list[asyncio.Task[Chat]] = []
     t, start = 0.0, time.perf_counter()
     while (t := t + rng.expovariate(rate)) < seconds:
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
-        tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?")))
+        tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?", **extra)))
     return [c for c in await asyncio.gather(*tasks) if c.first is not None]
 
 
-def _crowd(base: str, key: str, streams: int, stop: EventType) -> None:
+def _crowd(base: str, key: str, streams: int, stop: EventType, extra: dict) -> None:
     """The crowd's streamed chats, `streams` in flight until `stop`, in a process of its
     own: read in the measuring process, dozens of streams' chunks queued its event loop
-    ahead of the measured tenant's, and the client's own lag was counted as the service's."""
+    ahead of the measured tenant's, and the client's own lag was counted as the service's.
+    In a session of its own, too: where the kernel shares CPU between sessions (autogroup),
+    a busy generator spent the measuring process's share, which then waited up to a second
+    on the run queue with a chat's reply in its socket."""
+    os.setsid()
+
     async def run() -> None:
         limits = httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2)
         async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as http:
@@ -121,10 +137,9 @@ def _crowd(base: str, key: str, streams: int, stop: EventType) -> None:
                 n = 0
                 while not stop.is_set():
                     body = dict(model=MODEL, messages=[dict(role="user", content=f"Crowd {i}.{n}: tell me more.")],
-                                max_tokens=64, stream=True, ignore_eos=True, temperature=0)
+                                max_tokens=64, stream=True, ignore_eos=True, temperature=0, **extra)
                     with contextlib.suppress(httpx.HTTPError):
-                        async with http.stream("POST", "/v1/chat/completions", json=body,
-                                               headers={"Authorization": f"Bearer {key}"}) as r:
+                        async with http.stream("POST", "/v1/chat/completions", json=body, headers=_auth(key)) as r:
                             async for _ in r.aiter_raw():
                                 pass
                     n += 1
@@ -135,11 +150,11 @@ def _crowd(base: str, key: str, streams: int, stop: EventType) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _crowding(base: str, key: str, streams: int) -> AsyncIterator[None]:
+async def _crowding(base: str, key: str, streams: int, **extra: object) -> AsyncIterator[None]:
     """The crowd's chats in flight for the block (ended by its process's PID if it hangs)."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
-    crowd = ctx.Process(target=_crowd, args=(base, key, streams, stop), name="crowd")
+    crowd = ctx.Process(target=_crowd, args=(base, key, streams, stop, extra), name="crowd")
     crowd.start()
     try:
         yield
@@ -341,17 +356,47 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
                                                                       3)),
                      gold_waited_for_a_slot=waited)
     for phase in ("alone", "reserved", "shared"):
-        xs = [c.ttft for c in chats[phase] if c.ttft is not None]
-        api = [a / 1000 for c in chats[phase] if (a := inside.get(c.id, (None, None))[0]) is not None]
-        engine = [e / 1000 for c in chats[phase] if (e := inside.get(c.id, (None, None))[1]) is not None]
-        heads = [c.opened - c.sent for c in chats[phase] if c.opened is not None]
-        out[phase] = dict(n=len(xs), ttft_p50_ms=round(1000 * p50(xs), 1), ttft_p99_ms=round(1000 * pct(xs, 99), 1),
-                          headers_p50_ms=round(1000 * p50(heads), 1), headers_p99_ms=round(1000 * pct(heads, 99), 1),
-                          api_p50_ms=round(1000 * p50(api), 1), api_p99_ms=round(1000 * pct(api, 99), 1),
-                          engine_p50_ms=round(1000 * p50(engine), 1), engine_p99_ms=round(1000 * pct(engine, 99), 1))
+        out[phase] = ttft_figures(chats[phase], inside)
     out["reserved_over_alone_p99"] = round(out["reserved"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     out["shared_over_alone_p99"] = round(out["shared"]["ttft_p99_ms"] / out["alone"]["ttft_p99_ms"], 3)
     return out
+
+
+def ttft_figures(chats: list[Chat], inside: dict[str, tuple[float | None, float | None]]) -> dict:
+    """TTFT p50/p99 (ms) at the client, with the response's headers and, where the journal
+    has the chat (`inside`: its id's API and engine worker TTFTs, ms), its parts."""
+    xs = [c.ttft for c in chats if c.ttft is not None]
+    api = [a / 1000 for c in chats if (a := inside.get(c.id, (None, None))[0]) is not None]
+    engine = [e / 1000 for c in chats if (e := inside.get(c.id, (None, None))[1]) is not None]
+    heads = [c.opened - c.sent for c in chats if c.opened is not None]
+
+    def ms(xs: list[float], q: float) -> float | None:
+        return round(1000 * pct(xs, q), 1) if xs else None
+
+    return dict(n=len(xs), ttft_p50_ms=ms(xs, 50), ttft_p99_ms=ms(xs, 99), headers_p50_ms=ms(heads, 50),
+                headers_p99_ms=ms(heads, 99), api_p50_ms=ms(api, 50), api_p99_ms=ms(api, 99),
+                engine_p50_ms=ms(engine, 50), engine_p99_ms=ms(engine, 99))
+
+
+async def _vllm(settings: Settings, seconds: float, rate: float, streams: int, spare: int) -> dict[str, list[Chat]]:
+    """Gold's same chats on vLLM's own server (what a user would run instead), on the engine
+    worker's engine arguments (priority scheduling, MAX_SEQS + `spare` sequences): alone;
+    beside `streams` of the crowd's at a lower priority (vLLM's own answer to a tenant who
+    comes first: a waiting request of higher priority is first for a free sequence, and
+    takes one from a lower only when the KV cache runs out); and beside MAX_SEQS of them,
+    so that a sequence is always free for it (no scheduler's choice in it: what the server
+    and the engine's steps cost it with the slots full of others' work)."""
+    rng = random.Random(SEED)
+    same = settings.model_copy(update=dict(max_num_seqs=MAX_SEQS, spare_seqs=spare))
+    with tempfile.TemporaryDirectory(prefix="ballast-bench-reserved-vllm-") as d, vllm_serve(same, Path(d)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            await _chat(http, "", 16, "warm up")
+            chats = dict(alone=await _paced(http, "", rate, seconds, rng))
+            for phase, n, extra in (("priority", streams, dict(priority=1)), ("beside", MAX_SEQS, {})):
+                async with _crowding(url, "", n, **extra):
+                    await asyncio.sleep(3)  # the crowd fills the engine
+                    chats[phase] = await _paced(http, "", rate, seconds, rng)
+    return chats
 
 
 def main_tokens(settings: Settings, seconds: float = 60.0, share: float = 0.5, gold_streams: int = 16,
@@ -368,6 +413,13 @@ def main_tokens(settings: Settings, seconds: float = 60.0, share: float = 0.5, g
 def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24,
          spare: int = 2) -> int:
     f = asyncio.run(_run(settings, seconds, rate, slots, streams, spare))
+    print("the same chats on vLLM's own server …", flush=True)
+    on_vllm = asyncio.run(_vllm(settings, seconds, rate, streams, spare))
+    f["vllm"] = {phase: ttft_figures(chats, {}) for phase, chats in on_vllm.items()}
+    v = f["vllm"]
+    for phase in ("priority", "beside"):
+        f[f"vllm_{phase}_over_alone_p99"] = round(v[phase]["ttft_p99_ms"] / v["alone"]["ttft_p99_ms"], 3)
+    f["reserved_over_vllm_priority_p99"] = round(f["reserved"]["ttft_p99_ms"] / v["priority"]["ttft_p99_ms"], 3)
     print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}  {'from the API p50':>16} {'p99':>8}  "
           f"{'from the engine p50':>19} {'p99':>8}  {'headers p50':>11} {'p99':>8}")
     for phase in ("alone", "reserved", "shared"):
@@ -375,7 +427,14 @@ def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: in
         print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
               f"{r['api_p50_ms']:>14.1f}ms {r['api_p99_ms']:>6.1f}ms  {r['engine_p50_ms']:>17.1f}ms "
               f"{r['engine_p99_ms']:>6.1f}ms  {r['headers_p50_ms']:>9.1f}ms {r['headers_p99_ms']:>6.1f}ms")
+    for phase in ("alone", "priority", "beside"):
+        r = f["vllm"][phase]
+        print(f"{'vLLM ' + phase:>15} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
+              f"{'':>36}{'':>30}{r['headers_p50_ms']:>9.1f}ms {r['headers_p99_ms']:>6.1f}ms")
     print(f"reserved ÷ alone p99 {f['reserved_over_alone_p99']}, shared ÷ alone {f['shared_over_alone_p99']}; "
           f"reserved slots lent while unused {f['lent_share']}")
+    print(f"on vLLM's own server, gold at a higher priority ÷ alone p99 {f['vllm_priority_over_alone_p99']}, beside "
+          f"{MAX_SEQS} others with a sequence free {f['vllm_beside_over_alone_p99']}; Ballast's reserved ÷ vLLM's "
+          f"priority p99 {f['reserved_over_vllm_priority_p99']}")
     print(json.dumps(f))
     return 0 if f["reserved_over_alone_p99"] <= 1.10 and f["lent_share"] >= 0.9 else 1
