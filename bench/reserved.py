@@ -112,13 +112,14 @@ async def _chat(http: httpx.AsyncClient, key: str, max_tokens: int, content: str
 
 async def _paced(http: httpx.AsyncClient, key: str, rate: float, seconds: float, rng: random.Random,
                  **extra: object) -> list[Chat]:
-    """Short chats, Poisson at `rate` a second for `seconds`: those that got a first token."""
+    """Short chats, Poisson at `rate` a second for `seconds`, each as the client saw it
+    (those that got no first token included: the figures count them as failed)."""
     tasks: list[asyncio.Task[Chat]] = []
     t, start = 0.0, time.perf_counter()
     while (t := t + rng.expovariate(rate)) < seconds:
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
         tasks.append(asyncio.create_task(_chat(http, key, 16, f"Gold {len(tasks)}: hello?", **extra)))
-    return [c for c in await asyncio.gather(*tasks) if c.first is not None]
+    return list(await asyncio.gather(*tasks))
 
 
 def _crowd(base: str, key: str, streams: int, stop: EventType, extra: dict) -> None:
@@ -341,7 +342,7 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
         await http.post(f"/v1/batches/{batch.json()['id']}/cancel", headers=crowd_key)
         # Each chat's TTFT as the API measured it (from its receipt) and as the engine worker
         # did (from its receipt: its fair-share queue, vLLM's queue, the prefill): where it went.
-        inside = await asyncio.to_thread(journaled, owner, [c.id for cs in chats.values() for c in cs])
+        inside = await asyncio.to_thread(journaled, owner, [c.id for cs in chats.values() for c in cs if c.id])
     lent, n = lent_share(figures["reserved"]["samples"])
     # How often gold asked beyond its reservation: its requests in flight on the engine at
     # each sample, and those of its requests that waited for a slot (the engine's count).
@@ -363,19 +364,20 @@ async def _run(settings: Settings, seconds: float, rate: float, slots: int, stre
 
 
 def ttft_figures(chats: list[Chat], inside: dict[str, tuple[float | None, float | None]]) -> dict:
-    """TTFT p50/p99 (ms) at the client, with the response's headers and, where the journal
-    has the chat (`inside`: its id's API and engine worker TTFTs, ms), its parts."""
+    """TTFT p50/p99 (ms) at the client over the `n` chats that got a first token (`failed`:
+    those that did not), with the response's headers and, where the journal has the chat
+    (`inside`: its id's API and engine worker TTFTs, ms), its parts."""
     xs = [c.ttft for c in chats if c.ttft is not None]
     api = [a / 1000 for c in chats if (a := inside.get(c.id, (None, None))[0]) is not None]
     engine = [e / 1000 for c in chats if (e := inside.get(c.id, (None, None))[1]) is not None]
-    heads = [c.opened - c.sent for c in chats if c.opened is not None]
+    heads = [c.opened - c.sent for c in chats if c.opened is not None and c.first is not None]
 
     def ms(xs: list[float], q: float) -> float | None:
         return round(1000 * pct(xs, q), 1) if xs else None
 
-    return dict(n=len(xs), ttft_p50_ms=ms(xs, 50), ttft_p99_ms=ms(xs, 99), headers_p50_ms=ms(heads, 50),
-                headers_p99_ms=ms(heads, 99), api_p50_ms=ms(api, 50), api_p99_ms=ms(api, 99),
-                engine_p50_ms=ms(engine, 50), engine_p99_ms=ms(engine, 99))
+    return dict(n=len(xs), failed=len(chats) - len(xs), ttft_p50_ms=ms(xs, 50), ttft_p99_ms=ms(xs, 99),
+                headers_p50_ms=ms(heads, 50), headers_p99_ms=ms(heads, 99), api_p50_ms=ms(api, 50),
+                api_p99_ms=ms(api, 99), engine_p50_ms=ms(engine, 50), engine_p99_ms=ms(engine, 99))
 
 
 async def _vllm(settings: Settings, seconds: float, rate: float, streams: int, spare: int) -> dict[str, list[Chat]]:
@@ -413,24 +415,30 @@ def main_tokens(settings: Settings, seconds: float = 60.0, share: float = 0.5, g
 def main(settings: Settings, seconds: float = 60.0, rate: float = 4.0, slots: int = 2, streams: int = 24,
          spare: int = 2) -> int:
     f = asyncio.run(_run(settings, seconds, rate, slots, streams, spare))
+    if not all(f[phase]["n"] for phase in ("alone", "reserved", "shared")):
+        raise SystemExit(f"gold got no first token in a phase of Ballast's arm: {json.dumps(f)}")
     print("the same chats on vLLM's own server …", flush=True)
     on_vllm = asyncio.run(_vllm(settings, seconds, rate, streams, spare))
     f["vllm"] = {phase: ttft_figures(chats, {}) for phase, chats in on_vllm.items()}
     v = f["vllm"]
+    if not all(r["n"] for r in v.values()):
+        raise SystemExit(f"vLLM's own server gave gold no first token in a phase: {json.dumps(v)}")
     for phase in ("priority", "beside"):
         f[f"vllm_{phase}_over_alone_p99"] = round(v[phase]["ttft_p99_ms"] / v["alone"]["ttft_p99_ms"], 3)
     f["reserved_over_vllm_priority_p99"] = round(f["reserved"]["ttft_p99_ms"] / v["priority"]["ttft_p99_ms"], 3)
-    print(f"{'gold':>9} {'n':>5} {'TTFT p50':>9} {'p99':>8}  {'from the API p50':>16} {'p99':>8}  "
+    print(f"{'gold':>15} {'n':>5} {'TTFT p50':>9} {'p99':>8}  {'from the API p50':>16} {'p99':>8}  "
           f"{'from the engine p50':>19} {'p99':>8}  {'headers p50':>11} {'p99':>8}")
     for phase in ("alone", "reserved", "shared"):
         r = f[phase]
-        print(f"{phase:>9} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
+        print(f"{phase:>15} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
               f"{r['api_p50_ms']:>14.1f}ms {r['api_p99_ms']:>6.1f}ms  {r['engine_p50_ms']:>17.1f}ms "
               f"{r['engine_p99_ms']:>6.1f}ms  {r['headers_p50_ms']:>9.1f}ms {r['headers_p99_ms']:>6.1f}ms")
     for phase in ("alone", "priority", "beside"):
         r = f["vllm"][phase]
         print(f"{'vLLM ' + phase:>15} {r['n']:>5} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms  "
               f"{'':>36}{'':>30}{r['headers_p50_ms']:>9.1f}ms {r['headers_p99_ms']:>6.1f}ms")
+    print(f"failed (no first token): Ballast {[f[p]['failed'] for p in ('alone', 'reserved', 'shared')]}, vLLM "
+          f"{[v[p]['failed'] for p in ('alone', 'priority', 'beside')]}")
     print(f"reserved ÷ alone p99 {f['reserved_over_alone_p99']}, shared ÷ alone {f['shared_over_alone_p99']}; "
           f"reserved slots lent while unused {f['lent_share']}")
     print(f"on vLLM's own server, gold at a higher priority ÷ alone p99 {f['vllm_priority_over_alone_p99']}, beside "

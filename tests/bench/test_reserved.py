@@ -36,7 +36,7 @@ def test_ttft_figures_at_the_client_and_where_the_journal_has_them_its_parts():
     # 100 chats sent at 0: first token at 0.01 … 1.00 s, headers half-way; one with no token.
     chats = [Chat(0.0, i / 100, 2.0, 16, f"c{i}", i / 200) for i in range(1, 101)] + [Chat(0.0, None, 1.0, 0)]
     got = ttft_figures(chats, {"c1": (5.0, 3.0), "c2": (7.0, None)})
-    assert got == dict(n=100, ttft_p50_ms=500.0, ttft_p99_ms=990.0, headers_p50_ms=250.0, headers_p99_ms=495.0,
-                       api_p50_ms=5.0, api_p99_ms=7.0, engine_p50_ms=3.0, engine_p99_ms=3.0)
+    assert got == dict(n=100, failed=1, ttft_p50_ms=500.0, ttft_p99_ms=990.0, headers_p50_ms=250.0,
+                       headers_p99_ms=495.0, api_p50_ms=5.0, api_p99_ms=7.0, engine_p50_ms=3.0, engine_p99_ms=3.0)
     # vLLM's own server journals nothing: its parts are absent, not zero.
     assert ttft_figures(chats, {})["api_p99_ms"] is None and ttft_figures(chats, {})["engine_p50_ms"] is None
