@@ -262,7 +262,9 @@ async def engine_worker(settings: Settings) -> None:
                      headroom=min_slots(settings.fair_headroom, settings.max_num_seqs),
                      floors=dict(flex=min_slots(settings.flex_min_share, settings.max_num_seqs)),
                      starve_after_s=settings.flex_starve_after_s, long_prompt=settings.fair_long_prompt,
-                     long_prefills=settings.fair_long_prefills)
+                     long_prefills=settings.fair_long_prefills,
+                     bounds=dict(priority=settings.wait_bound_priority_s, default=settings.wait_bound_default_s,
+                                 flex=settings.wait_bound_flex_s))
     fair.lending = slots.lend  # reserved slots left unused: batch's until asked for
     async with AsyncExitStack() as stack:
         stack.callback(engine.shutdown)

@@ -1,4 +1,4 @@
-"""`ballast bench overload`: the overload policy (docs/operations.md), measured by class.
+"""`ballast bench overload`: the overload policy (docs/quotas-and-audit.md), measured by class.
 
 One `ballast up` with two engine workers of few sequence slots each
 (BALLAST_MAX_NUM_SEQS, 8), so that the load below fills them. Every tenant is made through

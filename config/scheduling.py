@@ -31,6 +31,16 @@ class SchedulingSettings(Section):
     fair_long_prompt: int = Field(1024, ge=0)
     fair_long_prefills: int = Field(1, ge=1)
 
+    # Interactive requests queue at an engine behind the higher tiers. One whose expected
+    # wait for a slot there (the requests ahead of it × the mean time a slot is held, over
+    # the slots) passes its tier's bound is refused at once with 429 resource_unavailable
+    # and a Retry-After, once the pool's other engines refused it too, rather than queued
+    # past any use: under overload flex is shed first, then default, then priority. Never
+    # a request inside its tenant's reservation. 0: no bound (it queues however long).
+    wait_bound_priority_s: float = Field(30.0, ge=0)
+    wait_bound_default_s: float = Field(15.0, ge=0)
+    wait_bound_flex_s: float = Field(10.0, ge=0)
+
     # Preemption: batch sequences allowed on an engine while interactive work is in
     # flight, and how long demand must stay low before batch gets its slots back.
     # "fixed": always batch_cool_down_s. "priced": that wait is learned per engine from its

@@ -36,6 +36,13 @@ every other tenant's requests, so it is free the moment its tenant asks. Meanwhi
 lent to batch (`lending`: EngineSlots.lend), which yields it when the tenant's request
 takes it.
 
+Bounds on the wait (`bounds`: tier → seconds): a request that would queue, and whose
+expected wait (`expected_wait`: the requests ahead of it, those of its tier and above and
+any inside a reservation, times the mean time a slot was held by the last `HOLDS`
+requests, over the slots) passes its tier's bound, is refused before it is accepted
+(`over_bound`); the API tries the pool's other engines, then answers 429. Never a request
+inside its tenant's reservation, and nothing until `HOLDS_BEFORE_BOUND` holds are measured.
+
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
 tier's), served by arrival within a tier, as before; the counters are still kept, so
 `/stats` shows what each tenant got either way.
@@ -58,6 +65,8 @@ from protocol.tiers import RANK, Tier
 
 Mode = Literal["vtc", "fcfs"]
 _TIER_OF = {v: k for k, v in RANK.items()}
+HOLDS = 64  # the slot holds whose mean is the expected wait's hold time
+HOLDS_BEFORE_BOUND = 8  # fewer measured: no estimate, nothing refused for the wait
 
 
 @dataclass
@@ -94,17 +103,22 @@ class Turn:
 class FairShare:
     """`headroom`: slots a tenant leaves free while another tenant has been seen in the
     last `recent_s`; `floors`: tier → the slots it gets back once one of its requests has
-    waited `starve_after_s` (a minimum share: flex under continuous chat)."""
+    waited `starve_after_s` (a minimum share: flex under continuous chat); `bounds`: tier →
+    the longest expected wait it queues for (0 or absent: no bound)."""
 
     def __init__(self, mode: Mode = "vtc", limit: int = 256, cost: vtc.Cost = vtc.PAPER_COST,
                  quantum: float = vtc.QUANTUM, *, headroom: int = 0, recent_s: float = 60.0,
                  floors: Mapping[str, int] | None = None, starve_after_s: float = 30.0,
-                 long_prompt: int = 0, long_prefills: int = 1, clock: Callable[[], float] = time.monotonic):
+                 long_prompt: int = 0, long_prefills: int = 1, bounds: Mapping[str, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.mode, self.limit, self.cost, self.quantum = mode, max(1, limit), cost, quantum
         self.headroom, self.recent_s, self.clock = headroom, recent_s, clock
         self.floors, self.starve_after_s = dict(floors or {}), starve_after_s
         self.long_prompt, self.long_prefills = long_prompt, max(1, long_prefills)
         self.prefilling_long = 0  # long prompts dispatched whose first token is not out yet
+        self.bounds = dict(bounds or {})
+        self.holds: deque[float] = deque(maxlen=HOLDS)  # how long the last requests held their slot (s)
+        self.shed_by: dict[str, int] = {}  # tier → requests refused for their expected wait
         self.state = vtc.Vtc()
         self.running = 0  # interactive requests dispatched to vLLM (vtc mode)
         self.running_of: dict[str, int] = {}  # tenant → its requests dispatched
@@ -172,10 +186,12 @@ class FairShare:
         try:
             priority = await self._wait(tenant, tier, weight, prompt_tokens, long)
             turn = Turn(self, tenant, weight, priority, long)
+            granted = self.clock()
             try:
                 yield turn
             finally:
                 turn.prefilled()
+                self.holds.append(self.clock() - granted)
                 self._release(tenant, tier)
         finally:
             self._leave(tenant)
@@ -313,6 +329,37 @@ class FairShare:
             del self.load[tenant]
             self.state = vtc.deactivate(self.state, tenant)
 
+    def hold_s(self) -> float | None:
+        """The mean time the last requests held their slot; None before enough are measured."""
+        return sum(self.holds) / len(self.holds) if len(self.holds) >= HOLDS_BEFORE_BOUND else None
+
+    def expected_wait(self, tenant: str, tier: str | None) -> float | None:
+        """How long a request of `tenant` in `tier` arriving now would wait for its slot:
+        0 where it starts at once or runs inside its tenant's reservation; None where the
+        engine cannot tell (no queue kept here, too few holds measured)."""
+        tier = tier if tier in RANK else Tier.DEFAULT
+        if self.mode == "fcfs":
+            return None
+        if (self._room(tenant) and not self.waiting) or reservations.within(self.reserved, self.running_of, tenant):
+            return 0.0
+        hold = self.hold_s()
+        if hold is None:
+            return None
+        inside = {t for t in self.reserved if reservations.within(self.reserved, self.running_of, t)}
+        ahead = sum(len(q) for (t, who), q in self.queues.items()
+                    if who in inside or vtc.tier_order(t) <= vtc.tier_order(tier))
+        return vtc.expected_wait(ahead, self.limit, hold)
+
+    def over_bound(self, tenant: str, tier: str | None) -> int | None:
+        """Retry-After (s) where a request of `tenant` in `tier` would wait past its tier's
+        bound (it is counted as shed); None: it may queue."""
+        tier = tier if tier in RANK else Tier.DEFAULT
+        wait = self.expected_wait(tenant, tier)
+        retry = None if wait is None else vtc.shed(wait, self.bounds.get(tier, 0.0))
+        if retry is not None:
+            self.shed_by[tier] = self.shed_by.get(tier, 0) + 1
+        return retry
+
     def in_tier(self, tier: str) -> int:
         """Requests of `tier` running or waiting here."""
         return self.running_in.get(tier, 0) + sum(len(q) for (t, _), q in self.queues.items() if t == tier)
@@ -328,4 +375,5 @@ class FairShare:
                     counters={t: round(c, 1) for t, c in sorted(self.state.counters.items())},
                     served={t: round(c, 1) for t, c in sorted(self.served.items())},
                     out_of_turn=dict(sorted(self.out_of_turn.items())), prefilling_long=self.prefilling_long,
-                    reserved=dict(sorted(self.reserved.items())))
+                    reserved=dict(sorted(self.reserved.items())), shed_by=dict(sorted(self.shed_by.items())),
+                    hold_s=None if (hold := self.hold_s()) is None else round(hold, 3))

@@ -67,6 +67,15 @@ class EngineCollector(Collector):
                                     "fair-share turn here.", labels=["model"])
         waiting.add_metric([self.model], sum(share["waiting"].values()))
         yield waiting
+        shed = CounterMetricFamily("ballast_engine_shed", "Interactive requests refused here because their expected "
+                                   "wait for a slot passed their tier's bound (BALLAST_WAIT_BOUND_*).",
+                                   labels=["model", "tier"])
+        for tier, n in share["shed_by"].items():
+            shed.add_metric([self.model, tier], n)
+        yield shed
+        if share["hold_s"] is not None:
+            yield _gauge("ballast_engine_slot_hold_seconds", "The mean time the last interactive requests held their "
+                         "slot here: what their expected wait is reckoned in.", self.model, share["hold_s"])
 
 
 def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:

@@ -79,6 +79,18 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
             span.end()
             return JSONResponse(asdict(wire.Failed(why.body()["error"], why.status_code)))
 
+        def shed() -> JSONResponse | None:
+            """Refused, before it is accepted, where it would wait past its tier's bound."""
+            retry = fair.over_bound(tenant, job.tier)
+            if retry is None:
+                return None
+            span.set_attribute("error.type", "resource_unavailable")
+            span.end()
+            message = (f"Every sequence slot on this engine is taken and the {tier} requests ahead of this one would "
+                       f"keep it waiting past its tier's bound; try again in {retry} s.")
+            return JSONResponse(asdict(wire.Failed(error_body(429, message, None, "resource_unavailable")["error"], 429,
+                                                   retry)))
+
         limits = RequestLimits(engine.spec.name, engine.spec.max_model_len, any_adapter=True)
         if (wrong := embeddings.wrong_task(engine.spec.name, engine.spec.embeds, job.endpoint)) is not None:
             return refused(wrong)
@@ -88,12 +100,16 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
             if isinstance(ids, ProtocolError):
                 return refused(ids)
             assert not isinstance(asked, ProtocolError)  # else `ids` is that error
+            if (busy := shed()) is not None:
+                return busy
             return StreamingResponse(embed(job, asked, ids, span, t0), media_type="application/x-ndjson")
         req = parse(job.endpoint, job.body, limits)
         ready = req if isinstance(req, ProtocolError) else sampling.prepare(engine, req)
         if isinstance(ready, ProtocolError):
             return refused(ready)
         assert not isinstance(req, ProtocolError)  # else `ready` is that error
+        if (busy := shed()) is not None:
+            return busy
         prompt, params, calls = ready.prompt, ready.sampling, ready.calls
         # Each choice its own generation (seeded as vLLM's parallel sampling), and its own
         # tool parser: a streaming one keeps state.

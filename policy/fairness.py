@@ -20,6 +20,11 @@ output 2 are the paper's defaults). Its rules:
   that a few slots stay free for another tenant's next request (a giant-prompt tenant
   cannot make a chat tenant queue behind it).
 
+`expected_wait` and `shed` bound the queue: a request whose expected wait for a slot passes
+its tier's bound is refused at once (a 429 the client may retry elsewhere or later) rather
+than queued past any use, lower tiers with the tighter bounds, so under overload flex goes
+first, then default, then priority.
+
 `engine_priority` turns (tier, the tenant's rank: its counter above the least-served
 active tenant, quantised) into one vLLM priority int (lower is served first) such that
 every tier strictly precedes the next for any rank, and batch stays exactly at its own
@@ -157,3 +162,20 @@ def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:
     if t >= batch:
         return batch
     return batch - (batch - t) * span + min(span - 1, max(0, rank))
+
+
+def expected_wait(ahead: int, slots: int, hold_s: float) -> float:
+    """How long a request waits for a slot with `ahead` requests to be served before it,
+    `slots` sequence slots each held `hold_s` on average: slots free at `slots / hold_s` a
+    second and it takes the (ahead + 1)-th to free. (The running requests are part-way
+    through theirs; counting each whole overstates the wait by at most one hold.)"""
+    return (ahead + 1) * hold_s / max(1, slots)
+
+
+def shed(wait_s: float, bound_s: float) -> int | None:
+    """Retry-After (whole seconds, ≥ 1) for a request whose expected wait passes its tier's
+    bound: when the queue before it should have drained to the bound. None: it queues (no
+    bound where `bound_s` is 0)."""
+    if bound_s <= 0 or wait_s <= bound_s:
+        return None
+    return max(1, math.ceil(wait_s - bound_s))

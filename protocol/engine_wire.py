@@ -101,6 +101,9 @@ class Finished:
 class Failed:
     error: dict[str, Any]  # OpenAI's error object: message, type, param, code
     status: int
+    # Where the engine refused it for the wait (a 429 resource_unavailable): when to try
+    # again, in seconds; the API tries the pool's other engines first.
+    retry_after_s: int | None = None
 
     @property
     def message(self) -> str:
@@ -112,7 +115,7 @@ Line = Accepted | Delta | Finished | Failed
 
 # Fields added since the first version, left out while they hold nothing: a line that
 # uses no new feature is the JSON it always was.
-_LATER = ("logprobs", "cached_tokens", "message", "choices", "embeddings")
+_LATER = ("logprobs", "cached_tokens", "message", "choices", "embeddings", "retry_after_s")
 
 
 def encode(line: Line) -> bytes:
@@ -132,7 +135,8 @@ def decode(raw: str | bytes) -> Line:
     if not isinstance(d, dict):
         raise ValueError(f"not an engine line: {raw!r}")
     if "error" in d:
-        return Failed(d["error"], int(d.get("status", 500)))
+        retry = d.get("retry_after_s")
+        return Failed(d["error"], int(d.get("status", 500)), None if retry is None else int(retry))
     if "finish_reason" in d:
         got = _known(Finished, d)
         if got.get("choices") is not None:

@@ -26,8 +26,8 @@ TPOT = Histogram("ballast_tpot_seconds", "Time per output token after the first,
 DURATION = Histogram("ballast_request_duration_seconds", "Interactive requests from arrival to their last byte.",
                      ["tier", "model", "status"], buckets=_SECONDS)
 ADMISSION = Counter("ballast_admission_decisions", "Admission's decisions (decision: admitted, refused, downgraded; "
-                    "reason: the limit that refused, e.g. requests_per_min, or capacity; the model a flex request "
-                    "was downgraded to).",
+                    "reason: the limit that refused, e.g. requests_per_min, capacity, or wait: every engine's queue "
+                    "past the tier's bound on the wait; the model a flex request was downgraded to).",
                     ["tenant", "tier", "model", "decision", "reason"])
 
 # -- batch generation and fine-tuning (engine workers) -------------------------------------

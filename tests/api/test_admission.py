@@ -103,6 +103,14 @@ class Harness:
     async def chat(self, **kw) -> httpx.Response:
         return await self.client.post(CHAT, json=body(**kw))
 
+    async def ledger_kinds(self) -> list[str]:
+        """The tenant's ledger rows' kinds, in order, once this process has written what it holds."""
+        await self.admission.flush()
+        await self.svc.settlement.flush()
+        async with self.db.connect() as c:
+            return (await c.execute(text("SELECT array_agg(kind ORDER BY position) FROM ledger WHERE tenant = :t"),
+                                    dict(t=self.tenant))).scalar_one()
+
     def in_flight(self) -> int:
         now = time.time()
         return self.admission.usage(self.tenant, "*", MODEL, math.floor(now / 60) * 60,
@@ -235,12 +243,53 @@ async def test_an_engine_refusal_refunds_the_whole_reservation(harness, db):
         lambda _: httpx.Response(200, content=json.dumps(refusal).encode() + b"\n")))
     assert (await harness.chat()).status_code == 400
     assert harness.in_flight() == 0
-    await harness.admission.flush()
-    await harness.svc.settlement.flush()
-    async with db.connect() as c:
-        kinds = (await c.execute(text("SELECT array_agg(kind ORDER BY position) FROM ledger WHERE tenant = :t"),
-                                 dict(t=harness.tenant))).scalar_one()
-    assert kinds == ["reserve", "refund"] and harness.workflows.started == []
+    assert await harness.ledger_kinds() == ["reserve", "refund"] and harness.workflows.started == []
+
+
+def shed_line(retry_after_s: int) -> bytes:
+    """An engine worker's refusal of a request that would wait past its tier's bound."""
+    return json.dumps({"error": {"message": "full", "type": "rate_limit_error", "param": None,
+                                 "code": "resource_unavailable"}, "status": 429,
+                       "retry_after_s": retry_after_s}).encode() + b"\n"
+
+
+class TwoEngines:
+    async def live(self):
+        return [EngineView(f"engine-{i}", f"http://engine-{i}.test", MODEL, i, 0, 4) for i in (1, 2)]
+
+
+async def test_a_request_every_engine_refuses_for_the_wait_is_a_429_with_the_soonest_retry_and_refunded(harness, db):
+    svc = harness.client._transport.app.state.services
+    svc.engines, asked = TwoEngines(), []
+
+    def full(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        return httpx.Response(200, content=shed_line(7 if request.url.host == "engine-1.test" else 3))
+
+    svc.http = httpx.AsyncClient(transport=httpx.MockTransport(full))
+    r = await harness.chat()
+    err = assert_openai_error(r, 429, code="resource_unavailable")
+    assert r.headers["retry-after"] == "3" and "try again in 3 s" in err["message"]
+    assert asked == ["engine-1.test", "engine-2.test"]  # the less loaded first, then the other
+    assert harness.in_flight() == 0 and not any(svc.placer.inflight.values())
+    assert await harness.ledger_kinds() == ["reserve", "refund"] and harness.workflows.started == []
+
+
+async def test_a_request_one_engine_refuses_for_the_wait_is_served_by_the_next(harness):
+    svc = harness.client._transport.app.state.services
+    svc.engines, served = TwoEngines(), harness.engine.transport()
+
+    async def first_full(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "engine-1.test":
+            return httpx.Response(200, content=shed_line(5))
+        return await served.handle_async_request(request)
+
+    svc.http = httpx.AsyncClient(transport=httpx.MockTransport(first_full))
+    r = await harness.chat()
+    assert r.status_code == 200, r.text
+    assert harness.engine.calls == 1
+    await svc.settlement.flush()
+    assert [w.requests[0].engine_id for w in harness.workflows.windows] == ["engine-2"]
 
 
 async def test_flex_is_shed_before_default(harness):

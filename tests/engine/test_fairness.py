@@ -537,3 +537,91 @@ def test_a_steps_tokens_count_toward_the_rate_at_full_load_only_when_vllm_ran_fu
     assert load.full_tokens == 4 + 5 and abs(load.full_s - (0.15 + 0.10)) < 1e-9
     record_step(load, 0, 0.4, 9.0, 100)  # no threshold: nothing counts
     assert load.full_tokens == 9
+
+
+# -- the bound on the wait ---------------------------------------------------------------------
+
+
+def test_expected_wait_is_the_requests_ahead_times_a_hold_over_the_slots_and_past_the_bound_is_shed():
+    assert f.expected_wait(ahead=0, slots=4, hold_s=8.0) == 2.0  # the first of 4 slots to free: a quarter hold
+    assert f.expected_wait(ahead=7, slots=4, hold_s=8.0) == 16.0  # the 8th to free: two holds
+    assert f.shed(16.0, 15.0) == 1 and f.shed(16.0, 10.0) == 6 and f.shed(16.2, 10.0) == 7
+    assert f.shed(15.0, 15.0) is None  # at the bound it queues
+    assert f.shed(600.0, 0.0) is None  # no bound
+
+
+def test_shell_refuses_a_request_whose_expected_wait_passes_its_tiers_bound_and_never_a_reserved_one():
+    async def run():
+        clock = Clock()
+        share = FairShare("vtc", limit=2, bounds=dict(priority=30, default=10, flex=5), clock=clock)
+        gates: list[asyncio.Event] = []
+
+        async def request(tenant: str, tier: str):
+            gate = asyncio.Event()
+            gates.append(gate)
+            async with share.turn(tenant, tier, 1, 10, RANK[tier]):
+                await gate.wait()
+
+        # 1. each request's hold, from its grant to its end, measured
+        for _ in range(8):
+            t = asyncio.create_task(request("a", "default"))
+            await asyncio.sleep(0)
+            clock.now += 4.0
+            gates[-1].set()
+            await t
+        assert share.hold_s() == 4.0
+        # 2. a free slot: no wait
+        assert share.expected_wait("b", "flex") == 0.0 and share.over_bound("b", "flex") is None
+        # 3. both slots held, 5 default requests waiting: each ahead is half a hold (2 s)
+        running = [asyncio.create_task(request("a", "default")) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert share.expected_wait("b", "default") == 2.0
+        waiting = [asyncio.create_task(request("a", "default")) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert share.waiting == 5
+        assert share.expected_wait("b", "default") == 12.0 and share.over_bound("b", "default") == 2
+        assert share.expected_wait("b", "flex") == 12.0 and share.over_bound("b", "flex") == 7
+        # priority goes before the default backlog: only its own tier is ahead of it
+        assert share.expected_wait("b", "priority") == 2.0 and share.over_bound("b", "priority") is None
+        assert share.snapshot()["shed_by"] == {"default": 1, "flex": 1} and share.snapshot()["hold_s"] == 4.0
+        # 4. a tenant inside its reservation starts at its slot's next freeing, whatever waits
+        share.reserve({"gold": 1})
+        assert share.expected_wait("gold", "flex") == 0.0 and share.over_bound("gold", "flex") is None
+        share.reserve({})
+        for g in gates:
+            g.set()
+        for _ in range(4):
+            await asyncio.sleep(0)
+            for g in gates:
+                g.set()
+        await asyncio.gather(*running, *waiting)
+        assert share.running == 0 and share.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_shell_fcfs_keeps_no_queue_so_bounds_nothing():
+    share = FairShare("fcfs", limit=1, bounds=dict(default=0.001))
+    share.holds.extend([60.0] * 8)
+    assert share.expected_wait("a", "default") is None and share.over_bound("a", "default") is None
+
+
+def test_shell_refuses_nothing_for_the_wait_until_eight_holds_are_measured():
+    async def run():
+        share = FairShare("vtc", limit=1, bounds=dict(default=1))
+        gate = asyncio.Event()
+
+        async def request():
+            async with share.turn("a", "default", 1, 10, RANK["default"]):
+                await gate.wait()
+
+        tasks = [asyncio.create_task(request()) for _ in range(4)]
+        await asyncio.sleep(0)
+        share.holds.extend([60.0] * 7)
+        assert share.expected_wait("b", "default") is None and share.over_bound("b", "default") is None
+        share.holds.append(60.0)
+        assert share.expected_wait("b", "default") == 240.0 and share.over_bound("b", "default") == 239
+        gate.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from engine.fair_share import FairShare
 from engine.model_spec import ModelSpec
 from engine.server import create_app
 from engine.slots import EngineSlots
@@ -272,3 +273,32 @@ async def test_what_an_engine_cannot_embed_is_a_400_naming_why(engine, job, para
         r = await http.post("/v1/generate", json=job)
     (failed,) = [ln for ln in lines(r) if "error" in ln]
     assert failed["status"] == 400 and failed["error"]["param"] == param and says in failed["error"]["message"], r.text
+
+
+async def test_a_request_that_would_wait_past_its_tiers_bound_is_refused_before_it_is_accepted():
+    # One slot, held, 3 default requests waiting for it, each slot held 10 s: a default
+    # request's wait is 40 s, past its 15 s bound; a priority one's is 10 s, inside its 30 s.
+    fair = FairShare("vtc", 1, bounds=dict(priority=30, default=15))
+    fair.holds.extend([10.0] * 8)
+    hold = asyncio.Event()
+
+    async def occupy():
+        async with fair.turn("other", "default", 1, 3, 1):
+            await hold.wait()
+
+    held = [asyncio.create_task(occupy()) for _ in range(4)]
+    await asyncio.sleep(0)
+    engine, served = FakeEngine(), []
+    app = create_app(engine, EngineSlots(1), fair, token=TOKEN, served=served.append)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://engine.test",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        bad = await http.post("/v1/generate", json=dict(JOB, body=dict(JOB["body"], max_tokens=10**6)))
+        r = await http.post("/v1/generate", json=JOB)
+    assert lines(bad)[0]["status"] == 400  # a bad request is told so first, whatever the queue
+    [refusal] = lines(r)
+    assert refusal["status"] == 429 and refusal["retry_after_s"] == 25
+    assert refusal["error"]["code"] == "resource_unavailable" and refusal["error"]["type"] == "rate_limit_error"
+    assert engine.generated == [] and served == [] and fair.waiting == 3
+    assert fair.over_bound("acme", "priority") is None
+    hold.set()
+    await asyncio.gather(*held)
