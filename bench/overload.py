@@ -23,7 +23,8 @@ the normal rate, so that a p99 is not one request), on the same stack:
           limits) keeps `--giant-streams` chats in flight whose prompts fill ~90 % of the
           context, beside the normal rate.
 
-For each phase and class: requests sent, served, refused (429, by code), failed otherwise,
+For each phase and class: requests sent, served, refused (429, by code; `wait_bound`: a
+`resource_unavailable` for the wait past the tier's bound), failed otherwise,
 downgraded (the response's x-ballast-downgraded-from), and the waiting time (TTFT at the
 client: its first content token) p50/p99 of those served. Batch: the tokens journaled in the
 phase a second (SQL over `item_chunk` events) and the probe's time from creation to
@@ -59,6 +60,7 @@ CLASSES = ("gold", "prio", "std", "cheap")  # the interactive tenants; their cla
 TIER = {"gold": "default", "prio": "priority", "std": "default", "cheap": "flex", "giant": "default"}
 CLASS = {"gold": "reserved", "prio": "priority", "std": "default", "cheap": "flex", "giant": "giant prompts"}
 PHASES = ("normal", "shrink", "double", "giant")
+WAIT = "wait_bound"  # refused for the wait (BALLAST_WAIT_BOUND_*), as the bench counts it
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november")
 
@@ -111,9 +113,12 @@ async def _chat(http: httpx.AsyncClient, tenant: str, key: str, content: str, ma
             if r.status_code != 200:
                 raw = await r.aread()
                 try:
-                    code = json.loads(raw)["error"]["code"] or ""
+                    error = json.loads(raw)["error"]
+                    code = error["code"] or ""
                 except (ValueError, KeyError, TypeError):
-                    code = ""
+                    code, error = "", {}
+                if code == "resource_unavailable" and "past the bound" in str(error.get("message")):
+                    code = WAIT  # every engine's queue past the tier's bound, not flex shed for capacity
                 return Outcome(tenant, r.status_code, code)
             first = None
             async for line in r.aiter_lines():

@@ -32,8 +32,8 @@ class SchedulingSettings(Section):
     fair_long_prefills: int = Field(1, ge=1)
 
     # Interactive requests queue at an engine behind the higher tiers. One whose expected
-    # wait for a slot there (the requests ahead of it × the mean time a slot is held, over
-    # the slots) passes its tier's bound is refused at once with 429 resource_unavailable
+    # wait for a slot there (the requests ahead of it, over the rate slots free less the
+    # rate higher tiers arrive at) passes its tier's bound is refused at once with 429 resource_unavailable
     # and a Retry-After, once the pool's other engines refused it too, rather than queued
     # past any use: under overload flex is shed first, then default, then priority. Never
     # a request inside its tenant's reservation. 0: no bound (it queues however long).

@@ -37,11 +37,13 @@ lent to batch (`lending`: EngineSlots.lend), which yields it when the tenant's r
 takes it.
 
 Bounds on the wait (`bounds`: tier → seconds): a request that would queue, and whose
-expected wait (`expected_wait`: the requests ahead of it, those of its tier and above and
-any inside a reservation, times the mean time a slot was held by the last `HOLDS`
-requests, over the slots) passes its tier's bound, is refused before it is accepted
-(`over_bound`); the API tries the pool's other engines, then answers 429. Never a request
-inside its tenant's reservation, and nothing until `HOLDS_BEFORE_BOUND` holds are measured.
+expected wait passes its tier's bound, is refused before it is accepted (`over_bound`);
+the API tries the pool's other engines, then answers 429. The wait (`expected_wait`,
+policy.fairness) is reckoned from the requests ahead of it (those of its tier and above,
+and any inside a reservation), the mean time the last `HOLDS` requests held a slot, and
+the rate at which requests that go before it (higher tiers, reservations) arrived in the
+last `RATE_WINDOW_S`. Never a request inside its tenant's reservation, and nothing until
+`HOLDS_BEFORE_BOUND` holds are measured.
 
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
 tier's), served by arrival within a tier, as before; the counters are still kept, so
@@ -67,6 +69,8 @@ Mode = Literal["vtc", "fcfs"]
 _TIER_OF = {v: k for k, v in RANK.items()}
 HOLDS = 64  # the slot holds whose mean is the expected wait's hold time
 HOLDS_BEFORE_BOUND = 8  # fewer measured: no estimate, nothing refused for the wait
+RATE_WINDOW_S = 10.0  # the arrivals whose rate the expected wait counts
+INSIDE = -1  # the class of a request inside its tenant's reservation: before every tier
 
 
 @dataclass
@@ -119,6 +123,8 @@ class FairShare:
         self.bounds = dict(bounds or {})
         self.holds: deque[float] = deque(maxlen=HOLDS)  # how long the last requests held their slot (s)
         self.shed_by: dict[str, int] = {}  # tier → requests refused for their expected wait
+        self.arrivals: deque[tuple[float, int]] = deque()  # (when, its class: INSIDE or its tier's order)
+        self.arrived: dict[int, int] = {}  # class → its arrivals in `arrivals`
         self.state = vtc.Vtc()
         self.running = 0  # interactive requests dispatched to vLLM (vtc mode)
         self.running_of: dict[str, int] = {}  # tenant → its requests dispatched
@@ -182,6 +188,7 @@ class FairShare:
             yield Turn(self, tenant, weight, fallback_priority)
             return
         self._enter(tenant)
+        self._arrived(INSIDE if reservations.within(self.reserved, self.running_of, tenant) else vtc.tier_order(tier))
         long = 0 < self.long_prompt < prompt_tokens
         try:
             priority = await self._wait(tenant, tier, weight, prompt_tokens, long)
@@ -346,9 +353,20 @@ class FairShare:
         if hold is None:
             return None
         inside = {t for t in self.reserved if reservations.within(self.reserved, self.running_of, t)}
-        ahead = sum(len(q) for (t, who), q in self.queues.items()
-                    if who in inside or vtc.tier_order(t) <= vtc.tier_order(tier))
-        return vtc.expected_wait(ahead, self.limit, hold)
+        mine = vtc.tier_order(tier)
+        ahead = sum(len(q) for (t, who), q in self.queues.items() if who in inside or vtc.tier_order(t) <= mine)
+        self._arrived(None)
+        before = sum(n for c, n in self.arrived.items() if c < mine) / RATE_WINDOW_S
+        return vtc.expected_wait(ahead, self.limit, hold, before)
+
+    def _arrived(self, cls: int | None) -> None:
+        """A request of class `cls` arrived now (None: none did); the window moved on."""
+        now = self.clock()
+        if cls is not None:
+            self.arrivals.append((now, cls))
+            self.arrived[cls] = self.arrived.get(cls, 0) + 1
+        while self.arrivals and self.arrivals[0][0] < now - RATE_WINDOW_S:
+            self.arrived[self.arrivals.popleft()[1]] -= 1
 
     def over_bound(self, tenant: str, tier: str | None) -> int | None:
         """Retry-After (s) where a request of `tenant` in `tier` would wait past its tier's

@@ -22,8 +22,10 @@ output 2 are the paper's defaults). Its rules:
 
 `expected_wait` and `shed` bound the queue: a request whose expected wait for a slot passes
 its tier's bound is refused at once (a 429 the client may retry elsewhere or later) rather
-than queued past any use, lower tiers with the tighter bounds, so under overload flex goes
-first, then default, then priority.
+than queued past any use. The wait counts the higher tiers' arrivals as well as the queue
+ahead, since they go first as they come: under overload a tier whose betters take every
+slot that frees is refused outright, and lower tiers have the tighter bounds, so flex
+goes first, then default, then priority.
 
 `engine_priority` turns (tier, the tenant's rank: its counter above the least-served
 active tenant, quantised) into one vLLM priority int (lower is served first) such that
@@ -43,6 +45,7 @@ from protocol.tiers import RANK, Tier
 
 SPAN = 16  # vLLM priority values per interactive tier: ranks 0 … SPAN-1
 QUANTUM = 256.0  # counter units (weighted tokens) per rank step
+MAX_RETRY_S = 60  # the longest Retry-After a request refused for the wait is told
 
 
 @dataclass(frozen=True)
@@ -164,18 +167,22 @@ def engine_priority(tier: str, rank: int = 0, span: int = SPAN) -> int:
     return batch - (batch - t) * span + min(span - 1, max(0, rank))
 
 
-def expected_wait(ahead: int, slots: int, hold_s: float) -> float:
+def expected_wait(ahead: int, slots: int, hold_s: float, before_rate: float = 0.0) -> float:
     """How long a request waits for a slot with `ahead` requests to be served before it,
-    `slots` sequence slots each held `hold_s` on average: slots free at `slots / hold_s` a
-    second and it takes the (ahead + 1)-th to free. (The running requests are part-way
-    through theirs; counting each whole overstates the wait by at most one hold.)"""
-    return (ahead + 1) * hold_s / max(1, slots)
+    `slots` sequence slots each held `hold_s` on average, while requests of the classes
+    that go before it arrive at `before_rate` a second: slots free at `slots / hold_s` a
+    second, the classes before it take `before_rate` of that as they come, and its queue
+    drains at the rest, so it waits for the (ahead + 1)-th of those (inf: nothing is left
+    for it). Counting the running requests' holds whole overstates the wait by at most
+    one hold; the arrivals before it are the last few seconds' rate, not a forecast."""
+    left = max(1, slots) / max(hold_s, 1e-3) - before_rate
+    return math.inf if left <= 0 else (ahead + 1) / left
 
 
 def shed(wait_s: float, bound_s: float) -> int | None:
-    """Retry-After (whole seconds, ≥ 1) for a request whose expected wait passes its tier's
-    bound: when the queue before it should have drained to the bound. None: it queues (no
-    bound where `bound_s` is 0)."""
+    """Retry-After (whole seconds, 1 to `MAX_RETRY_S`) for a request whose expected wait
+    passes its tier's bound: when the queue before it should have drained to the bound.
+    None: it queues (no bound where `bound_s` is 0)."""
     if bound_s <= 0 or wait_s <= bound_s:
         return None
-    return max(1, math.ceil(wait_s - bound_s))
+    return max(1, math.ceil(min(wait_s - bound_s, MAX_RETRY_S)))

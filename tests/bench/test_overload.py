@@ -18,3 +18,27 @@ def test_the_tally_counts_each_tenants_outcomes_and_waits_of_those_served_only()
     assert got["b"] == dict(sent=2, served=1, refused={}, failed=1, downgraded=1, ttft_p50_ms=1000.0,
                             ttft_p99_ms=1000.0)
     assert tally([Outcome("c", 429, "x")])["c"]["ttft_p50_ms"] is None
+
+
+def test_a_refusal_for_the_wait_is_told_from_flex_shed_for_capacity():
+    import asyncio
+    import json
+
+    import httpx
+
+    from bench.overload import WAIT, _chat
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        tier = json.loads(request.content)["service_tier"]
+        message = ("Every engine serving 'm' is full, and the requests queued ahead of this one would keep it waiting "
+                   "past the bound on the default tier's wait; try again in 3 s." if tier == "default"
+                   else "The fleet is busy: flex requests are refused until it is not.")
+        return httpx.Response(429, json=dict(error=dict(message=message, type="rate_limit_error", param=None,
+                                                        code="resource_unavailable")))
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://api.test") as http:
+            return await _chat(http, "std", "k", "hi", 4), await _chat(http, "cheap", "k", "hi", 4)
+
+    std, cheap = asyncio.run(both())
+    assert (std.status, std.code) == (429, WAIT) and (cheap.status, cheap.code) == (429, "resource_unavailable")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 
 import pytest
@@ -546,6 +547,10 @@ def test_expected_wait_is_the_requests_ahead_times_a_hold_over_the_slots_and_pas
     assert f.expected_wait(ahead=0, slots=4, hold_s=8.0) == 2.0  # the first of 4 slots to free: a quarter hold
     assert f.expected_wait(ahead=7, slots=4, hold_s=8.0) == 16.0  # the 8th to free: two holds
     assert f.shed(16.0, 15.0) == 1 and f.shed(16.0, 10.0) == 6 and f.shed(16.2, 10.0) == 7
+    # the classes before it arriving at 0.25 a second take half of the 0.5 a second that free
+    assert f.expected_wait(ahead=3, slots=4, hold_s=8.0, before_rate=0.25) == 16.0
+    assert f.expected_wait(ahead=0, slots=4, hold_s=8.0, before_rate=0.5) == math.inf
+    assert f.shed(math.inf, 10.0) == f.MAX_RETRY_S
     assert f.shed(15.0, 15.0) is None  # at the bound it queues
     assert f.shed(600.0, 0.0) is None  # no bound
 
@@ -580,7 +585,9 @@ def test_shell_refuses_a_request_whose_expected_wait_passes_its_tiers_bound_and_
         await asyncio.sleep(0)
         assert share.waiting == 5
         assert share.expected_wait("b", "default") == 12.0 and share.over_bound("b", "default") == 2
-        assert share.expected_wait("b", "flex") == 12.0 and share.over_bound("b", "flex") == 7
+        # flex: besides the queue, default requests arrived at 0.9 a second over the last
+        # 10 s (9 of them), more than the 0.5 a second that slots free: nothing is left for it
+        assert share.expected_wait("b", "flex") == math.inf and share.over_bound("b", "flex") == f.MAX_RETRY_S
         # priority goes before the default backlog: only its own tier is ahead of it
         assert share.expected_wait("b", "priority") == 2.0 and share.over_bound("b", "priority") is None
         assert share.snapshot()["shed_by"] == {"default": 1, "flex": 1} and share.snapshot()["hold_s"] == 4.0
@@ -620,7 +627,7 @@ def test_shell_refuses_nothing_for_the_wait_until_eight_holds_are_measured():
         share.holds.extend([60.0] * 7)
         assert share.expected_wait("b", "default") is None and share.over_bound("b", "default") is None
         share.holds.append(60.0)
-        assert share.expected_wait("b", "default") == 240.0 and share.over_bound("b", "default") == 239
+        assert share.expected_wait("b", "default") == 240.0 and share.over_bound("b", "default") == f.MAX_RETRY_S
         gate.set()
         await asyncio.gather(*tasks)
 
