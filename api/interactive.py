@@ -356,7 +356,8 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
                    regions: frozenset[str] | None = None, prompt: Prompt | None = None,
                    ) -> tuple[EngineView, httpx.Response, AsyncIterator[str], engine_wire.Line | None]:
     """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions:
-    the engine, its response, its lines and the first of them (None where unreadable). One that
+    the engine, its response, its lines and the first of them (None where unreadable; an engine
+    sends it once the request has its slot there, or refuses it). One that
     went away since it last announced itself is skipped for the next best; one that refused
     it for the wait (its queue is past the tier's bound) too, and where all of them did, that
     is the answer: 429, with the soonest Retry-After of theirs."""

@@ -117,8 +117,8 @@ async def _chat(http: httpx.AsyncClient, tenant: str, key: str, content: str, ma
                     code = error["code"] or ""
                 except (ValueError, KeyError, TypeError):
                     code, error = "", {}
-                if code == "resource_unavailable" and "past the bound" in str(error.get("message")):
-                    code = WAIT  # every engine's queue past the tier's bound, not flex shed for capacity
+                if code == "resource_unavailable" and "the bound on the" in str(error.get("message")):
+                    code = WAIT  # refused for the wait (at arrival or at the bound), not flex shed for capacity
                 return Outcome(tenant, r.status_code, code)
             first = None
             async for line in r.aiter_lines():

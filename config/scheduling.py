@@ -35,8 +35,9 @@ class SchedulingSettings(Section):
     # wait for a slot there (the requests ahead of it, over the rate slots free less the
     # rate higher tiers arrive at) passes its tier's bound is refused at once with 429 resource_unavailable
     # and a Retry-After, once the pool's other engines refused it too, rather than queued
-    # past any use: under overload flex is shed first, then default, then priority. Never
-    # a request inside its tenant's reservation. 0: no bound (it queues however long).
+    # past any use; one that queued anyway is refused once it has waited its bound. Under
+    # overload flex is shed first, then default, then priority. Never a request inside its
+    # tenant's reservation. 0: no bound (it queues however long).
     wait_bound_priority_s: float = Field(30.0, ge=0)
     wait_bound_default_s: float = Field(15.0, ge=0)
     wait_bound_flex_s: float = Field(10.0, ge=0)

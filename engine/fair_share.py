@@ -38,7 +38,8 @@ takes it.
 
 Bounds on the wait (`bounds`: tier → seconds): a request that would queue, and whose
 expected wait passes its tier's bound, is refused before it is accepted (`over_bound`);
-the API tries the pool's other engines, then answers 429. The wait (`expected_wait`,
+the API tries the pool's other engines, then answers 429. One that queued and has waited
+its bound without a slot is refused then (`WaitedPastBound`), so none waits longer. The wait (`expected_wait`,
 policy.fairness) is reckoned from the requests ahead of it (those of its tier and above,
 and any inside a reservation), the mean time the last `HOLDS` requests held a slot, and
 the rate at which requests that go before it (higher tiers, reservations) arrived in the
@@ -71,6 +72,15 @@ HOLDS = 64  # the slot holds whose mean is the expected wait's hold time
 HOLDS_BEFORE_BOUND = 8  # fewer measured: no estimate, nothing refused for the wait
 RATE_WINDOW_S = 10.0  # the arrivals whose rate the expected wait counts
 INSIDE = -1  # the class of a request inside its tenant's reservation: before every tier
+
+
+class WaitedPastBound(Exception):
+    """A request waited its tier's bound for a slot and is refused (it gets none)."""
+
+    def __init__(self, tier: str, bound_s: float):
+        super().__init__(f"This request waited {bound_s:g} s for a sequence slot on this engine, the bound on the "
+                         f"{tier} tier's wait, and did not get one; try again.")
+        self.tier, self.bound_s = tier, bound_s
 
 
 @dataclass
@@ -123,6 +133,7 @@ class FairShare:
         self.bounds = dict(bounds or {})
         self.holds: deque[float] = deque(maxlen=HOLDS)  # how long the last requests held their slot (s)
         self.shed_by: dict[str, int] = {}  # tier → requests refused for their expected wait
+        self.expired_by: dict[str, int] = {}  # tier → requests that waited their tier's bound and were refused then
         self.arrivals: deque[tuple[float, int]] = deque()  # (when, its class: INSIDE or its tier's order)
         self.arrived: dict[int, int] = {}  # class → its arrivals in `arrivals`
         self.state = vtc.Vtc()
@@ -188,10 +199,12 @@ class FairShare:
             yield Turn(self, tenant, weight, fallback_priority)
             return
         self._enter(tenant)
-        self._arrived(INSIDE if reservations.within(self.reserved, self.running_of, tenant) else vtc.tier_order(tier))
+        inside = reservations.within(self.reserved, self.running_of, tenant)
+        self._arrived(INSIDE if inside else vtc.tier_order(tier))
         long = 0 < self.long_prompt < prompt_tokens
         try:
-            priority = await self._wait(tenant, tier, weight, prompt_tokens, long)
+            priority = await self._wait(tenant, tier, weight, prompt_tokens, long,
+                                        None if inside else self.bounds.get(tier) or None)
             turn = Turn(self, tenant, weight, priority, long)
             granted = self.clock()
             try:
@@ -240,7 +253,9 @@ class FairShare:
         more than one tenant is about (alone, a tenant's long prompts all go at once)."""
         return self.prefilling_long >= self.long_prefills and len(self._about(self.clock())) > 1
 
-    async def _wait(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool) -> int:
+    async def _wait(self, tenant: str, tier: str, weight: float, prompt_tokens: int, long: bool,
+                    bound: float | None = None) -> int:
+        """Its vLLM priority, once dispatched; WaitedPastBound where it waited `bound` seconds."""
         now = self.clock()
         if (self._room(tenant) and not self.waiting and tenant not in self._capped(now)
                 and not (long and self._long_held())):
@@ -255,7 +270,11 @@ class FairShare:
             self.queued_total += 1
             self.queued_by[tenant] = self.queued_by.get(tenant, 0) + 1
         try:
-            return await w.granted
+            try:
+                return await (asyncio.wait_for(w.granted, bound) if bound else w.granted)
+            except TimeoutError:
+                self.expired_by[tier] = self.expired_by.get(tier, 0) + 1
+                raise WaitedPastBound(tier, bound or 0.0) from None
         except BaseException:
             if w.granted.done() and not w.granted.cancelled():  # granted, then cancelled: give it back
                 self.prefilling_long -= long
@@ -394,4 +413,5 @@ class FairShare:
                     served={t: round(c, 1) for t, c in sorted(self.served.items())},
                     out_of_turn=dict(sorted(self.out_of_turn.items())), prefilling_long=self.prefilling_long,
                     reserved=dict(sorted(self.reserved.items())), shed_by=dict(sorted(self.shed_by.items())),
+                    expired_by=dict(sorted(self.expired_by.items())),
                     hold_s=None if (hold := self.hold_s()) is None else round(hold, 3))

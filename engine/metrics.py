@@ -67,11 +67,13 @@ class EngineCollector(Collector):
                                     "fair-share turn here.", labels=["model"])
         waiting.add_metric([self.model], sum(share["waiting"].values()))
         yield waiting
-        shed = CounterMetricFamily("ballast_engine_shed", "Interactive requests refused here because their expected "
-                                   "wait for a slot passed their tier's bound (BALLAST_WAIT_BOUND_*).",
-                                   labels=["model", "tier"])
-        for tier, n in share["shed_by"].items():
-            shed.add_metric([self.model, tier], n)
+        shed = CounterMetricFamily("ballast_engine_shed", "Interactive requests refused here for the wait "
+                                   "(BALLAST_WAIT_BOUND_*): at arrival, their expected wait for a slot past their "
+                                   "tier's bound; or at the bound, having waited it without a slot.",
+                                   labels=["model", "tier", "when"])
+        for when, counts in (("arrival", share["shed_by"]), ("bound", share["expired_by"])):
+            for tier, n in counts.items():
+                shed.add_metric([self.model, tier, when], n)
         yield shed
         if share["hold_s"] is not None:
             yield _gauge("ballast_engine_slot_hold_seconds", "The mean time the last interactive requests held their "

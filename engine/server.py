@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import embedding, sampling, text, tools
 from engine.adapters import AdapterMissing
-from engine.fair_share import FairShare
+from engine.fair_share import FairShare, WaitedPastBound
 from engine.slots import EngineSlots
 from protocol import embeddings
 from protocol import engine_wire as wire
@@ -117,13 +117,15 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
 
         async def lines():
             echo = req.echo  # the prompt goes first, with the first step (its prompt logprobs)
-            ttft, cached = None, None
+            ttft, cached, accepted = None, None, False
             try:
-                yield wire.encode(wire.Accepted(len(prompt)))
                 try:
-                    # Counted before vLLM sees it: batch yields its slots first.
+                    # Counted before vLLM sees it: batch yields its slots first. Accepted once
+                    # it has its turn: generation starts now.
                     async with (slots.interactive_request(job.api, req.n),
                                 fair.turn(job.tenant, job.tier, job.weight, len(prompt), job.priority) as turn):
+                        accepted = True
+                        yield wire.encode(wire.Accepted(len(prompt)))
                         echoed, each = None, params
                         if echo and req.n > 1 and params.prompt_logprobs is not None:
                             # Once, in a request of their own, not in each choice's.
@@ -160,6 +162,10 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                                     c.said.append(step.text)
                                 yield wire.encode(wire.Delta(step.text, len(step.token_ids), positions, shown,
                                                              index))
+                except WaitedPastBound as err:  # refused, never accepted: nothing to record
+                    span.set_attribute("error.type", "resource_unavailable")
+                    yield _failed(429, str(err), None, "resource_unavailable")
+                    return
                 except AdapterMissing as err:  # a fine-tuned model whose adapter is gone
                     yield _failed(404, str(err), "model", "model_not_found")
                     return
@@ -183,17 +189,18 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
             finally:  # however it ended, the API gone mid-stream included
                 produced = sum(len(c.ids) for c in choices)
                 reason = choices[0].reason if all(c.reason is not None for c in choices) else None
-                log.info("served %s (x-request-id %s) of %s/%s: %d prompt + %d completion tokens, %s",
-                         job.request_id, job.http_request_id or "-", tenant, tier, len(prompt), produced,
-                         reason or "unfinished",
-                         extra=dict(request_id=job.http_request_id, interactive_id=job.request_id, tenant=tenant,
-                                    tier=tier, model=engine.spec.name, status=reason or "unfinished",
-                                    prompt_tokens=len(prompt), completion_tokens=produced,
-                                    duration_ms=round(1000 * (time.perf_counter() - t0), 1)))
                 span.set_attributes({"gen_ai.usage.input_tokens": len(prompt), "gen_ai.usage.output_tokens": produced,
                                      "gen_ai.response.finish_reasons": [reason or "unfinished"]})
                 span.end()
-                if served is not None:
+                if accepted:  # else the API has no record of it either: refused, or the API left while it waited
+                    log.info("served %s (x-request-id %s) of %s/%s: %d prompt + %d completion tokens, %s",
+                             job.request_id, job.http_request_id or "-", tenant, tier, len(prompt), produced,
+                             reason or "unfinished",
+                             extra=dict(request_id=job.http_request_id, interactive_id=job.request_id, tenant=tenant,
+                                        tier=tier, model=engine.spec.name, status=reason or "unfinished",
+                                        prompt_tokens=len(prompt), completion_tokens=produced,
+                                        duration_ms=round(1000 * (time.perf_counter() - t0), 1)))
+                if accepted and served is not None:
                     served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                                 endpoint=job.endpoint, prompt_tokens=len(prompt), completion_tokens=produced,
                                 finish_reason=reason, http_request_id=job.http_request_id))
@@ -204,14 +211,18 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
         """An embeddings request's lines: accepted, then its vectors, all at once (nothing to
         stream). Its inputs count as interactive sequences, up to the engine's all."""
         tenant, tier, prompt_tokens = job.tenant or "default", job.tier or "default", sum(map(len, ids))
-        vectors = None
+        vectors, accepted = None, False
         try:
-            yield wire.encode(wire.Accepted(prompt_tokens))
             try:
                 async with (slots.interactive_request(job.api, min(len(ids), slots.max_seqs)),
                             fair.turn(job.tenant, job.tier, job.weight, prompt_tokens, job.priority) as turn):
+                    accepted = True
+                    yield wire.encode(wire.Accepted(prompt_tokens))  # once it has its turn, as a generation's
                     vectors = await engine.embed(job.request_id, ids, dimensions=req.dimensions, priority=turn.priority,
                                                  trace_headers=tracing.headers(span) or None)
+            except WaitedPastBound as err:
+                yield _failed(429, str(err), None, "resource_unavailable")
+                return
             except ValueError as err:  # what vLLM refuses: `dimensions` of a model without Matryoshka embeddings
                 yield _failed(400, storable(f"The engine refused the request: {err}"),
                               "dimensions" if req.dimensions is not None else None, "invalid_request")
@@ -230,7 +241,7 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                      job.http_request_id or "-", tenant, tier, len(ids), prompt_tokens, reason or "unfinished")
             span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": 0})
             span.end()
-            if served is not None:
+            if accepted and served is not None:
                 served(dict(request_id=job.request_id, tenant=tenant, tier=tier, model=engine.spec.name,
                             endpoint=job.endpoint, prompt_tokens=prompt_tokens, completion_tokens=0,
                             finish_reason=reason, http_request_id=job.http_request_id))

@@ -270,7 +270,7 @@ async def test_a_request_every_engine_refuses_for_the_wait_is_a_429_with_the_soo
     r = await harness.chat()
     err = assert_openai_error(r, 429, code="resource_unavailable")
     assert r.headers["retry-after"] == "3" and "try again in 3 s" in err["message"]
-    assert "past the bound" in err["message"]  # what `bench overload` tells a refusal for the wait by
+    assert "the bound on the" in err["message"]  # what `bench overload` tells a refusal for the wait by
     assert asked == ["engine-1.test", "engine-2.test"]  # the less loaded first, then the other
     assert harness.in_flight() == 0 and not any(svc.placer.inflight.values())
     assert await harness.ledger_kinds() == ["reserve", "refund"] and harness.workflows.started == []

@@ -224,6 +224,11 @@ def start_stack(root: Path, db_url: str, temporal_address: str, tiny_model, tag:
         BALLAST_ENGINE_TOKEN=secrets.token_urlsafe(32),  # the API's and the engine workers' shared secret
         BALLAST_METRICS_TOKEN=secrets.token_urlsafe(32),  # what every /metrics asks of Prometheus
         BALLAST_CONTROL_PORT=str(procs.free_port()),  # the control worker's probes and /metrics
+        # No bound on the wait for a slot: tests hold vLLM still with requests queued for as
+        # long as they look, whatever the machine's speed (the bound: tests/engine, bench overload).
+        BALLAST_WAIT_BOUND_PRIORITY_S="0",
+        BALLAST_WAIT_BOUND_DEFAULT_S="0",
+        BALLAST_WAIT_BOUND_FLEX_S="0",
     )
     env.update(settings)
     env.pop("DATABASE_URL", None)

@@ -632,3 +632,26 @@ def test_shell_refuses_nothing_for_the_wait_until_eight_holds_are_measured():
         await asyncio.gather(*tasks)
 
     asyncio.run(run())
+
+
+def test_shell_a_request_that_waits_its_tiers_bound_is_refused_then_and_leaves_the_queue():
+    from engine.fair_share import WaitedPastBound
+
+    async def run():
+        share = FairShare("vtc", limit=1, bounds=dict(default=0.05))
+        gate = asyncio.Event()
+
+        async def request():
+            async with share.turn("a", "default", 1, 10, RANK["default"]):
+                await gate.wait()
+
+        running = asyncio.create_task(request())
+        await asyncio.sleep(0)
+        with pytest.raises(WaitedPastBound, match="waited 0.05 s"):
+            await request()
+        assert share.waiting == 0 and share.queues == {} and share.snapshot()["expired_by"] == {"default": 1}
+        gate.set()
+        await running
+        assert share.running == 0
+
+    asyncio.run(run())

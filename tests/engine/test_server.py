@@ -302,3 +302,26 @@ async def test_a_request_that_would_wait_past_its_tiers_bound_is_refused_before_
     assert fair.over_bound("acme", "priority") is None
     hold.set()
     await asyncio.gather(*held)
+
+
+async def test_a_request_that_waits_its_tiers_bound_without_a_slot_is_refused_then_never_accepted():
+    fair = FairShare("vtc", 1, bounds=dict(default=0.05))  # too few holds measured to refuse at arrival
+    hold = asyncio.Event()
+
+    async def occupy():
+        async with fair.turn("other", "default", 1, 3, 1):
+            await hold.wait()
+
+    held = asyncio.create_task(occupy())
+    await asyncio.sleep(0)
+    engine, served = FakeEngine(), []
+    app = create_app(engine, EngineSlots(1), fair, token=TOKEN, served=served.append)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://engine.test",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        r = await http.post("/v1/generate", json=JOB)
+    [refusal] = lines(r)  # no Accepted line before it: the API has no record of it
+    assert refusal["status"] == 429 and refusal["error"]["code"] == "resource_unavailable"
+    assert "the bound on the default tier's wait" in refusal["error"]["message"]
+    assert engine.generated == [] and served == [] and fair.waiting == 0
+    hold.set()
+    await held
