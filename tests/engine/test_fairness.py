@@ -613,15 +613,21 @@ def test_shell_fcfs_keeps_no_queue_so_bounds_nothing():
     assert share.expected_wait("a", "default") is None and share.over_bound("a", "default") is None
 
 
+def holding(share: FairShare):
+    """(gate, request): each `request()` a default one of tenant a, holding its slot until the gate is set."""
+    gate = asyncio.Event()
+
+    async def request():
+        async with share.turn("a", "default", 1, 10, RANK["default"]):
+            await gate.wait()
+
+    return gate, request
+
+
 def test_shell_refuses_nothing_for_the_wait_until_eight_holds_are_measured():
     async def run():
         share = FairShare("vtc", limit=1, bounds=dict(default=1))
-        gate = asyncio.Event()
-
-        async def request():
-            async with share.turn("a", "default", 1, 10, RANK["default"]):
-                await gate.wait()
-
+        gate, request = holding(share)
         tasks = [asyncio.create_task(request()) for _ in range(4)]
         await asyncio.sleep(0)
         share.holds.extend([60.0] * 7)
@@ -639,12 +645,7 @@ def test_shell_a_request_that_waits_its_tiers_bound_is_refused_then_and_leaves_t
 
     async def run():
         share = FairShare("vtc", limit=1, bounds=dict(default=0.05))
-        gate = asyncio.Event()
-
-        async def request():
-            async with share.turn("a", "default", 1, 10, RANK["default"]):
-                await gate.wait()
-
+        gate, request = holding(share)
         running = asyncio.create_task(request())
         await asyncio.sleep(0)
         with pytest.raises(WaitedPastBound, match="waited 0.05 s"):
