@@ -19,10 +19,11 @@ class SchedulingSettings(Section):
     # While more than one tenant is about, no tenant holds the last fair_headroom share
     # of an engine's interactive slots (at least one), so another tenant's request never
     # queues behind it; flex gets flex_min_share of them back once a flex request has
-    # waited flex_starve_after_s (continuous chat slows flex, never stops it).
+    # waited flex_starve_after_s (continuous chat slows flex, never stops it). Keep that
+    # below wait_bound_flex_s, or flex is refused for the wait before its floor comes back.
     fair_headroom: float = Field(0.05, ge=0, lt=1)
     flex_min_share: float = Field(0.05, ge=0, le=1)
-    flex_starve_after_s: float = Field(30.0, ge=0)
+    flex_starve_after_s: float = Field(5.0, ge=0)
 
     # While more than one tenant is about, at most fair_long_prefills prompts longer than
     # fair_long_prompt tokens are prefilling on an engine at once (the rest wait their
@@ -92,4 +93,8 @@ class SchedulingSettings(Section):
         if self.surge_low > self.surge_high:
             raise ValueError(f"BALLAST_SURGE_LOW ({self.surge_low}) must not exceed BALLAST_SURGE_HIGH "
                              f"({self.surge_high}): a pool would leave a surge before it could enter one")
+        if 0 < self.wait_bound_flex_s <= self.flex_starve_after_s and self.flex_min_share > 0:
+            raise ValueError(f"BALLAST_FLEX_STARVE_AFTER_S ({self.flex_starve_after_s}) must be under "
+                             f"BALLAST_WAIT_BOUND_FLEX_S ({self.wait_bound_flex_s}): flex would be refused for the "
+                             "wait before its floor came back, and continuous chat would shut it out")
         return self

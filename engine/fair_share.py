@@ -39,11 +39,12 @@ takes it.
 Bounds on the wait (`bounds`: tier → seconds): a request that would queue, and whose
 expected wait passes its tier's bound, is refused before it is accepted (`over_bound`);
 the API tries the pool's other engines, then answers 429. One that queued and has waited
-its bound without a slot is refused then (`WaitedPastBound`), so none waits longer. The wait (`expected_wait`,
-policy.fairness) is reckoned from the requests ahead of it (those of its tier and above,
-and any inside a reservation), the mean time the last `HOLDS` requests held a slot, and
-the rate at which requests that go before it (higher tiers, reservations) arrived in the
-last `RATE_WINDOW_S`. Never a request inside its tenant's reservation, and nothing until
+its bound without a slot is refused then (`WaitedPastBound`), so none waits longer. The
+wait (`expected_wait`, policy.fairness) is reckoned from the requests ahead of it (those
+of its tier and above, and any inside a reservation), the mean time the last `HOLDS`
+requests held a slot, and the rate at which requests that go before it (higher tiers,
+reservations) arrived in the last `RATE_WINDOW_S`; for a tier with a floor, at most the
+floor's own pace. Never a request inside its tenant's reservation, and nothing until
 `HOLDS_BEFORE_BOUND` holds are measured.
 
 With `mode="fcfs"` requests go to vLLM at once with the priority the API sent (the
@@ -118,7 +119,7 @@ class FairShare:
     """`headroom`: slots a tenant leaves free while another tenant has been seen in the
     last `recent_s`; `floors`: tier → the slots it gets back once one of its requests has
     waited `starve_after_s` (a minimum share: flex under continuous chat); `bounds`: tier →
-    the longest expected wait it queues for (0 or absent: no bound)."""
+    the longest a request of it waits for a slot (0 or absent: no bound)."""
 
     def __init__(self, mode: Mode = "vtc", limit: int = 256, cost: vtc.Cost = vtc.PAPER_COST,
                  quantum: float = vtc.QUANTUM, *, headroom: int = 0, recent_s: float = 60.0,
@@ -376,7 +377,9 @@ class FairShare:
         ahead = sum(len(q) for (t, who), q in self.queues.items() if who in inside or vtc.tier_order(t) <= mine)
         self._arrived(None)
         before = sum(n for c, n in self.arrived.items() if c < mine) / RATE_WINDOW_S
-        return vtc.expected_wait(ahead, self.limit, hold, before)
+        own = sum(len(q) for (t, _), q in self.queues.items() if t == tier)
+        return min(vtc.expected_wait(ahead, self.limit, hold, before),
+                   vtc.floor_wait(own, self.floors.get(tier, 0), hold, self.starve_after_s))
 
     def _arrived(self, cls: int | None) -> None:
         """A request of class `cls` arrived now (None: none did); the window moved on."""

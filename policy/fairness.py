@@ -24,8 +24,9 @@ output 2 are the paper's defaults). Its rules:
 its tier's bound is refused at once (a 429 the client may retry elsewhere or later) rather
 than queued past any use. The wait counts the higher tiers' arrivals as well as the queue
 ahead, since they go first as they come: under overload a tier whose betters take every
-slot that frees is refused outright, and lower tiers have the tighter bounds, so flex
-goes first, then default, then priority.
+slot that frees is refused outright (a tier with a minimum share waits at most its
+`floor_wait`), and lower tiers have the tighter bounds, so flex goes first, then default,
+then priority.
 
 `engine_priority` turns (tier, the tenant's rank: its counter above the least-served
 active tenant, quantised) into one vLLM priority int (lower is served first) such that
@@ -177,6 +178,14 @@ def expected_wait(ahead: int, slots: int, hold_s: float, before_rate: float = 0.
     one hold; the arrivals before it are the last few seconds' rate, not a forecast."""
     left = max(1, slots) / max(hold_s, 1e-3) - before_rate
     return math.inf if left <= 0 else (ahead + 1) / left
+
+
+def floor_wait(ahead: int, floor: int, hold_s: float, after_s: float) -> float:
+    """The longest a request of a tier with a minimum share (`floor` slots: flex) waits
+    however busy the engine: its tier's oldest request gets the floor back once it has
+    waited `after_s`, and the floor serves its tier's `ahead` at `floor / hold_s` a second
+    (inf: no floor)."""
+    return math.inf if floor <= 0 else after_s + (ahead + 1) * max(hold_s, 1e-3) / floor
 
 
 def shed(wait_s: float, bound_s: float) -> int | None:

@@ -12,6 +12,7 @@ from config import Settings
 def test_defaults_are_consistent():
     s = Settings(_env_file=None)
     assert 0 <= s.surge_low <= s.surge_high <= 1 and s.engine_nice == 10
+    assert s.flex_starve_after_s < s.wait_bound_flex_s <= s.wait_bound_default_s <= s.wait_bound_priority_s
 
 
 @pytest.mark.parametrize("env, name", [
@@ -20,6 +21,7 @@ def test_defaults_are_consistent():
     (dict(BALLAST_FLEET_TICK_S="0"), "fleet_tick_s"),
     (dict(BALLAST_ENGINE_NICE="25"), "engine_nice"),
     (dict(BALLAST_SURGE_HIGH="0.3", BALLAST_SURGE_LOW="0.6"), "BALLAST_SURGE_LOW"),
+    (dict(BALLAST_FLEX_STARVE_AFTER_S="30"), "BALLAST_FLEX_STARVE_AFTER_S"),  # past flex's 10 s bound
 ])
 def test_bad_fleet_settings_are_refused(monkeypatch, env, name):
     for k, v in env.items():

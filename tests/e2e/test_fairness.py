@@ -14,19 +14,24 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import WAIT_S, make_key, own_stack, vllm_paused
+from tests.e2e.test_batch import _sql
 
 pytestmark = pytest.mark.e2e
 
 SLOTS = 2
 BACKLOG = 8  # the busy tenant's requests: SLOTS run, the rest wait at the engine worker
+PRIORITY_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory, pg_server_url, temporal_address, tiny_model):
     # Flex's floor, quick here: one of the two slots once a flex request has waited 0.2 s.
+    # Priority's wait bounded (the other tiers' tests here hold requests queued as long as
+    # they look): no priority request waits past PRIORITY_BOUND_S for a slot.
     with own_stack(tmp_path_factory, pg_server_url, temporal_address, tiny_model, "fair",
                    BALLAST_MAX_NUM_SEQS=str(SLOTS), BALLAST_FLEX_MIN_SHARE="0.5",
-                   BALLAST_FLEX_STARVE_AFTER_S="0.2") as stack_and_url:
+                   BALLAST_FLEX_STARVE_AFTER_S="0.2",
+                   BALLAST_WAIT_BOUND_PRIORITY_S=str(PRIORITY_BOUND_S)) as stack_and_url:
         yield stack_and_url
 
 
@@ -157,3 +162,40 @@ def test_flex_gets_its_floor_back_under_a_default_backlog(narrow):
     after = sorted(n for n, t in started.items() if n.startswith("busy") and t > started["flex"])
     # The default backlog was still waiting when flex went: some of it started after flex.
     assert after, sorted(started.items(), key=lambda kv: kv[1])
+
+
+def test_a_priority_request_that_would_wait_past_its_bound_is_refused_and_refunded(narrow):
+    """Both slots held, one by each of two tenants (vLLM still, so nothing ends): a third
+    priority request is refused with a 429 once it would wait, or has waited,
+    PRIORITY_BOUND_S for a slot; never accepted, so the ledger refunds all it reserved, and
+    the engine counts it."""
+    stack, url = narrow
+    keys = [make_key(url, "bounded"), make_key(url, "bounded-too")]
+    before = stack.stats()["fairness"]
+    refused = before["shed_by"].get("priority", 0) + before["expired_by"].get("priority", 0)
+
+    async def run() -> httpx.Response:
+        started: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=stack.url, timeout=WAIT_S, limits=httpx.Limits(max_connections=8)) \
+                as http:
+            with vllm_paused(stack):
+                held = [asyncio.create_task(first_token(http, key, dict(chat(f"hold {i}", 64), service_tier="priority"),
+                                                        started, f"held-{i}")) for i, key in enumerate(keys)]
+                await until(http, stack, lambda f: f["running"] == SLOTS)
+                third = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {keys[0]}"},
+                                        json=dict(chat("third", 4), stream=False, service_tier="priority"))
+            await asyncio.gather(*held)
+        return third
+
+    third = asyncio.run(run())
+    assert third.status_code == 429, third.text
+    error = third.json()["error"]
+    assert error["code"] == "resource_unavailable" and "the bound on the priority tier's wait" in error["message"]
+    after = stack.stats()["fairness"]
+    assert after["shed_by"].get("priority", 0) + after["expired_by"].get("priority", 0) == refused + 1
+    # The ledger (SQL, not the API's word): the request served settled, the refused one refunded whole.
+    deadline = time.monotonic() + WAIT_S
+    while (kinds := sorted(k for (k,) in _sql(url, "SELECT kind FROM ledger WHERE tenant = 'bounded'"))) != [
+            "refund", "reserve", "reserve", "settle"]:
+        assert time.monotonic() < deadline, kinds
+        time.sleep(0.2)

@@ -552,6 +552,9 @@ def test_expected_wait_is_the_requests_ahead_times_a_hold_over_the_slots_and_pas
     assert f.expected_wait(ahead=0, slots=4, hold_s=8.0, before_rate=0.5) == math.inf
     assert f.shed(math.inf, 10.0) == f.MAX_RETRY_S
     assert f.shed(15.0, 15.0) is None  # at the bound it queues
+    # a tier with a floor of 2 slots: back after 5 s starved, then 2 a hold (8 s) for its own 3 ahead
+    assert f.floor_wait(ahead=3, floor=2, hold_s=8.0, after_s=5.0) == 21.0
+    assert f.floor_wait(ahead=3, floor=0, hold_s=8.0, after_s=5.0) == math.inf
     assert f.shed(600.0, 0.0) is None  # no bound
 
 
@@ -654,5 +657,34 @@ def test_shell_a_request_that_waits_its_tiers_bound_is_refused_then_and_leaves_t
         gate.set()
         await running
         assert share.running == 0
+
+    asyncio.run(run())
+
+
+def test_shell_flex_under_continuous_chat_waits_at_most_its_floors_pace():
+    async def run():
+        share = FairShare("vtc", limit=2, floors=dict(flex=1), starve_after_s=5, bounds=dict(flex=10))
+        share.holds.extend([2.0] * 8)
+        gate, request = holding(share)
+        # default requests arriving faster than the slots free: by tier alone flex never gets one
+        tasks = [asyncio.create_task(request()) for _ in range(12)]
+        await asyncio.sleep(0)
+        assert share.waiting == 10 and share.arrived == {1: 12}  # 1.2 a second against 1 a second freed
+        # its floor comes back after 5 s and serves a flex request a hold (2 s)
+        assert share.expected_wait("b", "flex") == 7.0 and share.over_bound("b", "flex") is None
+
+        async def flex_request():
+            async with share.turn("b", "flex", 1, 10, RANK["flex"]):
+                await gate.wait()
+
+        flex = [asyncio.create_task(flex_request()) for _ in range(2)]  # 2 flex waiting: 5 s + 3 holds
+        await asyncio.sleep(0)
+        assert share.expected_wait("b", "flex") == 11.0 and share.over_bound("b", "flex") == 1
+        gate.set()
+        for _ in range(8):
+            await asyncio.sleep(0)
+            gate.set()
+        await asyncio.gather(*tasks, *flex)
+        assert share.running == 0 and share.waiting == 0
 
     asyncio.run(run())
