@@ -357,17 +357,17 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
                    ) -> tuple[EngineView, httpx.Response, AsyncIterator[str], engine_wire.Line | None]:
     """Open the stream on the best engine (api/services/placer.py) inside the tenant's regions:
     the engine, its response, its lines and the first of them (None where unreadable; an engine
-    sends it once the request has its slot there, or refuses it). One that
-    went away since it last announced itself is skipped for the next best; one that refused
-    it for the wait (its queue is past the tier's bound) too, and where all of them did, that
-    is the answer: 429, with the soonest Retry-After of theirs."""
+    sends it once the request has its slot there, or refuses it). One that went away since it
+    last announced itself is skipped for the next best; one that refused it for the wait (its
+    queue is past the tier's bound) too, and where all of them did, that is the answer: 429,
+    with the soonest Retry-After of theirs."""
     # The engine token (BALLAST_ENGINE_TOKEN): engine workers serve no one else.
     token = svc.settings.engine_token.get_secret_value().strip() if svc.settings.engine_token else ""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     # Where traces are on, the request's span's traceparent: the engine worker's span is its child.
     headers.update(tracing.headers())
     ranked, blocks = svc.placer.rank(req, await svc.engines.live(), regions, prompt, pool, job.tenant)
-    shed: engine_wire.Failed | None = None
+    soonest: int | None = None  # the soonest Retry-After of the engines that refused it for the wait
     for engine in ranked:
         try:
             request = svc.http.build_request("POST", engine.url + "/v1/generate", json=job.to_json(), headers=headers)
@@ -385,14 +385,12 @@ async def _connect(svc: Services, job: engine_wire.EngineJob, req: GenerationReq
             return engine, upstream, lines, first
         svc.placer.done(engine.id, req.n)
         await upstream.aclose()
-        shed = first if shed is None else dataclasses.replace(
-            first, retry_after_s=min(first.retry_after_s, shed.retry_after_s or first.retry_after_s))
-    if shed is not None:
+        soonest = first.retry_after_s if soonest is None else min(soonest, first.retry_after_s)
+    if soonest is not None:
         families.ADMISSION.labels(families.tenant(job.tenant), req.service_tier, pool, "refused", "wait").inc()
         raise APIError(429, f"Every engine serving {pool!r} is full, and the requests queued ahead of this one "
                             f"would keep it waiting past the bound on the {req.service_tier} tier's wait; try again in "
-                            f"{shed.retry_after_s} s.", code="resource_unavailable",
-                       headers={"Retry-After": str(shed.retry_after_s)})
+                            f"{soonest} s.", code="resource_unavailable", headers={"Retry-After": str(soonest)})
     where = f" in your regions ({', '.join(sorted(regions))})" if regions is not None else ""
     raise APIError(503, f"No engine worker is serving {pool!r}{where} right now; start `ballast worker engine`"
                         f"{' there' if where else ''}.", code="engine_unavailable", headers={"Retry-After": "5"})

@@ -86,8 +86,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                 return None
             span.set_attribute("error.type", "resource_unavailable")
             span.end()
-            message = (f"Every sequence slot on this engine is taken and the {tier} requests ahead of this one would "
-                       f"keep it waiting past its tier's bound; try again in {retry} s.")
+            message = (f"Every sequence slot on this engine is taken and the requests queued ahead of this one would "
+                       f"keep it waiting past the bound on the {tier} tier's wait; try again in {retry} s.")
             return JSONResponse(asdict(wire.Failed(error_body(429, message, None, "resource_unavailable")["error"], 429,
                                                    retry)))
 
@@ -220,7 +220,8 @@ def create_app(engine, slots: EngineSlots, fair: FairShare | None = None, *, tok
                     yield wire.encode(wire.Accepted(prompt_tokens))  # once it has its turn, as a generation's
                     vectors = await engine.embed(job.request_id, ids, dimensions=req.dimensions, priority=turn.priority,
                                                  trace_headers=tracing.headers(span) or None)
-            except WaitedPastBound as err:
+            except WaitedPastBound as err:  # refused, never accepted: nothing to record
+                span.set_attribute("error.type", "resource_unavailable")
                 yield _failed(429, str(err), None, "resource_unavailable")
                 return
             except ValueError as err:  # what vLLM refuses: `dimensions` of a model without Matryoshka embeddings
