@@ -243,7 +243,10 @@ async def _run(settings: Settings, seconds: float, rate: float, max_tokens: int,
                                                         BALLAST_MAX_NUM_SEQS=str(MAX_SEQS)) as stack:
         admin = {"Authorization": "Bearer " + (Path(d) / "admin-key").read_text().strip()}
         base = str(stack.api.base_url).rstrip("/")
-        async with httpx.AsyncClient(base_url=base, timeout=600) as http:
+        # No cap on connections: the load stands for many clients, each with its own; one
+        # pool's default cap (100) would queue requests in this process, past the API's sight.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
             keys: dict[str, str] = {}
             for t in (*CLASSES, "giant", "bulk", "trainer"):
                 r = await http.post("/admin/tenants", headers=admin,
