@@ -39,7 +39,8 @@ test: install test-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest --durations=25  # the slowest, for whoever keeps the suite short
+	@# Two lanes (tests/conftest.py says which runs where): the suite waits far more than it computes.
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=25  # the slowest, for whoever keeps the suite short
 
 bench: install
 	$(VENV)/bin/ballast bench batch

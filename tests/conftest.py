@@ -160,3 +160,20 @@ def temporal_address():
             from tests.workflows.histories import record
 
             asyncio.run(record(server.address, Path(out)))
+
+
+# `make test` runs the suite in two lanes (pytest-xdist, `-n 2 --dist loadgroup`): it mostly
+# waits on processes starting and on work crossing them, not on the cores. The second lane
+# takes whole-stack runs that bring up stacks of their own; the first the rest, in collection
+# order, the session's shared stack with it. Each lane has its own session fixtures
+# (Temporal server, databases, engine); nothing here is shared between lanes but Postgres.
+OWN_STACKS_LANE = frozenset({
+    "test_chaos.py", "test_hosts.py", "test_supervise.py", "test_up.py", "test_pools.py", "test_placement.py",
+    "test_pool_join.py", "test_preemption.py", "test_embeddings.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        own = item.path.parent.name == "e2e" and item.path.name in OWN_STACKS_LANE
+        item.add_marker(pytest.mark.xdist_group("own-stacks" if own else "shared"))

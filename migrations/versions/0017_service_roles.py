@@ -81,7 +81,12 @@ def upgrade() -> None:
               EXCEPTION WHEN duplicate_object OR unique_violation THEN
                 NULL;  -- roles are cluster-wide: another database's migration made it
               END;
-              ALTER ROLE {role} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+              -- Only where it differs: an ALTER ROLE rewrites the cluster-wide row, and another
+              -- database's migration doing the same at once fails ("tuple concurrently updated").
+              IF EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}' AND (rolsuper OR rolcreatedb OR rolcreaterole
+                         OR rolreplication OR rolbypassrls)) THEN
+                ALTER ROLE {role} NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+              END IF;
               -- Owning a table, or being the owner's member, would give back all that is withheld.
               IF pg_has_role('{role}', current_user, 'MEMBER')
                  OR EXISTS (SELECT FROM pg_class WHERE relowner = '{role}'::regrole) THEN
