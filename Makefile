@@ -40,7 +40,7 @@ test: install test-deps
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	@# Two lanes (tests/conftest.py says which runs where): the suite waits far more than it computes.
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=25  # the slowest, for whoever keeps the suite short
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25  # the slowest, for whoever keeps the suite short
 
 bench: install
 	$(VENV)/bin/ballast bench batch

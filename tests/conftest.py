@@ -162,18 +162,31 @@ def temporal_address():
             asyncio.run(record(server.address, Path(out)))
 
 
-# `make test` runs the suite in two lanes (pytest-xdist, `-n 2 --dist loadgroup`): it mostly
-# waits on processes starting and on work crossing them, not on the cores. The second lane
-# takes whole-stack runs that bring up stacks of their own; the first the rest, in collection
-# order, the session's shared stack with it. Each lane has its own session fixtures
-# (Temporal server, databases, engine); nothing here is shared between lanes but Postgres.
+
+# `make test` runs the suite in two lanes (pytest-xdist, `-n 2 --dist loadscope`, each lane a
+# scope of its own): it mostly waits on processes starting and on work crossing them, not on
+# the cores. The second lane takes whole-stack runs that bring up stacks of their own; the
+# first the rest, in collection order, the session's shared stack with it. Each lane has its
+# own session fixtures (Temporal server, databases, engine); only Postgres is shared.
 OWN_STACKS_LANE = frozenset({
     "test_chaos.py", "test_hosts.py", "test_supervise.py", "test_up.py", "test_pools.py", "test_placement.py",
     "test_pool_join.py", "test_preemption.py", "test_embeddings.py",
 })
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        own = item.path.parent.name == "e2e" and item.path.name in OWN_STACKS_LANE
-        item.add_marker(pytest.mark.xdist_group("own-stacks" if own else "shared"))
+def lane(nodeid: str) -> str:
+    folder, _, name = nodeid.split("::", 1)[0].rpartition("/")
+    return "own-stacks" if folder == "tests/e2e" and name in OWN_STACKS_LANE else "shared"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
