@@ -162,7 +162,6 @@ def temporal_address():
             asyncio.run(record(server.address, Path(out)))
 
 
-
 # `make test` runs the suite in two lanes (pytest-xdist, `-n 2 --dist loadscope`, each lane a
 # scope of its own): it mostly waits on processes starting and on work crossing them, not on
 # the cores. The second lane takes whole-stack runs that bring up stacks of their own; the
